@@ -1,0 +1,139 @@
+"""Models by name: the built-in zoo and user models given as "package.module:factory".
+
+Every user-facing check happens here (names, sample shapes, option names and values), so the
+builders in zoo/resnet/nfnet are plain constructors. A built-in builder's keyword-only
+parameters are its options; their defaults define both the valid names and the expected types.
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+import operator
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from dptrain.errors import UserError
+from dptrain.models import nfnet, resnet, user, zoo
+
+MODEL_NAMES = ("mlp", "cnn", "resnet", "nfnet", "mlp-regression")
+
+_BUILDERS: dict[str, Callable[..., nn.Module]] = {
+    "mlp": zoo.mlp,
+    "cnn": zoo.cnn,
+    "resnet": resnet.resnet,
+    "nfnet": nfnet.nfnet,
+    "mlp-regression": zoo.mlp_regression,
+}
+_IMAGE_MODELS = {"cnn", "resnet", "nfnet"}
+
+
+def build_model(
+    name: str, input_shape: tuple[int, ...], num_outputs: int, *, options: dict | None = None
+) -> nn.Module:
+    """Build `name` for samples shaped `input_shape` with `num_outputs` outputs (logits, or 1 for regression)."""
+    input_shape = _check_sample_shape(input_shape)
+    if isinstance(num_outputs, bool) or not isinstance(num_outputs, int) or num_outputs < 1:
+        raise UserError(f"the number of model outputs is {num_outputs!r}, but it must be a positive integer")
+    options = dict(options or {})
+    if user.is_user_model(name):
+        return user.build_user_model(name, input_shape, num_outputs, options)
+    if name not in _BUILDERS:
+        close = difflib.get_close_matches(name, MODEL_NAMES, n=1)
+        hint = f"did you mean '{close[0]}'? " if close else ""
+        raise UserError(
+            f"unknown model '{name}'; {hint}valid names are {', '.join(MODEL_NAMES)}, "
+            "or a user model as package.module:factory"
+        )
+    if name in _IMAGE_MODELS and len(input_shape) != 3:
+        raise UserError(
+            f"model '{name}' needs samples shaped (C, H, W), but the data's samples have shape {input_shape}; "
+            "use --model mlp for flat features"
+        )
+    builder = _BUILDERS[name]
+    return builder(input_shape, num_outputs, **_check_options(name, builder, options))
+
+
+def count_parameters(model: nn.Module) -> int:
+    """Number of scalar parameters, trainable or not, each shared tensor counted once."""
+    return sum(p.numel() for p in model.parameters())
+
+
+def check_output_shape(model: nn.Module, input_shape: tuple[int, ...], num_outputs: int) -> None:
+    """Run a batch of 2 zero samples through `model` and fail early if its output does not fit the data.
+
+    The forward runs in eval mode (BatchNorm must not learn from zeros) without gradients; each
+    submodule's train/eval flag is restored afterwards.
+    """
+    expected = (2, num_outputs)
+    modes = [(module, module.training) for module in model.modules()]
+    reference = next(model.parameters(), None)
+    device = reference.device if reference is not None else torch.device("cpu")
+    batch = torch.zeros((2, *input_shape), device=device)
+    model.eval()
+    try:
+        with torch.no_grad():
+            output = model(batch)
+    except Exception as error:
+        raise UserError(
+            f"model forward on a batch of samples shaped {tuple(input_shape)} raised "
+            f"{type(error).__name__}: {error}"
+        ) from error
+    finally:
+        for module, training in modes:
+            module.training = training
+    if not isinstance(output, torch.Tensor):
+        raise UserError(f"model output is a {type(output).__name__}, but it must be a tensor shaped {expected}")
+    if tuple(output.shape) != expected:
+        raise UserError(
+            f"model output shape {tuple(output.shape)} does not match the data: "
+            f"expected {expected} for {num_outputs} outputs"
+        )
+
+
+def _check_sample_shape(input_shape: Any) -> tuple[int, ...]:
+    shape = tuple(input_shape)
+    try:
+        # operator.index accepts numpy integers (shapes often come from arrays) but not floats.
+        sizes = tuple(operator.index(size) for size in shape)
+    except TypeError:
+        sizes = ()
+    if not sizes or min(sizes) < 1:
+        raise UserError(f"sample shape {shape} is not usable by a model; it must be one or more positive sizes")
+    return sizes
+
+
+def _check_options(name: str, builder: Callable[..., nn.Module], options: dict[str, Any]) -> dict[str, Any]:
+    """Options checked against the builder's keyword-only defaults: int -> positive int, tuple -> sizes."""
+    defaults = {
+        p.name: p.default for p in inspect.signature(builder).parameters.values() if p.kind is p.KEYWORD_ONLY
+    }
+    checked = {}
+    for option, value in options.items():
+        if option not in defaults:
+            raise UserError(
+                f"unknown option '{option}' for model '{name}'; valid options are {', '.join(sorted(defaults))}"
+            )
+        if isinstance(defaults[option], tuple):
+            if not isinstance(value, (list, tuple)) or not all(_is_positive_int(size) for size in value):
+                raise UserError(
+                    f"option '{option}' for model '{name}' is {value!r}, "
+                    f"but it must be a list of positive integers such as {list(defaults[option])}"
+                )
+            value = tuple(value)
+        elif not _is_positive_int(value):
+            raise UserError(
+                f"option '{option}' for model '{name}' is {value!r}, "
+                f"but it must be a positive integer such as {defaults[option]}"
+            )
+        checked[option] = value
+    return checked
+
+
+def _is_positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+__all__ = ["MODEL_NAMES", "build_model", "check_output_shape", "count_parameters"]
