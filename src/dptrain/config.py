@@ -1,0 +1,143 @@
+"""TrainConfig: the one validated description of a training run, from YAML, flags or Python.
+
+Every field is a flag of `dptrain train` (`batch_size` -> `--batch-size`) and a key of
+`--config run.yaml`; flags override the file. Validation errors become one sentence naming
+the field, the bad value and what is valid (dptrain.errors.UserError).
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from typing import Any, Literal, Optional
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from dptrain.errors import UserError
+
+STRATEGIES = ("allreduce", "sync")
+
+
+class TrainConfig(BaseModel):
+    """All settings of one training run. Field descriptions double as `--help` text."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    # What to train
+    strategy: Literal["allreduce", "sync"] = Field(
+        "allreduce", description="how workers synchronise: allreduce (gradients every step) or sync (weights every few epochs/steps)")
+    dataset: Optional[str] = Field("digits", description="built-in data set: digits, synthetic-images, synthetic-regression")
+    data: Optional[str] = Field(None, description="user data file (.npz, .npy, .h5, .zarr) with x, y and optional x_test, y_test; replaces --dataset")
+    model: str = Field("mlp", description="mlp, cnn, resnet, nfnet, mlp-regression, or package.module:factory")
+    model_options: dict[str, Any] = Field(default_factory=dict, description="model options as KEY=VALUE (repeatable), e.g. depth=14")
+    samples: Optional[int] = Field(None, ge=1, description="number of samples of a synthetic data set")
+    image_size: int = Field(32, ge=4, description="side of synthetic-images")
+    channels: int = Field(3, ge=1, description="channels of synthetic-images")
+    classes: int = Field(10, ge=2, description="classes of synthetic-images")
+    features: int = Field(8, ge=1, description="inputs of synthetic-regression")
+    block_size: Optional[int] = Field(None, ge=1, description="DSTensor block size (samples per block)")
+    shuffle: Literal["global", "local", "none"] = Field(
+        "global", description="global: new permutation of all samples each epoch; local: fixed shard per worker, reshuffled within it; none")
+
+    # How long and how
+    workers: int = Field(2, ge=1, description="worker processes to spawn on this machine (ignored under torchrun, srun, mpirun)")
+    epochs: int = Field(10, ge=1, description="passes over the training data")
+    batch_size: int = Field(32, ge=1, description="samples per step and worker")
+    optimizer: Literal["sgd", "adam", "adamw"] = Field("sgd", description="sgd, adam or adamw")
+    lr: float = Field(0.05, gt=0, description="learning rate")
+    momentum: float = Field(0.9, ge=0, lt=1, description="SGD momentum")
+    nesterov: bool = Field(False, description="Nesterov momentum for SGD")
+    weight_decay: float = Field(0.0, ge=0, description="weight decay")
+    lr_schedule: Literal["constant", "cosine", "step"] = Field("constant", description="constant, cosine or step")
+    lr_step_epochs: int = Field(30, ge=1, description="step schedule: epochs between decays")
+    lr_gamma: float = Field(0.1, gt=0, le=1, description="step schedule: decay factor")
+    warmup_epochs: float = Field(0.0, ge=0, description="linear LR warm-up length in epochs (fractions allowed)")
+    scale_lr: bool = Field(False, description="multiply the LR by the number of workers (linear scaling rule)")
+    loss: Literal["auto", "cross-entropy", "mse"] = Field("auto", description="auto picks cross-entropy for classes, mse for regression")
+    amp: Literal["none", "bf16", "fp16"] = Field("none", description="autocast precision; fp16 needs a GPU")
+    grad_clip: Optional[float] = Field(None, gt=0, description="clip the gradient norm to this value")
+    seed: int = Field(0, ge=0, description="seed for model initialisation and data order")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto uses cuda:LOCAL_RANK when GPUs exist")
+    timeout: float = Field(300.0, gt=0, description="seconds any wait on another worker may take before failing")
+
+    # Strategy options
+    compression: Literal["none", "fp16", "bf16"] = Field("none", description="allreduce: gradient compression through a DDP communication hook")
+    sync_every: int = Field(1, ge=1, description="sync: average the weights every E epochs")
+    sync_every_steps: Optional[int] = Field(None, ge=1, description="sync: average every K steps instead (local SGD)")
+    optimizer_state: Literal["keep", "reset", "average"] = Field("keep", description="sync: what happens to optimizer state at an average")
+    outer: Literal["none", "nesterov"] = Field("none", description="sync: outer optimizer on the averaged delta (DiLoCo)")
+    outer_lr: float = Field(0.7, gt=0, description="sync: outer learning rate")
+    outer_momentum: float = Field(0.9, ge=0, lt=1, description="sync: outer Nesterov momentum")
+
+    # Outputs
+    out: Optional[str] = Field(None, description="run directory (default runs/STRATEGY-TIMESTAMP); must not hold a run already")
+    progress: bool = Field(True, description="progress bar on rank 0 when the terminal is interactive")
+
+    @model_validator(mode="after")
+    def _cross_field_checks(self) -> "TrainConfig":
+        if self.data is None and self.dataset is None:
+            raise ValueError("give --dataset or --data")
+        if self.sync_every_steps is not None and self.strategy != "sync":
+            raise ValueError(f"sync_every_steps applies to strategy sync, not {self.strategy}")
+        return self
+
+
+FIELDS = TrainConfig.model_fields
+
+
+def _closest(name: str) -> str:
+    match = difflib.get_close_matches(name, list(FIELDS), n=1)
+    return f"; did you mean '{match[0]}'?" if match else f"; valid keys are: {', '.join(FIELDS)}"
+
+
+def _describe(error: dict, origin: str) -> str:
+    """Turn one pydantic error into one sentence."""
+    loc = [str(part) for part in error["loc"] if not isinstance(part, int)]
+    field = loc[0] if loc else ""
+    if error["type"] == "extra_forbidden":
+        return f"unknown key '{field}' in {origin}{_closest(field)}"
+    if not field:  # cross-field check
+        return f"invalid settings in {origin}: {error['msg'].removeprefix('Value error, ')}"
+    flag = "--" + field.replace("_", "-")
+    message = error["msg"].removeprefix("Value error, ")
+    if error["type"] == "literal_error":
+        message = message.replace("Input should be", "valid values are")
+    return f"{flag} (key '{field}' in {origin}) got {error.get('input')!r}: {message}"
+
+
+def build_config(values: dict[str, Any], origin: str = "the settings") -> TrainConfig:
+    """Validate a mapping of settings; raise UserError with one sentence on the first problem."""
+    try:
+        return TrainConfig(**values)
+    except ValidationError as exc:
+        raise UserError(_describe(exc.errors()[0], origin)) from None
+
+
+def load_yaml(path: str) -> dict[str, Any]:
+    """Read a YAML config file into a dict (keys may use '-' or '_')."""
+    if not os.path.isfile(path):
+        raise UserError(f"config file '{path}' does not exist")
+    try:
+        with open(path) as handle:
+            data = yaml.safe_load(handle) or {}
+    except yaml.YAMLError as exc:
+        raise UserError(f"config file '{path}' is not valid YAML: {str(exc).splitlines()[0]}") from None
+    if not isinstance(data, dict):
+        raise UserError(f"config file '{path}' must hold a mapping of keys to values, not a {type(data).__name__}")
+    return {str(key).replace("-", "_"): value for key, value in data.items()}
+
+
+def resolve(config_file: Optional[str], overrides: dict[str, Any]) -> TrainConfig:
+    """Config file values, then command-line overrides on top, validated once."""
+    values = load_yaml(config_file) if config_file else {}
+    origin = f"'{config_file}'" if config_file else "the command line"
+    merged = {**values, **{key: value for key, value in overrides.items() if value is not None}}
+    if config_file and overrides:
+        origin = f"'{config_file}' or the command line"
+    return build_config(merged, origin)
+
+
+def to_yaml(config: TrainConfig) -> str:
+    """The resolved config as YAML that `--config` reads back to the same TrainConfig."""
+    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)

@@ -1,0 +1,86 @@
+"""The process group: gloo on CPU, NCCL on GPU, one rank pinned per GPU, every wait bounded.
+
+`init_process_group(env, ...)` returns a DistContext that strategies and the trainer use. A
+single process (no launcher) still gets a one-rank group from an in-memory store, so every
+strategy runs the same code with one worker or many.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from dptrain.errors import UserError
+from dptrain.runtime.env import DistEnv
+
+
+@dataclass
+class DistContext:
+    """What strategies need to know about the job this process belongs to."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+    timeout: float
+    launcher: str = "single"
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+class PeerFailure(RuntimeError):
+    """A collective failed or timed out because another worker is gone or stuck."""
+
+
+def choose_device(preference: str, local_rank: int) -> torch.device:
+    """cuda:LOCAL_RANK (modulo the visible GPUs) when GPUs exist and are wanted, else CPU."""
+    if preference == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        if preference == "cuda":
+            raise UserError("--device cuda was asked for but no CUDA GPU is visible to this process; use --device cpu or auto")
+        return torch.device("cpu")
+    return torch.device("cuda", local_rank % torch.cuda.device_count())
+
+
+def init_process_group(env: DistEnv, *, device: str = "auto", timeout: float = 300.0) -> DistContext:
+    """Join (or create) the default process group described by `env`; idempotent."""
+    dev = choose_device(device, env.local_rank)
+    backend = "nccl" if dev.type == "cuda" else "gloo"
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    if not dist.is_initialized():
+        wait = datetime.timedelta(seconds=timeout)
+        if not env.launched:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=wait)
+        else:
+            options = {"device_id": dev} if backend == "nccl" else {}
+            try:
+                dist.init_process_group(
+                    backend, init_method=f"tcp://{env.master_addr}:{env.master_port}",
+                    rank=env.rank, world_size=env.world_size, timeout=wait, **options)
+            except (RuntimeError, TimeoutError) as exc:
+                raise PeerFailure(
+                    f"rank {env.rank}: rendezvous at {env.master_addr}:{env.master_port} failed within {timeout:g} s "
+                    f"({env.world_size} ranks expected, launcher {env.launcher}): {str(exc).splitlines()[0]}") from None
+    return DistContext(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=env.local_rank,
+                       device=dev, backend=dist.get_backend(), timeout=timeout, launcher=env.launcher)
+
+
+def destroy_process_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def set_cpu_threads() -> None:
+    """Honour OMP_NUM_THREADS set by the launcher (torch reads it only at import on some builds)."""
+    threads = os.environ.get("OMP_NUM_THREADS")
+    if threads and threads.isdigit() and int(threads) > 0:
+        torch.set_num_threads(int(threads))

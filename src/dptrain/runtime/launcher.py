@@ -1,0 +1,121 @@
+"""The local launcher: spawn N worker processes on this machine, as torchrun would, but quieter.
+
+Each worker gets the torchrun-style variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
+MASTER_PORT) plus DPTRAIN_LAUNCHER=local, its share of the CPU threads, and its output
+prefixed with its rank. If any worker fails, the others are stopped and the launcher exits
+non-zero with one line naming the failed rank.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import IO, Sequence
+
+from dptrain.runtime.env import free_port
+
+GRACE_SECONDS = 10.0
+
+
+def _pump(stream: IO[bytes], prefix: bytes, sink: IO[bytes]) -> None:
+    """Copy a worker's output to ours, prefixing every line (and every progress-bar redraw)."""
+    at_line_start = True
+    while True:
+        chunk = stream.read1(65536) if hasattr(stream, "read1") else stream.read(65536)
+        if not chunk:
+            break
+        out = bytearray()
+        for byte in chunk:
+            if at_line_start:
+                out += prefix
+            out.append(byte)
+            at_line_start = byte in (0x0A, 0x0D)  # \n and \r both start a fresh line on a terminal
+        sink.write(bytes(out))
+        sink.flush()
+
+
+def describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def worker_env(rank: int, world: int, port: int, threads: int, base: dict[str, str]) -> dict[str, str]:
+    env = dict(base)
+    env.update(
+        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), DPTRAIN_LAUNCHER="local",
+        OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1",
+    )
+    if sys.stderr.isatty():
+        env["DPTRAIN_TTY"] = "1"
+    return env
+
+
+def launch_local(workers: int, argv: Sequence[str]) -> int:
+    """Run `python -m dptrain ARGV` as `workers` ranks; return 0 or the first failure's code."""
+    threads = max(1, (os.cpu_count() or 1) // workers)
+    port = free_port()
+    procs: list[subprocess.Popen] = []
+    pumps: list[threading.Thread] = []
+    for rank in range(workers):
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "dptrain", *argv],
+            env=worker_env(rank, workers, port, threads, dict(os.environ)),
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+        )
+        procs.append(proc)
+        prefix = f"[rank{rank}] ".encode()
+        for stream, sink in ((proc.stdout, sys.stdout.buffer), (proc.stderr, sys.stderr.buffer)):
+            pump = threading.Thread(target=_pump, args=(stream, prefix, sink), daemon=True)
+            pump.start()
+            pumps.append(pump)
+
+    failed: tuple[int, int] | None = None
+    try:
+        while any(proc.poll() is None for proc in procs):
+            for rank, proc in enumerate(procs):
+                code = proc.poll()
+                if code not in (None, 0):
+                    failed = (rank, code)
+                    break
+            if failed:
+                break
+            time.sleep(0.05)
+    except KeyboardInterrupt:
+        failed = failed or (-1, 130)
+    if failed is None:
+        failed = next(((rank, proc.returncode) for rank, proc in enumerate(procs) if proc.returncode), None)
+
+    if failed is not None:
+        rank, code = failed
+        if rank >= 0:
+            print(f"dptrain: worker rank {rank} {describe_exit(code)}; stopping the other workers", file=sys.stderr, flush=True)
+        _stop(procs)
+    for pump in pumps:
+        pump.join(timeout=5)
+    if failed is None:
+        return 0
+    code = failed[1]
+    return code if 0 < code < 256 else 1
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    """SIGTERM the survivors, then SIGKILL whoever is still there after a grace period."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.terminate()
+    deadline = time.monotonic() + GRACE_SECONDS
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

@@ -1,0 +1,53 @@
+"""The strategy interface: what a data-parallel strategy communicates, and when.
+
+The Trainer's loop is the same for every strategy; it calls these hooks at fixed points.
+Adding a strategy means adding one file with one subclass and registering its name.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dptrain.runtime.distributed import DistContext
+
+
+class Strategy:
+    """Base class: no communication at all (each worker trains alone).
+
+    `comm_bytes` counts the payload this worker hands to collectives: the bytes of every
+    tensor passed to all_reduce/broadcast (after compression), whatever the algorithm
+    underneath moves on the wire. With one worker no strategy communicates.
+    """
+
+    name = "local"
+
+    def __init__(self) -> None:
+        self.comm_bytes = 0
+        self.ctx: DistContext | None = None
+        self.model: nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+
+    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, ctx: DistContext) -> nn.Module:
+        """Prepare the model (wrap it, make replicas equal); return the module to train."""
+        self.model, self.optimizer, self.ctx = model, optimizer, ctx
+        return model
+
+    def after_backward(self, model: nn.Module) -> None:
+        """Called after loss.backward(), before the optimizer step (gradients exist)."""
+
+    def after_step(self, step: int) -> None:
+        """Called after optimizer.step(); `step` counts steps from 1 over the whole run."""
+
+    def end_epoch(self, epoch: int) -> bool:
+        """Called after each epoch (from 0). Return True when the replicas now hold one global model."""
+        return self.ctx is None or self.ctx.world_size == 1
+
+    def finish(self) -> nn.Module:
+        """The final global model (unwrapped), after any last communication."""
+        assert self.model is not None, "setup() was not called"
+        return self.model
+
+    def describe(self) -> dict:
+        """Strategy settings for summaries."""
+        return {"name": self.name}

@@ -1,0 +1,80 @@
+"""Whole-module collectives (broadcast, average) built on torch.distributed, with byte counts.
+
+Tensors are flattened per dtype so that one module costs one collective per dtype, whatever
+its tree looks like: nested modules, layers without bias, bare nn.Parameters, buffers.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def module_state(module: nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(floating tensors to average, integer tensors to max): all parameters and buffers."""
+    floating: list[torch.Tensor] = list(module.parameters())
+    integer: list[torch.Tensor] = []
+    for buffer in module.buffers():
+        if buffer.is_floating_point() or buffer.is_complex():
+            floating.append(buffer)
+        elif buffer.dtype != torch.bool:
+            integer.append(buffer)  # e.g. BatchNorm's num_batches_tracked
+    return floating, integer
+
+
+def _by_dtype(tensors: Iterable[torch.Tensor]) -> dict[torch.dtype, list[torch.Tensor]]:
+    groups: dict[torch.dtype, list[torch.Tensor]] = defaultdict(list)
+    for tensor in tensors:
+        groups[tensor.dtype].append(tensor)
+    return groups
+
+
+def _apply_flat(tensors: list[torch.Tensor], collective) -> int:
+    """Run `collective(flat)` on one flat copy per dtype and write the result back; return bytes."""
+    sent = 0
+    for same_dtype in _by_dtype(tensors).values():
+        with torch.no_grad():
+            flat = torch.cat([t.detach().reshape(-1) for t in same_dtype])
+            collective(flat)
+            sent += flat.numel() * flat.element_size()
+            offset = 0
+            for tensor in same_dtype:
+                count = tensor.numel()
+                tensor.copy_(flat[offset:offset + count].view_as(tensor))
+                offset += count
+    return sent
+
+
+def average_tensors(tensors: list[torch.Tensor], group=None) -> int:
+    """Replace each tensor by its mean over all ranks (in place); return bytes handed over."""
+    world = dist.get_world_size(group)
+
+    def mean(flat: torch.Tensor) -> None:
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+        flat.div_(world)
+
+    return _apply_flat(tensors, mean)
+
+
+def max_tensors(tensors: list[torch.Tensor], group=None) -> int:
+    return _apply_flat(tensors, lambda flat: dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=group))
+
+
+def average_module(module: nn.Module, group=None) -> int:
+    """Average parameters and floating buffers across ranks; integer buffers take the max."""
+    floating, integer = module_state(module)
+    return average_tensors(floating, group) + max_tensors(integer, group)
+
+
+def broadcast_module(module: nn.Module, src: int = 0, group=None) -> int:
+    """Make every rank's parameters and buffers equal to rank `src`'s."""
+    floating, integer = module_state(module)
+    return _apply_flat(floating + integer, lambda flat: dist.broadcast(flat, src=src, group=group))

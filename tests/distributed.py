@@ -1,0 +1,63 @@
+"""Run a function on N real worker processes joined by a gloo process group on 127.0.0.1."""
+
+from __future__ import annotations
+
+import datetime
+import io
+import multiprocessing as mp
+import os
+import queue
+import traceback
+
+import torch
+
+from dptrain.runtime.env import free_port
+
+
+def _child(fn, rank, world, port, results, args):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=60))
+        # Tensors go through torch.save bytes: torch's shared-memory pickling would hand the
+        # parent file descriptors that vanish when this process exits.
+        buffer = io.BytesIO()
+        torch.save(fn(rank, world, *args), buffer)
+        results.put((rank, "ok", buffer.getvalue()))
+    except BaseException:  # noqa: BLE001 - reported to the parent test
+        results.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(fn, world: int = 2, *args, timeout: float = 120.0) -> list:
+    """fn(rank, world, *args) on `world` processes; returns the results in rank order."""
+    # A fork server that has imported torch once starts each worker in milliseconds rather
+    # than seconds, and forks from a clean process (no threads, no process group).
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(["torch", "torch.distributed", "dptrain", "distributed"])
+    results = context.Queue()
+    port = free_port()
+    procs = [context.Process(target=_child, args=(fn, rank, world, port, results, args)) for rank in range(world)]
+    for proc in procs:
+        proc.start()
+    collected: dict[int, object] = {}
+    try:
+        for _ in range(world):
+            rank, status, value = results.get(timeout=timeout)
+            if status == "error":
+                raise AssertionError(f"rank {rank} failed:\n{value}")
+            collected[rank] = torch.load(io.BytesIO(value), weights_only=False)
+    except queue.Empty:
+        raise AssertionError(f"ranks {sorted(set(range(world)) - set(collected))} gave no result within {timeout} s") from None
+    finally:
+        for proc in procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+    return [collected[rank] for rank in range(world)]
