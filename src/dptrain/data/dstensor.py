@@ -1,0 +1,395 @@
+"""DSTensor: a dataset as a grid of blocks along the sample axis, read lazily so each worker touches only its rows."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dptrain.errors import UserError
+
+DEFAULT_BLOCK_SIZE = 1024
+FILE_SUFFIXES = (".npy", ".npz", ".h5", ".hdf5", ".zarr")
+
+
+class _ReadCounter:
+    """Source rows read, shared by a DSTensor and every tensor derived from it."""
+
+    def __init__(self) -> None:
+        self.rows = 0
+
+
+class DSTensor:
+    """An immutable dataset split into blocks along axis 0, backed by an array or a file.
+
+    Internally a DSTensor is a *source* (numpy array, read-only ``.npy`` memmap, h5py
+    Dataset or zarr Array), an optional *index* mapping logical sample ``i`` to source row
+    ``index[i]`` (``None`` means identity) and the *block lengths*. Every transformation
+    (``shuffle``, ``local_shuffle``, ``rechunk``, ``shard``, ``slice``, ``subset``) only
+    computes a new index and new block lengths; rows are read from the source on demand
+    (``block``, ``take``, ``to_numpy``), so a worker reads only the rows it is given.
+
+    Invariant: a transformation never loses or duplicates a sample; ``shuffle`` and
+    ``local_shuffle`` are permutations, ``rechunk`` keeps the order, and ``shard`` /
+    ``slice`` / ``subset`` select exactly the requested samples.
+
+    ``rows_read`` counts source rows read by this tensor and all tensors derived from it.
+    """
+
+    def __init__(
+        self,
+        source: Any,
+        index: np.ndarray | None,
+        block_lengths: tuple[int, ...],
+        block_size: int,
+        counter: _ReadCounter,
+        origin: tuple[str, str | None] | None = None,
+    ) -> None:
+        # Use the constructors (from_array, from_file); this one trusts its arguments.
+        self._source = source
+        self._index = index
+        self._lengths = block_lengths
+        self._block_size = block_size
+        self._counter = counter
+        # (path, key) of a file source, so a pickled tensor reopens the file instead of copying it.
+        self._origin = origin
+        self._offsets = np.concatenate(([0], np.cumsum(block_lengths, dtype=np.int64)))
+
+    # ----------------------------------------------------------------- constructors
+
+    @classmethod
+    def from_array(cls, array: Any, block_size: int | None = None) -> DSTensor:
+        """Wrap a numpy array or torch tensor (not copied; do not modify it afterwards).
+
+        ``block_size`` defaults to ``min(n_samples, 1024)``.
+        """
+        if hasattr(array, "detach") and hasattr(array, "numpy"):
+            array = array.detach().cpu().numpy()
+        array = np.asarray(array)
+        return cls._from_source(array, block_size, origin=None, what="array")
+
+    @classmethod
+    def from_file(cls, path: str | Path, key: str | None = None, block_size: int | None = None) -> DSTensor:
+        """Open an array in a file lazily.
+
+        - ``.npy``: memory-mapped read-only; ``key`` must be None.
+        - ``.npz``: member ``key`` (required). numpy loads an npz member whole into memory.
+        - ``.h5`` / ``.hdf5``: dataset ``key`` (required); the file stays open read-only.
+        - ``.zarr`` (directory or zip file): array ``key`` in a group, or the array itself
+          when the store holds a single array and ``key`` is None.
+        """
+        source = _open_source(Path(path), key)
+        origin = (str(Path(path).absolute()), key)
+        return cls._from_source(source, block_size, origin=origin, what=f"data file '{path}'")
+
+    @classmethod
+    def _from_source(
+        cls, source: Any, block_size: int | None, origin: tuple[str, str | None] | None, what: str
+    ) -> DSTensor:
+        if len(source.shape) == 0:
+            raise UserError(f"{what} is a scalar (shape ()); a dataset needs a sample axis, shape (n, ...).")
+        n = int(source.shape[0])
+        size = max(1, min(n, DEFAULT_BLOCK_SIZE)) if block_size is None else _check_block_size(block_size)
+        return cls(source, None, _even_blocks(n, size), size, _ReadCounter(), origin)
+
+    def _derive(self, index: np.ndarray | None, block_lengths: tuple[int, ...], block_size: int | None = None) -> DSTensor:
+        return DSTensor(
+            self._source,
+            index,
+            block_lengths,
+            self._block_size if block_size is None else block_size,
+            self._counter,
+            self._origin,
+        )
+
+    # ------------------------------------------------------------------- properties
+
+    @property
+    def n_samples(self) -> int:
+        return int(self._offsets[-1])
+
+    def __len__(self) -> int:
+        return self.n_samples
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.n_samples, *(int(d) for d in self._source.shape[1:]))
+
+    @property
+    def dtype(self) -> np.dtype:
+        return np.dtype(self._source.dtype)
+
+    @property
+    def n_blocks(self) -> int:
+        return len(self._lengths)
+
+    @property
+    def block_size(self) -> int:
+        """Nominal block size; the last block, and blocks cut by ``shard``/``slice``, may be shorter."""
+        return self._block_size
+
+    @property
+    def block_lengths(self) -> tuple[int, ...]:
+        return self._lengths
+
+    @property
+    def rows_read(self) -> int:
+        return self._counter.rows
+
+    def __repr__(self) -> str:
+        kind = type(self._source).__name__ if self._origin is None else f"'{self._origin[0]}'"
+        if self._origin is not None and self._origin[1] is not None:
+            kind += f"[{self._origin[1]!r}]"
+        order = "source order" if self._index is None else "indexed"
+        return (
+            f"DSTensor(shape={self.shape}, dtype={self.dtype}, n_blocks={self.n_blocks}, "
+            f"block_size={self.block_size}, source={kind}, {order})"
+        )
+
+    # ---------------------------------------------------------------------- reading
+
+    def block_range(self, i: int) -> tuple[int, int]:
+        """Logical ``[start, stop)`` of block ``i``."""
+        if not 0 <= i < self.n_blocks:
+            raise IndexError(f"block {i} out of range for {self.n_blocks} blocks")
+        return int(self._offsets[i]), int(self._offsets[i + 1])
+
+    def block(self, i: int) -> np.ndarray:
+        """The rows of block ``i``, read from the source."""
+        start, stop = self.block_range(i)
+        return self.take(np.arange(start, stop))
+
+    def take(self, idx: Any) -> np.ndarray:
+        """Rows at logical indices ``idx`` (any order, repeats allowed), reading only those rows."""
+        idx = np.asarray(idx, dtype=np.int64).reshape(-1)
+        if idx.size and (idx.min() < 0 or idx.max() >= self.n_samples):
+            raise IndexError(f"indices must lie in [0, {self.n_samples}); got {idx.min()}..{idx.max()}")
+        rows = idx if self._index is None else self._index[idx]
+        # h5py needs strictly increasing indices, and sorted reads are the fast path for every source.
+        unique_rows, inverse = np.unique(rows, return_inverse=True)
+        data = self._read_sorted(unique_rows)
+        if unique_rows.size == rows.size and np.array_equal(unique_rows, rows):
+            return data
+        return data[inverse.reshape(-1)]
+
+    def to_numpy(self) -> np.ndarray:
+        return self.take(np.arange(self.n_samples))
+
+    def source_rows(self) -> np.ndarray:
+        """Source row of every logical sample, in logical order."""
+        if self._index is None:
+            return np.arange(self.n_samples)
+        return self._index.copy()
+
+    def _read_sorted(self, rows: np.ndarray) -> np.ndarray:
+        if rows.size == 0:
+            return np.empty((0, *self.shape[1:]), dtype=self.dtype)
+        self._counter.rows += int(rows.size)
+        first, last = int(rows[0]), int(rows[-1])
+        if last - first + 1 == rows.size:
+            rows_slice = self._source[first : last + 1]
+            # A numpy slice is a view; copy so callers can never write into the source.
+            return np.array(rows_slice) if isinstance(self._source, np.ndarray) else np.asarray(rows_slice)
+        if hasattr(self._source, "oindex"):  # zarr: plain [] does not take integer arrays everywhere
+            return np.asarray(self._source.oindex[rows])
+        return np.asarray(self._source[rows])
+
+    # -------------------------------------------------------------- transformations
+
+    def _logical_rows(self) -> np.ndarray:
+        return np.arange(self.n_samples) if self._index is None else self._index
+
+    def shuffle(self, seed: int) -> DSTensor:
+        """Global shuffle: a true random permutation of all samples across blocks.
+
+        The permutation is ``np.random.default_rng(seed).permutation(n_samples)``, so it depends
+        only on ``seed`` and ``n_samples``: shuffling ``x`` and ``y`` of equal length with the
+        same seed keeps every (x, y) pair aligned. Block lengths are unchanged.
+        """
+        perm = np.random.default_rng(seed).permutation(self.n_samples)
+        return self._derive(self._logical_rows()[perm], self._lengths)
+
+    def local_shuffle(self, seed: int) -> DSTensor:
+        """Permute samples within each block only; which samples a block holds is unchanged.
+
+        Reproducible from ``seed`` and the block lengths (so ``x`` and ``y`` with equal
+        block lengths stay aligned under the same seed).
+        """
+        keys = np.random.default_rng(seed).random(self.n_samples)
+        block_of_sample = np.repeat(np.arange(self.n_blocks), self._lengths)
+        order = np.lexsort((keys, block_of_sample))
+        return self._derive(self._logical_rows()[order], self._lengths)
+
+    def rechunk(self, block_size: int) -> DSTensor:
+        """Same samples in the same order, cut into blocks of ``block_size``."""
+        size = _check_block_size(block_size)
+        return self._derive(self._index, _even_blocks(self.n_samples, size), size)
+
+    def slice(self, start: int, stop: int) -> DSTensor:
+        """Logical samples ``[start, stop)``; block boundaries are the intersections with this tensor's blocks."""
+        if not 0 <= start <= stop <= self.n_samples:
+            raise IndexError(f"slice [{start}, {stop}) out of range for {self.n_samples} samples")
+        starts = np.clip(self._offsets[:-1], start, stop)
+        stops = np.clip(self._offsets[1:], start, stop)
+        lengths = tuple(int(n) for n in stops - starts if n > 0)
+        rows = np.arange(start, stop) if self._index is None else self._index[start:stop]
+        return self._derive(rows, lengths)
+
+    def subset(self, indices: Any) -> DSTensor:
+        """The samples at logical ``indices``, in that order, cut into blocks of the nominal block size.
+
+        For partitions that are not contiguous (a held-out split, label-skewed clients);
+        pass sorted indices to keep reads close to source order.
+        """
+        indices = np.asarray(indices, dtype=np.int64).reshape(-1)
+        if indices.size and (indices.min() < 0 or indices.max() >= self.n_samples):
+            raise IndexError(f"indices must lie in [0, {self.n_samples})")
+        return self._derive(self._logical_rows()[indices], _even_blocks(indices.size, self._block_size))
+
+    # ------------------------------------------------------------------ distribution
+
+    def blocks_of(self, rank: int, world: int) -> list[int]:
+        """Whole blocks of worker ``rank`` out of ``world``: contiguous runs, balanced by sample count.
+
+        A block goes to the worker whose equal share ``[r*n/world, (r+1)*n/world)`` holds the
+        block's midpoint, so every block has exactly one owner and the owners never decrease
+        along the blocks. With fewer blocks than workers, some workers get none.
+        """
+        _check_rank(rank, world)
+        n = self.n_samples
+        if n == 0:
+            return []
+        owners = np.minimum((self._offsets[:-1] + self._offsets[1:]) * world // (2 * n), world - 1)
+        return [int(i) for i in np.flatnonzero(owners == rank)]
+
+    def shard(self, rank: int, world: int) -> DSTensor:
+        """Logical samples ``[rank*n//world, (rank+1)*n//world)``; shard sizes differ by at most one."""
+        _check_rank(rank, world)
+        n = self.n_samples
+        return self.slice(rank * n // world, (rank + 1) * n // world)
+
+    # -------------------------------------------------------------------- pickling
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        in_memory = isinstance(self._source, np.ndarray) and not isinstance(self._source, np.memmap)
+        if self._origin is not None and not in_memory:
+            state["_source"] = None
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        if self._source is None:
+            path, key = self._origin
+            self._source = _open_source(Path(path), key)
+
+
+def _check_block_size(block_size: Any) -> int:
+    if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) or block_size < 1:
+        raise UserError(f"block_size {block_size!r} is invalid; use a positive integer.")
+    return int(block_size)
+
+
+def _check_rank(rank: int, world: int) -> None:
+    if world < 1 or not 0 <= rank < world:
+        raise ValueError(f"rank {rank} and world {world} must satisfy 0 <= rank < world")
+
+
+def _even_blocks(n: int, block_size: int) -> tuple[int, ...]:
+    full, rest = divmod(n, block_size)
+    return (block_size,) * full + ((rest,) if rest else ())
+
+
+# ---------------------------------------------------------------------- file sources
+
+
+def _file_suffix(path: Path) -> str:
+    """The format of ``path`` (``.zarr`` also for ``*.zarr.zip``), checked to exist and be supported."""
+    suffix = ".zarr" if path.name.lower().endswith(".zarr.zip") else path.suffix.lower()
+    if suffix not in FILE_SUFFIXES:
+        raise UserError(f"data file '{path}' has an unsupported extension; use one of: {', '.join(FILE_SUFFIXES)}.")
+    if not path.exists():
+        raise UserError(f"data file '{path}' does not exist.")
+    return suffix
+
+
+def list_arrays(path: str | Path) -> list[str]:
+    """Names of the arrays at the root of an ``.npz``, HDF5 file or zarr group ([] for a single array)."""
+    path = Path(path)
+    suffix = _file_suffix(path)
+    if suffix == ".npz":
+        with _npz(path) as archive:
+            return list(archive.files)
+    if suffix in (".h5", ".hdf5"):
+        import h5py
+
+        with _hdf5(path) as handle:
+            return [name for name, item in handle.items() if isinstance(item, h5py.Dataset)]
+    if suffix == ".zarr":
+        node = _zarr(path)
+        return sorted(node.array_keys()) if hasattr(node, "array_keys") else []
+    return []
+
+
+def _open_source(path: Path, key: str | None) -> Any:
+    """The array-like behind ``path`` (and ``key``), opened read-only without loading it."""
+    suffix = _file_suffix(path)
+    if suffix == ".npy":
+        if key is not None:
+            raise UserError(f"data file '{path}' holds a single array, so key '{key}' does not apply; leave it unset.")
+        try:
+            return np.load(path, mmap_mode="r", allow_pickle=False)
+        except ValueError as exc:
+            raise UserError(f"data file '{path}' is not a readable .npy array ({exc}).") from None
+    if suffix == ".npz":
+        with _npz(path) as archive:
+            if key in archive.files:
+                return archive[key]
+    elif suffix in (".h5", ".hdf5"):
+        import h5py
+
+        handle = _hdf5(path)
+        item = handle.get(key) if key is not None else None
+        if isinstance(item, h5py.Dataset):
+            return item  # keeps the file open for lazy reads
+        handle.close()
+    else:
+        node = _zarr(path)
+        if not hasattr(node, "array_keys"):
+            if key is not None:
+                raise UserError(f"data file '{path}' holds a single zarr array, so key '{key}' does not apply; leave it unset.")
+            return node
+        if key in set(node.array_keys()):
+            return node[key]
+    held = ", ".join(list_arrays(path)) or "no arrays"
+    if key is None:
+        raise UserError(f"data file '{path}' needs a key naming the array to read; it holds: {held}.")
+    raise UserError(f"data file '{path}' has no array '{key}'; it holds: {held}.")
+
+
+def _npz(path: Path) -> Any:
+    try:
+        return np.load(path, allow_pickle=False)
+    except (ValueError, OSError) as exc:
+        raise UserError(f"data file '{path}' is not a readable .npz archive ({exc}).") from None
+
+
+def _hdf5(path: Path) -> Any:
+    import h5py
+
+    try:
+        return h5py.File(path, "r")
+    except OSError as exc:
+        raise UserError(f"data file '{path}' is not a readable HDF5 file ({exc}).") from None
+
+
+def _zarr(path: Path) -> Any:
+    """The zarr group or array in a directory store or a zip file."""
+    import zarr
+
+    try:
+        store = zarr.storage.ZipStore(str(path), mode="r") if path.is_file() else str(path)
+        return zarr.open(store=store, mode="r")
+    except Exception as exc:  # zarr raises many unrelated types for an unreadable store
+        raise UserError(f"data file '{path}' is not a readable zarr store ({exc}).") from None

@@ -1,0 +1,311 @@
+"""Where training data comes from: built-in datasets by name, or the user's own file, checked and split.
+
+Built-in datasets (``DATASET_NAMES``):
+
+- ``digits``: scikit-learn's bundled 8x8 handwritten digits (no download), x float32
+  ``(n, 1, 8, 8)`` in [0, 1], 10 classes. The train/test split is fixed (stratified,
+  ``random_state=0``, 1437 train / 360 test) whatever ``seed`` is, so every run is
+  evaluated on the same test set.
+- ``synthetic-images``: class-conditional images generated from ``seed``, float32
+  ``(n, channels, image_size, image_size)``. Each class has a smooth random template (a sum
+  of low-frequency waves); a sample is its class template, circularly shifted and scaled at
+  random, plus pixel noise. Learnable by a small CNN, but not within a few steps.
+- ``synthetic-regression``: ``features`` standard-normal inputs; the target, shape ``(n, 1)``,
+  is a sigmoid of a random nonlinear function of the inputs plus a little noise, so it lies
+  in (0, 1) and suits an MLP with a sigmoid output.
+
+User data (``data_path``; ``name`` is then only a label and must not be a built-in name):
+
+- ``.npz``, ``.h5``/``.hdf5`` or ``.zarr`` (directory or zip): arrays named ``x`` and ``y``,
+  optionally ``x_test`` and ``y_test``.
+- a directory (not ``.zarr``) holding ``x.npy`` and ``y.npy``, optionally ``x_test.npy`` and
+  ``y_test.npy``; each is memory-mapped.
+
+Arrays are opened lazily with :meth:`DSTensor.from_file` (an ``.npz`` member is loaded whole by
+numpy). Without ``x_test``/``y_test`` the test set is split off deterministically: with
+``perm = np.random.default_rng(seed).permutation(n)``, samples ``perm[:n_test]`` form the
+test set and the rest the training set, each kept in file order, where
+``n_test = round(test_fraction * n)``. Integer ``y`` means classification with
+``num_classes = max(label) + 1``; floating ``y`` means regression.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from dptrain.data.dstensor import DSTensor, list_arrays
+from dptrain.errors import UserError
+
+DATASET_NAMES = ("digits", "synthetic-images", "synthetic-regression")
+ARRAY_NAMES = ("x", "y", "x_test", "y_test")
+
+
+@dataclass(frozen=True)
+class Dataset:
+    """Train and test splits of one dataset, with what a model needs to know about it."""
+
+    x_train: DSTensor
+    y_train: DSTensor
+    x_test: DSTensor
+    y_test: DSTensor
+    task: str  # "classification" | "regression"
+    num_classes: int | None  # None for regression
+    input_shape: tuple[int, ...]  # per-sample shape of x
+    name: str
+
+    @property
+    def num_outputs(self) -> int:
+        """Model outputs: one per class, or the target's width for regression (1 for 1-D targets)."""
+        if self.num_classes is not None:
+            return self.num_classes
+        return int(np.prod(self.y_train.shape[1:], dtype=np.int64))
+
+
+def load_dataset(
+    name: str | None,
+    *,
+    data_path: str | None = None,
+    seed: int = 0,
+    block_size: int | None = None,
+    samples: int | None = None,
+    image_size: int = 32,
+    channels: int = 3,
+    classes: int = 10,
+    features: int = 8,
+    test_fraction: float = 0.2,
+) -> Dataset:
+    """A built-in dataset by ``name``, or the user's data at ``data_path`` (see the module docstring)."""
+    if not 0.0 < test_fraction < 1.0:
+        raise UserError(f"test_fraction {test_fraction!r} is invalid; use a number strictly between 0 and 1.")
+    if data_path is not None:
+        if name in DATASET_NAMES:
+            raise UserError(
+                f"dataset '{name}' is built in, so data_path '{data_path}' cannot also be used; give one or the other."
+            )
+        if samples is not None:
+            raise UserError(f"samples={samples} applies only to synthetic datasets, not to data_path '{data_path}'.")
+        return _load_file(Path(data_path), name, seed, block_size, test_fraction)
+    if name is None:
+        raise UserError(f"no dataset given; name one of: {', '.join(DATASET_NAMES)}, or give data_path.")
+    if name not in DATASET_NAMES:
+        close = difflib.get_close_matches(name, DATASET_NAMES, n=1)
+        hint = f" (did you mean '{close[0]}'?)" if close else ""
+        raise UserError(f"unknown dataset '{name}'{hint}; choose one of: {', '.join(DATASET_NAMES)}.")
+    if name == "digits":
+        if samples is not None:
+            raise UserError(f"samples={samples} applies only to synthetic datasets, not to 'digits'.")
+        return _digits(block_size)
+    _check_positive(samples=samples, image_size=image_size, channels=channels, features=features)
+    if isinstance(classes, bool) or not isinstance(classes, int) or classes < 2:
+        raise UserError(f"classes {classes!r} is invalid; use an integer of at least 2.")
+    rng = np.random.default_rng(seed)
+    if name == "synthetic-images":
+        x, y = _synthetic_images(rng, samples or 2048, classes, channels, image_size)
+        task, num_classes = "classification", classes
+    else:
+        x, y = _synthetic_regression(rng, samples or 4096, features)
+        task, num_classes = "regression", None
+    x_train, y_train, x_test, y_test = _split(
+        DSTensor.from_array(x, block_size), DSTensor.from_array(y, block_size), test_fraction, seed, name
+    )
+    return Dataset(x_train, y_train, x_test, y_test, task, num_classes, x.shape[1:], name)
+
+
+def _check_positive(**values: int | None) -> None:
+    for key, value in values.items():
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise UserError(f"{key} {value!r} is invalid; use a positive integer.")
+
+
+# ------------------------------------------------------------------------- built-in
+
+
+def _digits(block_size: int | None) -> Dataset:
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    bunch = load_digits()
+    x = (bunch.data / 16.0).astype(np.float32).reshape(-1, 1, 8, 8)
+    y = bunch.target.astype(np.int64)
+    train, test = train_test_split(np.arange(len(y)), test_size=0.2, random_state=0, stratify=y)
+    return Dataset(
+        x_train=DSTensor.from_array(x[train], block_size),
+        y_train=DSTensor.from_array(y[train], block_size),
+        x_test=DSTensor.from_array(x[test], block_size),
+        y_test=DSTensor.from_array(y[test], block_size),
+        task="classification",
+        num_classes=10,
+        input_shape=(1, 8, 8),
+        name="digits",
+    )
+
+
+def _synthetic_images(
+    rng: np.random.Generator, n: int, classes: int, channels: int, size: int
+) -> tuple[np.ndarray, np.ndarray]:
+    waves = 3
+    # Integer frequencies keep every template periodic, so a circular shift is still the same pattern.
+    freq = rng.integers(-2, 3, size=(classes, channels, waves, 2))
+    phase = rng.uniform(0, 2 * np.pi, size=(classes, channels, waves))
+    amp = rng.uniform(0.5, 1.0, size=(classes, channels, waves))
+    grid = np.arange(size) / size
+    angle = (
+        freq[..., 0, None, None] * grid[:, None] + freq[..., 1, None, None] * grid[None, :]
+    ) * 2 * np.pi + phase[..., None, None]
+    templates = (amp[..., None, None] * np.cos(angle)).sum(axis=2)
+    templates /= templates.std(axis=(1, 2, 3), keepdims=True) + 1e-6
+
+    labels = rng.integers(classes, size=n)
+    max_shift = max(size // 4, 1)
+    dy, dx = rng.integers(-max_shift, max_shift + 1, size=(2, n))
+    rows = (np.arange(size) - dy[:, None]) % size
+    cols = (np.arange(size) - dx[:, None]) % size
+    shifted = templates[labels[:, None, None, None], np.arange(channels)[None, :, None, None],
+                        rows[:, None, :, None], cols[:, None, None, :]]
+    scale = rng.uniform(0.5, 1.5, size=(n, 1, 1, 1))
+    x = scale * shifted + 1.5 * rng.standard_normal((n, channels, size, size))
+    return x.astype(np.float32), labels.astype(np.int64)
+
+
+def _synthetic_regression(rng: np.random.Generator, n: int, features: int) -> tuple[np.ndarray, np.ndarray]:
+    hidden = 16
+    w_in = rng.standard_normal((features, hidden)) / np.sqrt(features)
+    w_out = rng.standard_normal(hidden) / np.sqrt(hidden)
+    w_wave = rng.standard_normal(features) / np.sqrt(features)
+    x = rng.standard_normal((n, features))
+    logit = 2.0 * np.tanh(2.0 * x @ w_in) @ w_out + np.sin(2.0 * x @ w_wave) + 0.1 * rng.standard_normal(n)
+    # Clipping keeps float32 sigmoid values strictly inside (0, 1).
+    y = 1.0 / (1.0 + np.exp(-np.clip(logit, -8.0, 8.0)))
+    return x.astype(np.float32), y.astype(np.float32).reshape(n, 1)
+
+
+# ------------------------------------------------------------------------ user files
+
+
+def _load_file(path: Path, name: str | None, seed: int, block_size: int | None, test_fraction: float) -> Dataset:
+    if not path.exists():
+        raise UserError(f"data_path '{path}' does not exist.")
+    opened = _open_arrays(path, block_size)
+    if ("x_test" in opened) != ("y_test" in opened):
+        given, missing = ("x_test", "y_test") if "x_test" in opened else ("y_test", "x_test")
+        raise UserError(f"data file '{path}' has '{given}' but no '{missing}'; give both or neither.")
+
+    for key, tensor in opened.items():
+        _check_array(path, key, tensor, opened)
+    stats = {key: _scan(path, key, tensor) for key, tensor in opened.items()}
+
+    x, y = opened["x"], opened["y"]
+    task = "classification" if np.issubdtype(y.dtype, np.integer) else "regression"
+    num_classes = _num_classes(path, stats) if task == "classification" else None
+    if "x_test" in opened:
+        x_train, y_train, x_test, y_test = x, y, opened["x_test"], opened["y_test"]
+    else:
+        x_train, y_train, x_test, y_test = _split(x, y, test_fraction, seed, str(path))
+    label = name if name is not None else path.stem
+    return Dataset(x_train, y_train, x_test, y_test, task, num_classes, x.shape[1:], label)
+
+
+def _open_arrays(path: Path, block_size: int | None) -> dict[str, DSTensor]:
+    """The arrays among ``ARRAY_NAMES`` that ``path`` holds, opened lazily; ``x`` and ``y`` must be there."""
+    if path.is_dir() and not path.name.lower().endswith(".zarr"):
+        held = sorted(p.name for p in path.iterdir())
+        if "x.npy" not in held or "y.npy" not in held:
+            raise UserError(f"data directory '{path}' needs x.npy and y.npy; it holds: {', '.join(held) or 'nothing'}.")
+        return {
+            key: DSTensor.from_file(path / f"{key}.npy", None, block_size)
+            for key in ARRAY_NAMES
+            if f"{key}.npy" in held
+        }
+    if path.suffix.lower() == ".npy":
+        raise UserError(
+            f"data file '{path}' holds a single array; put x.npy and y.npy (optionally x_test.npy, y_test.npy) "
+            "in one directory and give that directory as data_path."
+        )
+    held = list_arrays(path)
+    for needed in ("x", "y"):
+        if needed not in held:
+            raise UserError(f"data file '{path}' has no array '{needed}'; it holds: {', '.join(held) or 'no arrays'}.")
+    return {key: DSTensor.from_file(path, key, block_size) for key in ARRAY_NAMES if key in held}
+
+
+def _check_array(path: Path, key: str, tensor: DSTensor, opened: dict[str, DSTensor]) -> None:
+    if len(tensor) == 0:
+        raise UserError(f"array '{key}' in '{path}' is empty (0 samples); it needs at least one sample.")
+    if key in ("y", "y_test") and len(tensor.shape) > 2:
+        raise UserError(f"array '{key}' in '{path}' has shape {tensor.shape}; labels or targets must be (n,) or (n, k).")
+    if not (np.issubdtype(tensor.dtype, np.integer) or np.issubdtype(tensor.dtype, np.floating)):
+        raise UserError(f"array '{key}' in '{path}' has dtype {tensor.dtype}; use an integer or floating dtype.")
+    if key in ("y", "y_test") and np.issubdtype(tensor.dtype, np.integer) and len(tensor.shape) != 1:
+        raise UserError(f"array '{key}' in '{path}' has shape {tensor.shape}; integer class labels must be 1-D, shape (n,).")
+    partner = {"x": "y", "x_test": "y_test"}.get(key)
+    if partner is not None and len(opened[partner]) != len(tensor):
+        raise UserError(
+            f"data file '{path}' has {len(tensor)} samples in '{key}' but {len(opened[partner])} in '{partner}'; "
+            "they must match."
+        )
+    train = {"x_test": "x", "y_test": "y"}.get(key)
+    if train is None:
+        return
+    if tensor.shape[1:] != opened[train].shape[1:]:
+        raise UserError(
+            f"array '{key}' in '{path}' has per-sample shape {tensor.shape[1:]} but '{train}' has "
+            f"{opened[train].shape[1:]}; they must match."
+        )
+    if np.issubdtype(tensor.dtype, np.integer) != np.issubdtype(opened[train].dtype, np.integer):
+        raise UserError(
+            f"array '{key}' in '{path}' has dtype {tensor.dtype} but '{train}' has {opened[train].dtype}; "
+            "both must be integer labels or both floating."
+        )
+
+
+def _scan(path: Path, key: str, tensor: DSTensor) -> tuple[float, float]:
+    """(min, max) of an array, read block by block; rejects NaN and infinite values."""
+    bad, low, high = 0, np.inf, -np.inf
+    for i in range(tensor.n_blocks):
+        block = tensor.block(i)
+        if np.issubdtype(block.dtype, np.floating):
+            finite = np.isfinite(block)
+            bad += int(block.size - np.count_nonzero(finite))
+            block = block[finite]
+        if block.size:
+            low, high = min(low, block.min()), max(high, block.max())
+    if bad:
+        raise UserError(f"array '{key}' in '{path}' has {bad} NaN or infinite values; remove or replace them.")
+    return float(low), float(high)
+
+
+def _num_classes(path: Path, stats: dict[str, tuple[float, float]]) -> int:
+    for key in ("y", "y_test"):
+        if key in stats and stats[key][0] < 0:
+            raise UserError(
+                f"array '{key}' in '{path}' has negative class label {int(stats[key][0])}; labels must be 0..C-1."
+            )
+    train_max = int(stats["y"][1])
+    if "y_test" in stats and stats["y_test"][1] > train_max:
+        raise UserError(
+            f"array 'y_test' in '{path}' has class label {int(stats['y_test'][1])} but 'y' only goes up to "
+            f"{train_max}; test labels must be classes seen in training."
+        )
+    if train_max < 1:
+        raise UserError(f"array 'y' in '{path}' has only class 0; classification needs at least 2 classes.")
+    return train_max + 1
+
+
+def _split(
+    x: DSTensor, y: DSTensor, test_fraction: float, seed: int, source: str
+) -> tuple[DSTensor, DSTensor, DSTensor, DSTensor]:
+    """Split off ``round(test_fraction * n)`` test samples chosen by ``seed``; both parts keep source order."""
+    n = len(x)
+    n_test = int(round(test_fraction * n))
+    if not 0 < n_test < n:
+        raise UserError(
+            f"test_fraction {test_fraction} of the {n} samples of '{source}' leaves {n_test} test and "
+            f"{n - n_test} training samples; both need at least one."
+        )
+    perm = np.random.default_rng(seed).permutation(n)
+    test, train = np.sort(perm[:n_test]), np.sort(perm[n_test:])
+    return x.subset(train), y.subset(train), x.subset(test), y.subset(test)
