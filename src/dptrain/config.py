@@ -7,14 +7,13 @@ the field, the bad value and what is valid (dptrain.errors.UserError).
 
 from __future__ import annotations
 
-import difflib
 import os
 from typing import Any, Literal, Optional
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from dptrain.errors import UserError
+from dptrain.errors import UserError, closest
 
 STRATEGIES = ("allreduce", "sync")
 
@@ -87,8 +86,8 @@ FIELDS = TrainConfig.model_fields
 
 
 def _closest(name: str) -> str:
-    match = difflib.get_close_matches(name, list(FIELDS), n=1)
-    return f"; did you mean '{match[0]}'?" if match else f"; valid keys are: {', '.join(FIELDS)}"
+    match = closest(name, list(FIELDS))
+    return f"; did you mean '{match}'?" if match else f"; valid keys are: {', '.join(FIELDS)}"
 
 
 def _describe(error: dict, origin: str) -> str:
@@ -122,7 +121,10 @@ def load_yaml(path: str) -> dict[str, Any]:
         with open(path) as handle:
             data = yaml.safe_load(handle) or {}
     except yaml.YAMLError as exc:
-        raise UserError(f"config file '{path}' is not valid YAML: {str(exc).splitlines()[0]}") from None
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise UserError(f"config file '{path}' is not valid YAML{where}: {problem}") from None
     if not isinstance(data, dict):
         raise UserError(f"config file '{path}' must hold a mapping of keys to values, not a {type(data).__name__}")
     return {str(key).replace("-", "_"): value for key, value in data.items()}
@@ -131,11 +133,12 @@ def load_yaml(path: str) -> dict[str, Any]:
 def resolve(config_file: Optional[str], overrides: dict[str, Any]) -> TrainConfig:
     """Config file values, then command-line overrides on top, validated once."""
     values = load_yaml(config_file) if config_file else {}
-    origin = f"'{config_file}'" if config_file else "the command line"
-    merged = {**values, **{key: value for key, value in overrides.items() if value is not None}}
-    if config_file and overrides:
-        origin = f"'{config_file}' or the command line"
-    return build_config(merged, origin)
+    given = {key: value for key, value in overrides.items() if value is not None}
+    if not config_file:
+        origin = "the command line"
+    else:
+        origin = f"'{config_file}' or the command line" if given else f"'{config_file}'"
+    return build_config({**values, **given}, origin)
 
 
 def to_yaml(config: TrainConfig) -> str:

@@ -9,3 +9,27 @@ class UserError(Exception):
     """
 
     exit_code = 2
+
+
+def closest(name: str, candidates: "list[str] | tuple[str, ...]") -> "str | None":
+    """The candidate a user most likely meant by `name`, or None.
+
+    Tried in order: a candidate whose words begin `name` (`--lr-rate` -> `--lr`), a candidate
+    spelled by the initials of `name`'s words (`learning_rate` -> `lr`), then difflib.
+    """
+    import difflib
+    import re
+
+    def words(text: str) -> list[str]:
+        return [w for w in re.split(r"[-_.\s]+", text.lower()) if w]
+
+    typed = words(name)
+    prefixed = [c for c in candidates if words(c) and typed[:len(words(c))] == words(c) and len(typed) > len(words(c))]
+    if prefixed:
+        return max(prefixed, key=lambda c: len(words(c)))
+    initials = "".join(w[0] for w in typed)
+    for candidate in candidates:
+        if len(typed) > 1 and "".join(words(candidate)) == initials:
+            return candidate
+    match = difflib.get_close_matches(name, list(candidates), n=1)
+    return match[0] if match else None

@@ -62,10 +62,13 @@ def init_process_group(env: DistEnv, *, device: str = "auto", timeout: float = 3
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=wait)
         else:
             options = {"device_id": dev} if backend == "nccl" else {}
+            # env:// rather than tcp://: under torchrun the agent already serves the store on
+            # MASTER_PORT (TORCHELASTIC_USE_AGENT_STORE), and user code sees the same variables.
+            os.environ.update(MASTER_ADDR=env.master_addr, MASTER_PORT=str(env.master_port),
+                              RANK=str(env.rank), WORLD_SIZE=str(env.world_size), LOCAL_RANK=str(env.local_rank))
             try:
-                dist.init_process_group(
-                    backend, init_method=f"tcp://{env.master_addr}:{env.master_port}",
-                    rank=env.rank, world_size=env.world_size, timeout=wait, **options)
+                dist.init_process_group(backend, init_method="env://", rank=env.rank, world_size=env.world_size,
+                                        timeout=wait, **options)
             except (RuntimeError, TimeoutError) as exc:
                 raise PeerFailure(
                     f"rank {env.rank}: rendezvous at {env.master_addr}:{env.master_port} failed within {timeout:g} s "

@@ -63,6 +63,17 @@ def port_from_job_id(job_id: str) -> int:
     return PORT_BASE + number % PORT_SPAN
 
 
+def expand_tasks_per_node(value: str) -> list[int]:
+    """SLURM's compressed task counts per node, e.g. "2(x3),1" -> [2, 2, 2, 1]."""
+    counts: list[int] = []
+    for part in value.split(","):
+        match = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", part)
+        if not match:
+            raise UserError(f"cannot parse SLURM tasks per node {value!r}")
+        counts += [int(match.group(1))] * int(match.group(2) or 1)
+    return counts
+
+
 def _scheduler(env: Mapping[str, str]) -> tuple[str, Optional[str], tuple[str, ...]]:
     """(scheduler name, job id, node names) from SLURM or PBS variables."""
     if "SLURM_JOB_ID" in env:
@@ -96,18 +107,22 @@ def _ranks(env: Mapping[str, str]) -> Optional[tuple[str, int, int, int, int]]:
     if "OMPI_COMM_WORLD_RANK" in env:
         return ("mpirun", _int(env, "OMPI_COMM_WORLD_RANK"), _int(env, "OMPI_COMM_WORLD_SIZE"),
                 _int(env, "OMPI_COMM_WORLD_LOCAL_RANK"), _int(env, "OMPI_COMM_WORLD_LOCAL_SIZE"))
-    # SLURM_PROCID is also set in the batch script itself; only an srun step has SLURM_STEP_ID.
-    if "SLURM_PROCID" in env and "SLURM_STEP_ID" in env and env.get("SLURM_STEP_ID") != "batch":
-        world = _int(env, "SLURM_STEP_NUM_TASKS") if "SLURM_STEP_NUM_TASKS" in env else _int(env, "SLURM_NTASKS")
-        local_rank = _int(env, "SLURM_LOCALID") if "SLURM_LOCALID" in env else 0
-        tasks_on_node = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or str(world)
-        local_world = int(re.match(r"\d+", tasks_on_node).group())  # "2(x3)" -> 2
-        return "srun", _int(env, "SLURM_PROCID"), world, local_rank, local_world
+    # Before SLURM: MPICH/Intel MPI mpiexec starts one proxy per node with srun, so its ranks
+    # inherit the proxy's SLURM_PROCID; PMI_RANK is the real rank.
     if "PMI_RANK" in env and "PMI_SIZE" in env:
         world = _int(env, "PMI_SIZE")
         local_rank = _int(env, "MPI_LOCALRANKID") if "MPI_LOCALRANKID" in env else 0
         local_world = _int(env, "MPI_LOCALNRANKS") if "MPI_LOCALNRANKS" in env else world
         return "pmi", _int(env, "PMI_RANK"), world, local_rank, local_world
+    # SLURM_PROCID is also set in the batch script itself; only an srun step has SLURM_STEP_ID.
+    if "SLURM_PROCID" in env and "SLURM_STEP_ID" in env and env.get("SLURM_STEP_ID") != "batch":
+        world = _int(env, "SLURM_STEP_NUM_TASKS") if "SLURM_STEP_NUM_TASKS" in env else _int(env, "SLURM_NTASKS")
+        local_rank = _int(env, "SLURM_LOCALID") if "SLURM_LOCALID" in env else 0
+        tasks_per_node = expand_tasks_per_node(
+            env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or str(world))
+        node = _int(env, "SLURM_NODEID") if "SLURM_NODEID" in env else 0
+        local_world = tasks_per_node[node] if node < len(tasks_per_node) else tasks_per_node[0]
+        return "srun", _int(env, "SLURM_PROCID"), world, local_rank, local_world
     return None
 
 

@@ -9,6 +9,7 @@ non-zero with one line naming the failed rank.
 from __future__ import annotations
 
 import os
+import queue
 import signal
 import subprocess
 import sys
@@ -78,21 +79,20 @@ def launch_local(workers: int, argv: Sequence[str]) -> int:
             pump.start()
             pumps.append(pump)
 
+    # One waiter thread per worker reports exits in the order they happen, so the worker
+    # that failed first is named, not a peer that failed because it lost that worker.
+    exits: queue.Queue = queue.Queue()
+    for rank, proc in enumerate(procs):
+        threading.Thread(target=lambda r=rank, p=proc: exits.put((r, p.wait())), daemon=True).start()
     failed: tuple[int, int] | None = None
     try:
-        while any(proc.poll() is None for proc in procs):
-            for rank, proc in enumerate(procs):
-                code = proc.poll()
-                if code not in (None, 0):
-                    failed = (rank, code)
-                    break
-            if failed:
+        for _ in procs:
+            rank, code = exits.get()
+            if code != 0:
+                failed = (rank, code)
                 break
-            time.sleep(0.05)
     except KeyboardInterrupt:
-        failed = failed or (-1, 130)
-    if failed is None:
-        failed = next(((rank, proc.returncode) for rank, proc in enumerate(procs) if proc.returncode), None)
+        failed = (-1, 130)
 
     if failed is not None:
         rank, code = failed

@@ -1,0 +1,107 @@
+"""`dptrain train` from a TrainConfig: validate up front, spawn or join the workers, train, write the run.
+
+The launching process validates everything a user can get wrong (config, data, model, run
+directory) before any worker starts, so bad input fails once, with one line and exit code 2.
+"""
+
+from __future__ import annotations
+
+import os
+from functools import partial
+
+import torch
+
+from dptrain.config import TrainConfig, to_yaml
+from dptrain.data import Dataset, load_dataset
+from dptrain.errors import UserError
+from dptrain.models import build_model, check_output_shape
+from dptrain.runtime.distributed import destroy_process_group, init_process_group, set_cpu_threads
+from dptrain.runtime.env import DistEnv, detect
+from dptrain.runtime.launcher import launch_local
+from dptrain.strategies import build_strategy
+from dptrain.train.optim import build_optimizer, build_schedule
+from dptrain.train.rundir import claim_run_dir, default_run_dir
+from dptrain.train.trainer import Trainer
+
+
+def load_data(config: TrainConfig) -> Dataset:
+    return load_dataset(config.dataset if config.data is None else None, data_path=config.data, seed=config.seed,
+                        block_size=config.block_size, samples=config.samples, image_size=config.image_size,
+                        channels=config.channels, classes=config.classes, features=config.features)
+
+
+def make_model(config: TrainConfig, data: Dataset) -> torch.nn.Module:
+    """The model, initialised identically on every rank (seeded before construction)."""
+    torch.manual_seed(config.seed)
+    model = build_model(config.model, data.input_shape, data.num_outputs, options=config.model_options)
+    check_output_shape(model, data.input_shape, data.num_outputs)
+    return model
+
+
+def loss_name(config: TrainConfig, data: Dataset) -> str:
+    if config.loss != "auto":
+        return config.loss
+    return "cross-entropy" if data.task == "classification" else "mse"
+
+
+def validate(config: TrainConfig) -> None:
+    """Everything that can be checked before workers start: data, model, loss, worker count."""
+    data = load_data(config)
+    make_model(config, data)
+    loss = loss_name(config, data)
+    if (loss == "cross-entropy") != (data.task == "classification"):
+        valid = "cross-entropy" if data.task == "classification" else "mse"
+        raise UserError(f"--loss {loss} does not fit this {data.task} data set; use {valid} or auto")
+    if len(data.x_train) < config.workers:
+        raise UserError(f"the training set has {len(data.x_train)} samples, fewer than the {config.workers} workers; "
+                        f"use at most {len(data.x_train)} workers")
+    if config.batch_size > len(data.x_train) // config.workers:
+        raise UserError(f"--batch-size {config.batch_size} is larger than a worker's shard of "
+                        f"{len(data.x_train) // config.workers} samples ({len(data.x_train)} samples over "
+                        f"{config.workers} workers); use at most {len(data.x_train) // config.workers}")
+
+
+def train(config: TrainConfig) -> int:
+    """Entry point of `dptrain train`: spawn local workers or run as one rank of a launched job."""
+    env = detect()
+    if not env.launched:
+        validate(config)
+    if not env.launched and config.workers > 1:
+        out = config.out or default_run_dir(config.strategy)
+        run_dir = claim_run_dir(out)
+        config = config.model_copy(update={"out": str(run_dir)})
+        (run_dir / "config.yaml").write_text(to_yaml(config))
+        print(f"dptrain: {config.workers} workers on this machine, run directory {run_dir}", flush=True)
+        return launch_local(config.workers, ["train", "--config", str(run_dir / "config.yaml")])
+    run_worker(config, env)
+    return 0
+
+
+def run_worker(config: TrainConfig, env: DistEnv) -> dict:
+    """Train as one rank (or alone): the same code under every launcher."""
+    set_cpu_threads()
+    ctx = init_process_group(env, device=config.device, timeout=config.timeout)
+    try:
+        if env.launcher != "local" and ctx.is_main:
+            config = config.model_copy(update={"out": config.out or default_run_dir(config.strategy),
+                                               "workers": ctx.world_size})
+            run_dir = claim_run_dir(config.out)
+            (run_dir / "config.yaml").write_text(to_yaml(config))
+        data = load_data(config)
+        model = make_model(config, data)
+        lr = config.lr * (ctx.world_size if config.scale_lr else 1)
+        optimizer = build_optimizer(config.optimizer, model.parameters(), lr=lr, momentum=config.momentum,
+                                    nesterov=config.nesterov, weight_decay=config.weight_decay)
+        schedule = partial(_schedule, config)
+        trainer = Trainer(model, optimizer, loss_name(config, data), build_strategy(config),
+                          batch_size=config.batch_size, schedule=schedule, amp=config.amp,
+                          grad_clip=config.grad_clip, seed=config.seed, shuffle=config.shuffle,
+                          out=config.out if ctx.is_main else None, progress=config.progress, ctx=ctx)
+        return trainer.fit((data.x_train, data.y_train), (data.x_test, data.y_test), epochs=config.epochs)
+    finally:
+        destroy_process_group()
+
+
+def _schedule(config: TrainConfig, optimizer, steps_per_epoch: int, epochs: int):
+    return build_schedule(optimizer, steps_per_epoch=steps_per_epoch, epochs=epochs, schedule=config.lr_schedule,
+                          warmup_epochs=config.warmup_epochs, step_epochs=config.lr_step_epochs, gamma=config.lr_gamma)

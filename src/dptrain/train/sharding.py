@@ -1,0 +1,56 @@
+"""Which samples each worker sees in each epoch, in which order: one rule for every strategy.
+
+Pure functions of (sample count, rank, world, epoch, seed), so every strategy gives a worker
+the same shard and order for a given seed, and tests can rebuild any worker's batches.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from dptrain.data.dstensor import DSTensor
+from dptrain.errors import UserError
+
+SHUFFLES = ("global", "local", "none")
+
+
+def derive_seed(*parts: int) -> int:
+    """An independent 63-bit seed for each (seed, epoch[, rank]) tuple."""
+    return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(2, np.uint64)[0] >> np.uint64(1))
+
+
+def steps_per_epoch(n_samples: int, world: int, batch_size: int) -> int:
+    """Steps every worker takes per epoch: the same on all workers, or allreduce would hang.
+
+    Shards differ by at most one sample; each is cut into this many near-equal batches, so
+    no sample is dropped or repeated and no batch exceeds batch_size (except by one sample
+    when batch_size is 1 and the shards are unequal).
+    """
+    if n_samples < world:
+        raise UserError(f"the training set has {n_samples} samples, fewer than the {world} workers; use at most {n_samples} workers")
+    largest, smallest = math.ceil(n_samples / world), n_samples // world
+    return max(1, min(math.ceil(largest / batch_size), smallest))
+
+
+def epoch_indices(n_samples: int, rank: int, world: int, epoch: int, seed: int, shuffle: str = "global") -> np.ndarray:
+    """Sample indices worker `rank` visits in `epoch`, in visiting order.
+
+    global: a fresh permutation of all samples each epoch (DSTensor.shuffle), then the
+    worker's contiguous slice of it; local: the worker keeps the same shard for the whole run
+    and permutes it each epoch; none: the same shard in file order.
+    """
+    if shuffle not in SHUFFLES:
+        raise ValueError(f"shuffle must be one of {SHUFFLES}, not {shuffle!r}")
+    order = DSTensor.from_array(np.arange(n_samples))
+    if shuffle == "global":
+        order = order.shuffle(derive_seed(seed, epoch))
+    shard = order.shard(rank, world).to_numpy()
+    if shuffle == "local":
+        shard = shard[np.random.default_rng(derive_seed(seed, epoch, rank)).permutation(len(shard))]
+    return shard
+
+
+def batches(indices: np.ndarray, steps: int) -> list[np.ndarray]:
+    return np.array_split(indices, steps)

@@ -1,0 +1,299 @@
+"""The one training loop, for every strategy: shard, step, let the strategy communicate, evaluate.
+
+    trainer = Trainer(model, optimizer, "cross-entropy", strategy=Sync(every=1))
+    summary = trainer.fit((x_train, y_train), (x_test, y_test), epochs=10)
+
+Under a launcher (dptrain's own, torchrun, srun, mpirun) every rank runs this same code; in a
+plain `python script.py` it trains as one worker. A strategy only decides what is
+communicated and when, through the hooks of dptrain.strategies.base.Strategy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional, Sequence, Union
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+from tqdm import tqdm
+
+from dptrain.data.dstensor import DSTensor
+from dptrain.errors import UserError
+from dptrain.runtime.distributed import DistContext, PeerFailure, init_process_group
+from dptrain.runtime.env import detect
+from dptrain.strategies.base import Strategy
+from dptrain.train import sharding
+from dptrain.train.rundir import append_jsonl, write_json
+
+ArrayLike = Union[DSTensor, np.ndarray, torch.Tensor]
+Split = tuple[ArrayLike, ArrayLike]
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+EVAL_BATCH = 1024
+
+
+def as_dstensor(data: ArrayLike) -> DSTensor:
+    return data if isinstance(data, DSTensor) else DSTensor.from_array(data)
+
+
+def make_loss(loss: Union[str, LossFn]) -> LossFn:
+    if callable(loss):
+        return loss
+    if loss == "cross-entropy":
+        return nn.CrossEntropyLoss()
+    if loss == "mse":
+        mse = nn.MSELoss()
+        return lambda output, target: mse(output, target.reshape(output.shape))
+    raise ValueError(f"unknown loss {loss!r}: use 'cross-entropy', 'mse' or a callable")
+
+
+@dataclass
+class EpochStats:
+    """What one worker measured in one epoch."""
+
+    rank: int
+    samples: int
+    train_loss: float
+    train_seconds: float
+    comm_bytes: int
+
+
+class Trainer:
+    """Data-parallel training of `model` with `strategy` (default: per-step all-reduce)."""
+
+    def __init__(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
+                 loss: Union[str, LossFn] = "cross-entropy", strategy: Optional[Strategy] = None, *,
+                 batch_size: int = 32, schedule: Optional[Callable[[torch.optim.Optimizer, int, int], object]] = None,
+                 amp: str = "none", grad_clip: Optional[float] = None, seed: int = 0, shuffle: str = "global",
+                 device: str = "auto", timeout: float = 300.0, out: Optional[str] = None, progress: bool = True,
+                 ctx: Optional[DistContext] = None, log: Callable[[str], None] = print) -> None:
+        if strategy is None:
+            from dptrain.strategies.allreduce import AllReduce
+            strategy = AllReduce()
+        self.ctx = ctx or init_process_group(detect(), device=device, timeout=timeout)
+        self.model = model.to(self.ctx.device)
+        self.optimizer = optimizer or torch.optim.SGD(model.parameters(), lr=0.01)
+        self.loss_fn = make_loss(loss)
+        self.strategy = strategy
+        self.batch_size = batch_size
+        self.schedule = schedule
+        self.grad_clip = grad_clip
+        self.seed = seed
+        self.shuffle = shuffle
+        self.out = Path(out) if out else None
+        self.log = log if self.ctx.is_main else (lambda message: None)
+        self.show_progress = progress and self.ctx.is_main and (sys.stderr.isatty() or os.environ.get("DPTRAIN_TTY") == "1")
+        self.amp_dtype = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}[amp]
+        if amp == "fp16" and self.ctx.device.type != "cuda":
+            raise UserError("--amp fp16 needs a GPU; on the CPU use --amp bf16 or none")
+        self.scaler = torch.amp.GradScaler("cuda") if amp == "fp16" else None
+        self.history: list[dict] = []
+
+    # -- the loop -----------------------------------------------------------------------
+    def fit(self, train: Split, test: Optional[Split] = None, epochs: int = 1) -> dict:
+        """Train for `epochs`; return the summary (also written to OUT/summary.json)."""
+        x_train, y_train = (as_dstensor(a) for a in train)
+        if len(x_train) != len(y_train):
+            raise UserError(f"x has {len(x_train)} samples but y has {len(y_train)}; they must match")
+        rank, world = self.ctx.rank, self.ctx.world_size
+        steps = sharding.steps_per_epoch(len(x_train), world, self.batch_size)
+        scheduler = self.schedule(self.optimizer, steps, epochs) if self.schedule else None
+        torch.manual_seed(self.seed + rank)  # dropout and friends differ per worker, reproducibly
+        train_model = self._guard("setup", lambda: self.strategy.setup(self.model, self.optimizer, self.ctx))
+        fixed_shard = None
+        if self.shuffle != "global":  # the shard never changes: read it once
+            rows = np.sort(sharding.epoch_indices(len(x_train), rank, world, 0, self.seed, "none"))
+            fixed_shard = (rows, self._to_tensor(x_train.take(rows)), self._to_tensor(y_train.take(rows)))
+
+        started = time.perf_counter()
+        step = 0
+        global_model_evaluated = False
+        for epoch in range(epochs):
+            epoch_start = time.perf_counter()
+            order = sharding.epoch_indices(len(x_train), rank, world, epoch, self.seed, self.shuffle)
+            if fixed_shard is None:
+                xs, ys = self._to_tensor(x_train.take(order)), self._to_tensor(y_train.take(order))
+                positions = torch.arange(len(order))
+            else:
+                rows, xs, ys = fixed_shard
+                positions = torch.from_numpy(np.searchsorted(rows, order))
+            train_model.train()
+            loss_sum, seen = 0.0, 0
+            bar = tqdm(total=steps, desc=f"epoch {epoch + 1}/{epochs}", leave=False, disable=not self.show_progress,
+                       dynamic_ncols=True)
+            for batch in np.array_split(positions.numpy(), steps):
+                batch = torch.from_numpy(batch)
+                loss = self._train_step(train_model, xs[batch], ys[batch])
+                step += 1
+                if scheduler is not None:
+                    scheduler.step()
+                self._guard("after_step", lambda: self.strategy.after_step(step))
+                loss_sum += loss * len(batch)
+                seen += len(batch)
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
+            bar.close()
+            is_global = self._guard("end_epoch", lambda: self.strategy.end_epoch(epoch))
+            train_seconds = time.perf_counter() - epoch_start
+            stats = EpochStats(rank, seen, loss_sum / max(seen, 1), train_seconds, self.strategy.comm_bytes)
+            test_metrics = self.evaluate(self.strategy.model, test) if (test is not None and is_global) else None
+            global_model_evaluated = test_metrics is not None
+            self._record(epoch, epochs, stats, test_metrics, time.perf_counter() - started)
+
+        final = self._guard("finish", self.strategy.finish)
+        wall = time.perf_counter() - started
+        final_metrics = None
+        if test is not None:
+            last = self.history[-1]
+            final_metrics = ({"test_loss": last["test_loss"], "test_accuracy": last["test_accuracy"]}
+                             if global_model_evaluated else self.evaluate(final, test))
+        return self._summarise(final, epochs, wall, final_metrics)
+
+    def _train_step(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+        device = self.ctx.device
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        autocast = (torch.autocast(device.type, dtype=self.amp_dtype) if self.amp_dtype
+                    else contextlib.nullcontext())
+        with autocast:
+            output = model(x)
+            loss = self.loss_fn(output.float(), y)
+        scaled = self.scaler.scale(loss) if self.scaler else loss
+        self._guard("backward", scaled.backward)
+        self.strategy.after_backward(model)
+        if self.grad_clip is not None:
+            if self.scaler:
+                self.scaler.unscale_(self.optimizer)
+            nn.utils.clip_grad_norm_(model.parameters(), self.grad_clip)
+        if self.scaler:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss.item()
+
+    # -- evaluation and records ------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module, test: Split) -> dict:
+        """Loss and accuracy of `model` (the same on every rank) over the whole test split.
+
+        Each rank evaluates its slice; three numbers are summed across ranks (metric
+        traffic, not counted in comm_bytes).
+        """
+        x_test, y_test = (as_dstensor(a) for a in test)
+        rank, world = self.ctx.rank, self.ctx.world_size
+        x_part, y_part = x_test.shard(rank, world), y_test.shard(rank, world)
+        was_training = model.training
+        model.eval()
+        totals = torch.zeros(3, dtype=torch.float64)  # loss sum, correct, count
+        classify = np.dtype(y_test.dtype).kind in "iu"
+        for start in range(0, len(x_part), EVAL_BATCH):
+            rows = np.arange(start, min(start + EVAL_BATCH, len(x_part)))
+            x = self._to_tensor(x_part.take(rows)).to(self.ctx.device)
+            y = self._to_tensor(y_part.take(rows)).to(self.ctx.device)
+            output = model(x).float()
+            totals[0] += self.loss_fn(output, y).item() * len(rows)
+            if classify:
+                totals[1] += (output.argmax(dim=1) == y).sum().item()
+            totals[2] += len(rows)
+        model.train(was_training)
+        if world > 1:
+            reduced = totals.to(self.ctx.device) if self.ctx.backend == "nccl" else totals
+            self._guard("evaluate", lambda: dist.all_reduce(reduced))
+            totals = reduced.cpu()
+        count = max(totals[2].item(), 1.0)
+        return {"test_loss": totals[0].item() / count,
+                "test_accuracy": totals[1].item() / count if classify else None}
+
+    def _record(self, epoch: int, epochs: int, stats: EpochStats, test: Optional[dict], wall: float) -> None:
+        per_worker: list[EpochStats] = [stats]
+        if self.ctx.world_size > 1:
+            gathered: list = [None] * self.ctx.world_size
+            self._guard("metrics", lambda: dist.all_gather_object(gathered, stats))
+            per_worker = gathered
+        samples = sum(s.samples for s in per_worker)
+        record = {
+            "epoch": epoch + 1,
+            "train_loss": sum(s.train_loss * s.samples for s in per_worker) / max(samples, 1),
+            "test_loss": test["test_loss"] if test else None,
+            "test_accuracy": test["test_accuracy"] if test else None,
+            "evaluated": test is not None,
+            "samples_per_second": sum(s.samples / max(s.train_seconds, 1e-9) for s in per_worker),
+            "comm_bytes": sum(s.comm_bytes for s in per_worker),
+            "epoch_seconds": max(s.train_seconds for s in per_worker),
+            "wall_seconds": wall,
+            "lr": self.optimizer.param_groups[0]["lr"],
+            "workers": [vars(s) for s in per_worker],
+        }
+        self.history.append(record)
+        if self.ctx.is_main:
+            if self.out:
+                append_jsonl(self.out / "metrics.jsonl", record)
+            accuracy = f"  test_acc {test['test_accuracy']:.4f}" if test and test["test_accuracy"] is not None else ""
+            test_loss = f"  test_loss {test['test_loss']:.4f}" if test else ""
+            self.log(f"epoch {epoch + 1}/{epochs}  train_loss {record['train_loss']:.4f}{test_loss}{accuracy}  "
+                     f"{record['epoch_seconds']:.2f} s  {record['samples_per_second']:.0f} samples/s  "
+                     f"comm {record['comm_bytes'] / 1e6:.3f} MB")
+
+    def _summarise(self, final: nn.Module, epochs: int, wall: float, test: Optional[dict]) -> dict:
+        comm = [self.strategy.comm_bytes]
+        if self.ctx.world_size > 1:
+            comm = [None] * self.ctx.world_size
+            self._guard("summary", lambda: dist.all_gather_object(comm, self.strategy.comm_bytes))
+        samples = sum(sum(w["samples"] for w in record["workers"]) for record in self.history)
+        summary = {
+            "strategy": self.strategy.name,
+            "strategy_options": self.strategy.describe(),
+            "workers": self.ctx.world_size,
+            "epochs": epochs,
+            "test_accuracy": test["test_accuracy"] if test else None,
+            "test_loss": test["test_loss"] if test else None,
+            "wall_seconds": wall,
+            "samples_per_second": samples / max(wall, 1e-9),
+            "comm_bytes": sum(comm),
+            "comm_bytes_per_worker": comm,
+            "model_parameters": sum(p.numel() for p in final.parameters()),
+            "backend": self.ctx.backend,
+            "device": str(self.ctx.device),
+            "launcher": self.ctx.launcher,
+            "seed": self.seed,
+        }
+        if self.ctx.is_main and self.out:
+            torch.save({k: v.detach().cpu() for k, v in final.state_dict().items()}, self.out / "model.pt")
+            write_json(self.out / "summary.json", summary)
+        return summary
+
+    # -- helpers ---------------------------------------------------------------------------
+    @staticmethod
+    def _to_tensor(array: np.ndarray) -> torch.Tensor:
+        """Features and regression targets as float32, class labels as int64, whatever the file held."""
+        if array.dtype.kind == "f" and array.dtype != np.float32:
+            array = array.astype(np.float32)
+        elif array.dtype.kind in "iu" and array.dtype != np.int64:
+            array = array.astype(np.int64)
+        return torch.from_numpy(np.ascontiguousarray(array))
+
+    def _guard(self, what: str, action: Callable):
+        """Run `action`; turn a failed or timed-out collective into one line naming this rank."""
+        begun = time.perf_counter()
+        try:
+            return action()
+        except (dist.DistError, RuntimeError) as exc:
+            if self.ctx.world_size == 1 or not _looks_like_peer_failure(exc):
+                raise
+            raise PeerFailure(
+                f"rank {self.ctx.rank}: a peer is gone or stuck — {what} failed after "
+                f"{time.perf_counter() - begun:.1f} s (timeout {self.ctx.timeout:g} s): {str(exc).splitlines()[0]}") from None
+
+
+def _looks_like_peer_failure(exc: BaseException) -> bool:
+    if isinstance(exc, dist.DistError):
+        return True
+    text = str(exc).lower()
+    return any(word in text for word in ("connection", "timed out", "timeout", "gloo", "nccl", "peer", "closed"))

@@ -1,0 +1,269 @@
+"""TrainConfig from YAML and flags: defaults, round trips, precedence, and one-line errors for bad input.
+
+The CLI is called in-process only with arguments that fail before any training starts.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from dptrain import cli
+from dptrain.config import FIELDS, TrainConfig, build_config, load_yaml, resolve, to_yaml
+from dptrain.errors import UserError
+
+
+@pytest.fixture
+def write(tmp_path):
+    """write(text) -> path of a YAML file holding text."""
+    def _write(text: str, name: str = "run.yaml") -> str:
+        path = tmp_path / name
+        path.write_text(text)
+        return str(path)
+    return _write
+
+
+def _user_error(call, *args) -> str:
+    with pytest.raises(UserError) as caught:
+        call(*args)
+    message = str(caught.value)
+    assert "\n" not in message, message
+    return message
+
+
+# ----------------------------------------------------------------------------- defaults and round trips
+
+def test_defaults_validate():
+    config = build_config({})
+    assert config == TrainConfig()
+    assert (config.strategy, config.dataset, config.workers, config.lr) == ("allreduce", "digits", 2, 0.05)
+
+
+def test_no_file_and_no_overrides_gives_the_defaults():
+    assert resolve(None, {}) == TrainConfig()
+
+
+def test_default_config_round_trips_through_yaml(write):
+    config = TrainConfig()
+    assert build_config(load_yaml(write(to_yaml(config)))) == config
+
+
+def test_changed_config_round_trips_through_yaml(write):
+    config = build_config({
+        "strategy": "sync", "sync_every_steps": 5, "optimizer_state": "average", "outer": "nesterov",
+        "model": "resnet", "model_options": {"depth": 14, "widths": [16, 32], "norm": None},
+        "dataset": None, "data": "/data/x.npz", "samples": 100, "grad_clip": 1.5, "warmup_epochs": 0.5,
+        "nesterov": True, "progress": False, "out": "runs/one", "amp": "bf16", "timeout": 12.5,
+    })
+    again = resolve(write(to_yaml(config)), {})
+    assert again == config
+    assert again.model_options == {"depth": 14, "widths": [16, 32], "norm": None}
+
+
+def test_yaml_keys_may_use_dashes(write):
+    config = resolve(write("batch-size: 64\nlr-schedule: cosine\n"), {})
+    assert (config.batch_size, config.lr_schedule) == (64, "cosine")
+
+
+def test_empty_yaml_file_gives_the_defaults(write):
+    assert resolve(write(""), {}) == TrainConfig()
+
+
+# ----------------------------------------------------------------------------- flags over file
+
+def test_flags_override_the_file(write):
+    path = write("lr: 0.5\nepochs: 3\n")
+    config = resolve(path, {"lr": "0.1"})
+    assert (config.lr, config.epochs) == (0.1, 3)
+
+
+def test_none_overrides_are_ignored(write):
+    path = write("lr: 0.5\nepochs: 3\n")
+    config = resolve(path, {"lr": None, "epochs": None, "nesterov": None})
+    assert (config.lr, config.epochs, config.nesterov) == (0.5, 3, False)
+
+
+@pytest.mark.parametrize("key, text, value", [
+    ("epochs", "10", 10), ("batch_size", "7", 7), ("lr", "1e-3", 0.001), ("warmup_epochs", "0.5", 0.5),
+    ("nesterov", "true", True), ("progress", "false", False), ("scale_lr", "1", True),
+    ("grad_clip", "2", 2.0), ("strategy", "sync", "sync"),
+])
+def test_flag_strings_are_coerced(key, text, value):
+    config = resolve(None, {key: text})
+    assert getattr(config, key) == value
+    assert type(getattr(config, key)) is type(value)
+
+
+# ----------------------------------------------------------------------------- one-line errors
+
+def test_unknown_key_suggests_the_close_one(write):
+    message = _user_error(resolve, write("batchsize: 8\n"), {})
+    assert "'batchsize'" in message and "did you mean 'batch_size'" in message
+
+
+def test_unknown_key_learning_rate_suggests_lr(write):
+    message = _user_error(resolve, write("learning_rate: 0.1\n"), {})
+    assert "'learning_rate'" in message and "did you mean 'lr'" in message
+
+
+def test_unknown_key_with_nothing_close_lists_the_valid_keys(write):
+    message = _user_error(resolve, write("zzzz: 1\n"), {})
+    assert "'zzzz'" in message and "valid keys are" in message and "batch_size" in message
+
+
+@pytest.mark.parametrize("text, key, bad, valid", [
+    ("epochs: ten\n", "epochs", "'ten'", "valid integer"),
+    ("epochs: -3\n", "epochs", "-3", "greater than or equal to 1"),
+    ("workers: 0\n", "workers", "0", "greater than or equal to 1"),
+    ("lr: 0\n", "lr", "0", "greater than 0"),
+    ("momentum: 1.5\n", "momentum", "1.5", "less than 1"),
+    ("optimizer: lbfgs\n", "optimizer", "'lbfgs'", "'sgd', 'adam' or 'adamw'"),
+    ("batch_size: 2.5\n", "batch_size", "2.5", "integer"),
+])
+def test_bad_value_names_key_value_and_what_is_valid(write, text, key, bad, valid):
+    message = _user_error(resolve, write(text), {})
+    assert f"'{key}'" in message and "--" + key.replace("_", "-") in message
+    assert f"got {bad}" in message and valid in message
+
+
+def test_bad_strategy_lists_the_strategies(write):
+    message = _user_error(resolve, write("strategy: foo\n"), {})
+    assert "'foo'" in message and "'allreduce'" in message and "'sync'" in message
+
+
+def test_bad_flag_value_says_it_came_from_the_command_line():
+    message = _user_error(resolve, None, {"epochs": "-3"})
+    assert "--epochs" in message and "'-3'" in message and "command line" in message
+
+
+def test_bad_file_value_with_no_flags_given_is_blamed_on_the_file(write):
+    message = _user_error(resolve, write("epochs: ten\n"), {"lr": None, "epochs": None})
+    assert "command line" not in message
+
+
+def test_sync_every_steps_needs_strategy_sync(write):
+    message = _user_error(resolve, write("strategy: allreduce\nsync_every_steps: 5\n"), {})
+    assert "sync_every_steps" in message and "allreduce" in message and "sync" in message
+    assert resolve(write("strategy: sync\nsync_every_steps: 5\n"), {}).sync_every_steps == 5
+
+
+def test_neither_dataset_nor_data_is_an_error(write):
+    message = _user_error(resolve, write("dataset: null\n"), {})
+    assert "--dataset" in message and "--data" in message
+
+
+def test_yaml_list_is_not_a_config(write):
+    path = write("- lr: 0.1\n- epochs: 3\n")
+    message = _user_error(resolve, path, {})
+    assert path in message and "mapping" in message and "list" in message
+
+
+def test_invalid_yaml_is_a_user_error(write):
+    path = write("lr: [0.1\nepochs: 3\n")
+    message = _user_error(load_yaml, path)
+    assert path in message and "not valid YAML" in message
+
+
+def test_invalid_yaml_says_where(write):
+    message = _user_error(load_yaml, write("lr: 0.1\nepochs: 3\n  momentum: 0.8\n"))
+    assert "line 3" in message
+
+
+def test_missing_config_file(tmp_path):
+    path = str(tmp_path / "nope.yaml")
+    message = _user_error(resolve, path, {"lr": "0.1"})
+    assert path in message and "does not exist" in message
+
+
+# ----------------------------------------------------------------------------- the CLI
+
+@pytest.fixture
+def run_cli(capsys, monkeypatch):
+    """run_cli(*argv) -> (exit code, stderr lines); DPTRAIN_DEBUG is restored afterwards."""
+    monkeypatch.setenv("DPTRAIN_DEBUG", "0")  # main() sets it to 1 under --debug; setenv undoes that
+
+    def _run(*argv: str) -> tuple[int, list[str]]:
+        code = cli.main(list(argv))
+        return code, capsys.readouterr().err.splitlines()
+    return _run
+
+
+def _one_error_line(lines: list[str]) -> str:
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("dptrain: error: ")
+    return lines[0]
+
+
+def test_every_config_field_is_a_train_flag():
+    parsed = vars(cli.build_parser().parse_args(["train"]))
+    assert set(FIELDS) <= set(parsed)
+
+
+def test_cli_unknown_flag_is_one_line(run_cli):
+    code, lines = run_cli("train", "--lr-rate", "0.1")
+    assert code == 2
+    assert "--lr-rate" in _one_error_line(lines)
+
+
+def test_cli_unknown_flag_suggests_lr(run_cli):
+    code, lines = run_cli("train", "--lr-rate", "0.1")
+    assert code == 2
+    assert "did you mean --lr?" in _one_error_line(lines)
+
+
+def test_cli_unknown_flag_suggests_batch_size(run_cli):
+    code, lines = run_cli("train", "--batchsize", "8")
+    assert code == 2
+    assert "did you mean --batch-size?" in _one_error_line(lines)
+
+
+def test_cli_negative_epochs(run_cli):
+    code, lines = run_cli("train", "--epochs", "-3")
+    assert code == 2
+    line = _one_error_line(lines)
+    assert "--epochs" in line and "'-3'" in line
+
+
+def test_cli_model_option_without_equals(run_cli):
+    code, lines = run_cli("train", "--model-option", "depth")
+    assert code == 2
+    line = _one_error_line(lines)
+    assert "'depth'" in line and "KEY=VALUE" in line
+
+
+def test_cli_bad_key_in_config_file(run_cli, write):
+    path = write("batchsize: 8\n")
+    code, lines = run_cli("train", "--config", path)
+    assert code == 2
+    assert "did you mean 'batch_size'" in _one_error_line(lines)
+
+
+def test_cli_missing_config_file(run_cli, tmp_path):
+    code, lines = run_cli("train", "--config", str(tmp_path / "nope.yaml"), "--epochs", "1")
+    assert code == 2
+    assert "does not exist" in _one_error_line(lines)
+
+
+def test_cli_unknown_command(run_cli):
+    code, lines = run_cli("trian")
+    assert code == 2
+    assert "'trian'" in _one_error_line(lines)
+
+
+@pytest.mark.parametrize("argv", [
+    ("train", "--lr-rate", "0.1"),
+    ("train", "--epochs", "-3"),
+    ("train", "--model-option", "depth"),
+    ("train", "--strategy", "foo"),
+])
+def test_cli_debug_shows_the_traceback(run_cli, argv):
+    code, lines = run_cli("--debug", *argv)
+    assert code == 2
+    assert lines[0] == "Traceback (most recent call last):"
+    assert lines[-1].startswith("dptrain: error: ")
+    assert any("UserError" in line for line in lines)
+
+
+def test_cli_debug_may_follow_the_command(run_cli):
+    code, lines = run_cli("train", "--epochs", "-3", "--debug")
+    assert code == 2
+    assert "Traceback (most recent call last):" in lines

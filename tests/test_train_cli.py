@@ -1,0 +1,187 @@
+"""`dptrain train` end to end: real worker processes on 127.0.0.1, real run directories."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from dptrain.data import load_dataset
+from dptrain.models import build_model
+from dptrain.runtime.env import free_port
+
+pytestmark = pytest.mark.slow
+DIGITS = ["--dataset", "digits", "--model", "mlp", "--epochs", "10", "--batch-size", "32", "--lr", "0.05"]
+
+
+def dptrain(*args: str, cwd: Path, env: dict | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dptrain", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})})
+
+
+@pytest.fixture(scope="module")
+def digits_runs(tmp_path_factory):
+    """One allreduce and one sync run with 2 workers, shared by the tests that read them."""
+    root = tmp_path_factory.mktemp("runs")
+    runs = {}
+    for strategy in ("allreduce", "sync"):
+        result = dptrain("train", *DIGITS, "--strategy", strategy, "--workers", "2", "--out", str(root / strategy),
+                         cwd=root)
+        assert result.returncode == 0, result.stderr
+        runs[strategy] = (root / strategy, result)
+    return runs
+
+
+@pytest.mark.parametrize("strategy", ["allreduce", "sync"])
+def test_two_workers_reach_90_percent_on_digits(digits_runs, strategy):
+    run_dir, result = digits_runs[strategy]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["strategy"] == strategy and summary["workers"] == 2 and summary["launcher"] == "local"
+    assert summary["test_accuracy"] >= 0.90
+    assert summary["model_parameters"] == 64 * 128 + 128 + 128 * 64 + 64 + 64 * 10 + 10
+    assert summary["comm_bytes"] == sum(summary["comm_bytes_per_worker"])
+    assert "[rank0] epoch 10/10" in result.stdout
+
+
+@pytest.mark.parametrize("strategy", ["allreduce", "sync"])
+def test_metrics_have_one_record_per_epoch_with_the_promised_fields(digits_runs, strategy):
+    run_dir, _ = digits_runs[strategy]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in records] == list(range(1, 11))
+    for record in records:
+        for key in ("train_loss", "test_loss", "test_accuracy", "samples_per_second", "comm_bytes", "wall_seconds"):
+            assert record[key] is not None, key
+        # every sample of the 1437-sample training split is seen exactly once per epoch
+        assert sum(worker["samples"] for worker in record["workers"]) == 1437
+    walls = [r["wall_seconds"] for r in records]
+    assert walls == sorted(walls)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert records[-1]["comm_bytes"] == summary["comm_bytes"]
+
+
+def test_comm_bytes_are_exact_and_sync_sends_over_10x_less(digits_runs):
+    parameter_bytes = 17226 * 4
+    steps = 10 * 23  # ceil(719 / 32) steps per epoch on each worker
+    allreduce = json.loads((digits_runs["allreduce"][0] / "summary.json").read_text())
+    sync = json.loads((digits_runs["sync"][0] / "summary.json").read_text())
+    assert allreduce["comm_bytes_per_worker"] == [parameter_bytes * (1 + steps)] * 2
+    assert sync["comm_bytes_per_worker"] == [parameter_bytes * (1 + 10)] * 2
+    assert allreduce["comm_bytes"] >= 10 * sync["comm_bytes"]
+
+
+def test_saved_model_is_the_global_model_and_loads_weights_only(digits_runs):
+    run_dir, _ = digits_runs["sync"]
+    state = torch.load(run_dir / "model.pt", weights_only=True)
+    data = load_dataset("digits")
+    model = build_model("mlp", data.input_shape, data.num_outputs)
+    model.load_state_dict(state)
+    model.eval()
+    with torch.no_grad():
+        predictions = model(torch.from_numpy(data.x_test.to_numpy())).argmax(dim=1).numpy()
+    accuracy = float(np.mean(predictions == data.y_test.to_numpy()))
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert accuracy == pytest.approx(summary["test_accuracy"], abs=1e-9)
+
+
+def test_config_yaml_reproduces_the_run_bitwise(digits_runs, tmp_path):
+    run_dir, _ = digits_runs["sync"]
+    result = dptrain("train", "--config", str(run_dir / "config.yaml"), "--out", str(tmp_path / "again"), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    first = torch.load(run_dir / "model.pt", weights_only=True)
+    second = torch.load(tmp_path / "again" / "model.pt", weights_only=True)
+    assert all(torch.equal(first[key], second[key]) for key in first)
+
+
+def test_existing_run_directory_is_refused_and_left_untouched(digits_runs):
+    run_dir, _ = digits_runs["allreduce"]
+    before = {p.name: p.read_bytes() for p in run_dir.iterdir()}
+    result = dptrain("train", *DIGITS, "--out", str(run_dir), cwd=run_dir.parent)
+    assert result.returncode == 2
+    assert result.stderr.strip().count("\n") == 0 and "already holds a run" in result.stderr
+    assert {p.name: p.read_bytes() for p in run_dir.iterdir()} == before
+
+
+def test_one_worker_runs_in_process_and_communicates_nothing(tmp_path):
+    result = dptrain("train", *DIGITS, "--epochs", "3", "--workers", "1", "--strategy", "sync", "--out", "one",
+                     cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    summary = json.loads((tmp_path / "one" / "summary.json").read_text())
+    assert summary["workers"] == 1 and summary["comm_bytes"] == 0 and summary["launcher"] == "single"
+
+
+def test_torchrun_world_is_joined_not_respawned(tmp_path):
+    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))
+    assert torchrun, "torchrun ships with torch"
+    result = subprocess.run(
+        [torchrun, "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+         "-m", "dptrain", "train", *DIGITS, "--epochs", "4", "--strategy", "allreduce", "--workers", "5",
+         "--timeout", "60", "--out", "tr"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((tmp_path / "tr" / "summary.json").read_text())
+    assert summary["launcher"] == "torchrun" and summary["workers"] == 2
+    assert summary["test_accuracy"] >= 0.85
+    config = (tmp_path / "tr" / "config.yaml").read_text()
+    assert "workers: 2" in config
+
+
+FAILING_MODEL = """
+import os, signal
+import torch
+from torch import nn
+
+class Failing(nn.Module):
+    def __init__(self, input_shape, num_outputs):
+        super().__init__()
+        self.net = nn.Sequential(nn.Flatten(), nn.Linear(64, num_outputs))
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        if os.environ.get("RANK") == "1" and self.training and self.calls == 30:
+            if os.environ["FAIL_HOW"] == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            raise RuntimeError("boom in the user's model")
+        return self.net(x)
+
+def make(input_shape, num_outputs):
+    return Failing(input_shape, num_outputs)
+"""
+
+
+@pytest.mark.parametrize("how,expected", [("kill", "worker rank 1 was killed by SIGKILL"),
+                                          ("raise", "worker rank 1 exited with code 1")])
+def test_a_failing_worker_stops_the_run_with_a_line_naming_it(tmp_path, how, expected):
+    (tmp_path / "failing_model.py").write_text(textwrap.dedent(FAILING_MODEL))
+    result = dptrain("train", *DIGITS, "--model", "failing_model:make", "--strategy", "allreduce", "--timeout", "20",
+                     "--out", "fail", cwd=tmp_path, env={"PYTHONPATH": str(tmp_path), "FAIL_HOW": how}, timeout=120)
+    assert result.returncode != 0
+    assert expected in result.stderr
+    assert not (tmp_path / "fail" / "summary.json").exists()
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--amp", "fp16", "--device", "cpu"], "--amp fp16 needs a GPU"),
+    (["--batch-size", "5000"], "--batch-size 5000 is larger than a worker's shard"),
+    (["--dataset", "digitz"], "digitz"),
+    (["--data", "missing.npz"], "missing.npz"),
+    (["--model", "resnet", "--model-option", "depth=9"], "depth"),
+    (["--model", "nosuchpkg.mod:make"], "nosuchpkg.mod"),
+    (["--workers", "0"], "--workers"),
+    (["--loss", "mse"], "--loss mse does not fit"),
+])
+def test_bad_input_exits_2_with_one_line_and_no_traceback(tmp_path, args, message):
+    result = dptrain("train", *DIGITS, *args, "--out", "bad", cwd=tmp_path, timeout=60)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("dptrain: error:"), result.stderr
+    assert message in lines[0]
+    assert not (tmp_path / "bad").exists()
