@@ -185,3 +185,33 @@ def test_bad_input_exits_2_with_one_line_and_no_traceback(tmp_path, args, messag
     assert len(lines) == 1 and lines[0].startswith("dptrain: error:"), result.stderr
     assert message in lines[0]
     assert not (tmp_path / "bad").exists()
+
+
+FREEZING_MODEL = """
+import os, signal
+from torch import nn
+
+class Freezing(nn.Module):
+    def __init__(self, input_shape, num_outputs):
+        super().__init__()
+        self.net = nn.Sequential(nn.Flatten(), nn.Linear(64, num_outputs))
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        if os.environ.get("RANK") == "1" and self.training and self.calls == 30:
+            os.kill(os.getpid(), signal.SIGSTOP)  # frozen, not dead: only a timeout can notice
+        return self.net(x)
+
+def make(input_shape, num_outputs):
+    return Freezing(input_shape, num_outputs)
+"""
+
+
+def test_a_frozen_worker_is_named_after_the_timeout_instead_of_a_hang(tmp_path):
+    (tmp_path / "freezing_model.py").write_text(textwrap.dedent(FREEZING_MODEL))
+    result = dptrain("train", *DIGITS, "--model", "freezing_model:make", "--strategy", "allreduce", "--timeout", "8",
+                     "--out", "frozen", cwd=tmp_path, env={"PYTHONPATH": str(tmp_path)}, timeout=120)
+    assert result.returncode != 0
+    assert "rank 0:" in result.stderr and "rank 1 stopped responding" in result.stderr, result.stderr[-2000:]
+    assert "worker rank 0 exited with code 1" in result.stderr

@@ -112,6 +112,7 @@ def _stop(procs: list[subprocess.Popen]) -> None:
     for proc in procs:
         if proc.poll() is None:
             proc.terminate()
+            proc.send_signal(signal.SIGCONT)  # a stopped (SIGSTOP) worker acts on SIGTERM only when resumed
     deadline = time.monotonic() + GRACE_SECONDS
     for proc in procs:
         try:

@@ -15,7 +15,7 @@ from dptrain.config import TrainConfig, to_yaml
 from dptrain.data import Dataset, load_dataset
 from dptrain.errors import UserError
 from dptrain.models import build_model, check_output_shape
-from dptrain.runtime.distributed import destroy_process_group, init_process_group, set_cpu_threads
+from dptrain.runtime.distributed import choose_device, destroy_process_group, init_process_group, set_cpu_threads
 from dptrain.runtime.env import DistEnv, detect
 from dptrain.runtime.launcher import launch_local
 from dptrain.strategies import build_strategy
@@ -46,6 +46,9 @@ def loss_name(config: TrainConfig, data: Dataset) -> str:
 
 def validate(config: TrainConfig) -> None:
     """Everything that can be checked before workers start: data, model, loss, worker count."""
+    device = choose_device(config.device, 0)
+    if config.amp == "fp16" and device.type != "cuda":
+        raise UserError("--amp fp16 needs a GPU; on the CPU use --amp bf16 or none")
     data = load_data(config)
     make_model(config, data)
     loss = loss_name(config, data)

@@ -28,6 +28,7 @@ from dptrain.data.dstensor import DSTensor
 from dptrain.errors import UserError
 from dptrain.runtime.distributed import DistContext, PeerFailure, init_process_group
 from dptrain.runtime.env import detect
+from dptrain.runtime.heartbeat import Heartbeat, default_store
 from dptrain.strategies.base import Strategy
 from dptrain.train import sharding
 from dptrain.train.rundir import append_jsonl, write_json
@@ -94,6 +95,8 @@ class Trainer:
             raise UserError("--amp fp16 needs a GPU; on the CPU use --amp bf16 or none")
         self.scaler = torch.amp.GradScaler("cuda") if amp == "fp16" else None
         self.history: list[dict] = []
+        store = default_store() if self.ctx.world_size > 1 else None
+        self.heartbeat = Heartbeat(store, self.ctx.rank, self.ctx.world_size).start() if store else None
 
     # -- the loop -----------------------------------------------------------------------
     def fit(self, train: Split, test: Optional[Split] = None, epochs: int = 1) -> dict:
@@ -153,7 +156,10 @@ class Trainer:
             last = self.history[-1]
             final_metrics = ({"test_loss": last["test_loss"], "test_accuracy": last["test_accuracy"]}
                              if global_model_evaluated else self.evaluate(final, test))
-        return self._summarise(final, epochs, wall, final_metrics)
+        summary = self._summarise(final, epochs, wall, final_metrics)
+        if self.heartbeat:
+            self.heartbeat.stop()
+        return summary
 
     def _train_step(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
         device = self.ctx.device
@@ -287,9 +293,11 @@ class Trainer:
         except (dist.DistError, RuntimeError) as exc:
             if self.ctx.world_size == 1 or not _looks_like_peer_failure(exc):
                 raise
+            waited = time.perf_counter() - begun
+            who = self.heartbeat.silent_peers() if self.heartbeat else "no heartbeat store to tell which peer"
             raise PeerFailure(
-                f"rank {self.ctx.rank}: a peer is gone or stuck — {what} failed after "
-                f"{time.perf_counter() - begun:.1f} s (timeout {self.ctx.timeout:g} s): {str(exc).splitlines()[0]}") from None
+                f"rank {self.ctx.rank}: {what} failed after {waited:.1f} s (timeout {self.ctx.timeout:g} s): {who}; "
+                f"cause: {str(exc).splitlines()[0]}") from None
 
 
 def _looks_like_peer_failure(exc: BaseException) -> bool:
