@@ -7,6 +7,7 @@ Errors the user can cause print one line `dptrain: error: ...` and exit with cod
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 import traceback
@@ -65,6 +66,12 @@ def parse_model_options(items: Optional[list[str]]) -> Optional[dict[str, Any]]:
     return options
 
 
+# Commands that live in their own subpackage: name -> (module with add_arguments(parser) and
+# main(args) -> exit code, one-line help).
+COMMAND_MODULES: dict[str, tuple[str, str]] = {
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="dptrain", description="Data-parallel PyTorch training from a laptop to an HPC cluster.",
                      allow_abbrev=False)
@@ -84,6 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     commands.add_parser("info", help="print what the runtime detects: launcher, ranks, devices, versions",
                         allow_abbrev=False)
+    for name, (module, help_text) in COMMAND_MODULES.items():
+        importlib.import_module(module).add_arguments(commands.add_parser(name, help=help_text, allow_abbrev=False))
     return parser
 
 
@@ -106,6 +115,8 @@ def run(argv: Sequence[str]) -> int:
     if args.command == "info":
         from dptrain.info import info
         return info()
+    if args.command in COMMAND_MODULES:
+        return importlib.import_module(COMMAND_MODULES[args.command][0]).main(args)
     parser.print_help()
     return 2
 
