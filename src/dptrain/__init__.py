@@ -9,7 +9,7 @@ __version__ = "0.1.0"
 
 from dptrain.config import TrainConfig  # noqa: E402
 from dptrain.data import DSTensor  # noqa: E402
-from dptrain.strategies import AllReduce, Strategy, Sync  # noqa: E402
+from dptrain.strategies import AllReduce, Async, FedAvg, Strategy, Sync  # noqa: E402
 from dptrain.train.trainer import Trainer  # noqa: E402
 
-__all__ = ["AllReduce", "DSTensor", "Strategy", "Sync", "TrainConfig", "Trainer", "__version__"]
+__all__ = ["AllReduce", "Async", "DSTensor", "FedAvg", "Strategy", "Sync", "TrainConfig", "Trainer", "__version__"]

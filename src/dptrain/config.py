@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from dptrain.errors import UserError, closest
 
-STRATEGIES = ("allreduce", "sync")
+STRATEGIES = ("allreduce", "sync", "async", "fedavg")
 
 
 class TrainConfig(BaseModel):
@@ -24,8 +24,9 @@ class TrainConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
     # What to train
-    strategy: Literal["allreduce", "sync"] = Field(
-        "allreduce", description="how workers synchronise: allreduce (gradients every step) or sync (weights every few epochs/steps)")
+    strategy: Literal["allreduce", "sync", "async", "fedavg"] = Field(
+        "allreduce", description="how workers synchronise: allreduce (gradients every step), sync (weights every few "
+                                 "epochs/steps), async (merges into a global model, no barrier), fedavg (federated)")
     dataset: Optional[str] = Field("digits", description="built-in data set: digits, synthetic-images, synthetic-regression")
     data: Optional[str] = Field(None, description="user data file (.npz, .npy, .h5, .zarr) with x, y and optional x_test, y_test; replaces --dataset")
     model: str = Field("mlp", description="mlp, cnn, resnet, nfnet, mlp-regression, or package.module:factory")
@@ -61,13 +62,22 @@ class TrainConfig(BaseModel):
     timeout: float = Field(300.0, gt=0, description="seconds any wait on another worker may take before failing")
 
     # Strategy options
+    slow_worker: Optional[str] = Field(None, pattern=r"^\d+:\d+(\.\d+)?(,\d+:\d+(\.\d+)?)*$",
+                                       description="straggler emulation RANK:FACTOR[,RANK:FACTOR]: that rank's steps take FACTOR times as long")
     compression: Literal["none", "fp16", "bf16"] = Field("none", description="allreduce: gradient compression through a DDP communication hook")
-    sync_every: int = Field(1, ge=1, description="sync: average the weights every E epochs")
+    sync_every: int = Field(1, ge=1, description="sync, async: average (merge) the weights every E epochs")
     sync_every_steps: Optional[int] = Field(None, ge=1, description="sync: average every K steps instead (local SGD)")
     optimizer_state: Literal["keep", "reset", "average"] = Field("keep", description="sync: what happens to optimizer state at an average")
     outer: Literal["none", "nesterov"] = Field("none", description="sync: outer optimizer on the averaged delta (DiLoCo)")
     outer_lr: float = Field(0.7, gt=0, description="sync: outer learning rate")
     outer_momentum: float = Field(0.9, ge=0, lt=1, description="sync: outer Nesterov momentum")
+
+    merge: Literal["delta", "ema"] = Field("delta", description="async: global += delta/W (delta) or the reference's (G+P)/2 (ema)")
+    max_staleness: Optional[int] = Field(None, ge=0, description="async: refresh from the global model when more than S versions behind")
+    partition: Literal["iid", "contiguous", "dirichlet"] = Field("iid", description="fedavg: how samples are split over clients")
+    alpha: float = Field(0.5, gt=0, description="fedavg: Dirichlet concentration of the label skew (small = strong skew)")
+    local_epochs: int = Field(1, ge=1, description="fedavg: local epochs per round")
+    clients_per_round: float = Field(1.0, gt=0, le=1, description="fedavg: fraction of clients sampled each round")
 
     # Outputs
     out: Optional[str] = Field(None, description="run directory (default runs/STRATEGY-TIMESTAMP); must not hold a run already")
@@ -79,7 +89,17 @@ class TrainConfig(BaseModel):
             raise ValueError("give --dataset or --data")
         if self.sync_every_steps is not None and self.strategy != "sync":
             raise ValueError(f"sync_every_steps applies to strategy sync, not {self.strategy}")
+        for rank, factor in self.slow_workers().items():
+            if factor < 1:
+                raise ValueError(f"slow_worker factor {factor} for rank {rank} must be at least 1")
         return self
+
+    def slow_workers(self) -> dict[int, float]:
+        """--slow-worker as {rank: factor}."""
+        if not self.slow_worker:
+            return {}
+        pairs = (item.split(":") for item in self.slow_worker.split(","))
+        return {int(rank): float(factor) for rank, factor in pairs}
 
 
 FIELDS = TrainConfig.model_fields

@@ -10,12 +10,14 @@ from __future__ import annotations
 import datetime
 import os
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from dptrain.errors import UserError
 from dptrain.runtime.env import DistEnv
+from dptrain.runtime.heartbeat import Heartbeat, default_store
 
 
 @dataclass
@@ -29,6 +31,7 @@ class DistContext:
     backend: str
     timeout: float
     launcher: str = "single"
+    heartbeat: Optional[Heartbeat] = None
 
     @property
     def is_main(self) -> bool:
@@ -73,11 +76,29 @@ def init_process_group(env: DistEnv, *, device: str = "auto", timeout: float = 3
                 raise PeerFailure(
                     f"rank {env.rank}: rendezvous at {env.master_addr}:{env.master_port} failed within {timeout:g} s "
                     f"({env.world_size} ranks expected, launcher {env.launcher}): {str(exc).splitlines()[0]}") from None
-    return DistContext(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=env.local_rank,
-                       device=dev, backend=dist.get_backend(), timeout=timeout, launcher=env.launcher)
+    world = dist.get_world_size()
+    store = default_store() if world > 1 else None
+    return DistContext(rank=dist.get_rank(), world_size=world, local_rank=env.local_rank,
+                       device=dev, backend=dist.get_backend(), timeout=timeout, launcher=env.launcher,
+                       heartbeat=_heartbeat(store, dist.get_rank(), world))
+
+
+_HEARTBEATS: list[Heartbeat] = []  # at most one: this process's, until the group is destroyed
+
+
+def _heartbeat(store, rank: int, world: int) -> Optional[Heartbeat]:
+    """One heartbeat thread per process group, however many contexts are made for it."""
+    if store is None:
+        return None
+    if not _HEARTBEATS:
+        _HEARTBEATS.append(Heartbeat(store, rank, world).start())
+    return _HEARTBEATS[0]
 
 
 def destroy_process_group() -> None:
+    for heartbeat in _HEARTBEATS:
+        heartbeat.stop()
+    _HEARTBEATS.clear()
     if dist.is_initialized():
         dist.destroy_process_group()
 

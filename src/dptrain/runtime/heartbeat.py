@@ -30,6 +30,7 @@ class Heartbeat:
     def __init__(self, store: dist.Store, rank: int, world_size: int, interval: float = 1.0) -> None:
         self.store, self.rank, self.world_size, self.interval = store, rank, world_size, interval
         self._stop = threading.Event()
+        self._seen: dict[int, tuple[int, float]] = {}
         self._thread = threading.Thread(target=self._beat, name=f"dptrain-heartbeat-{rank}", daemon=True)
 
     def start(self) -> "Heartbeat":
@@ -46,6 +47,19 @@ class Heartbeat:
             except Exception:  # noqa: BLE001 - the store host is gone; the training thread reports it
                 return
             self._stop.wait(self.interval)
+
+    def stalled(self, peers, seconds: float) -> list[int]:
+        """Peers whose counter has not moved for `seconds`, tracked across calls (poll it often)."""
+        now = time.monotonic()
+        silent = []
+        for peer in peers:
+            count = self.store.add(PREFIX + str(peer), 0)
+            last = self._seen.get(peer)
+            if last is None or last[0] != count:
+                self._seen[peer] = (count, now)
+            elif now - last[1] >= seconds:
+                silent.append(peer)
+        return silent
 
     def _counters(self) -> dict[int, int]:
         counts = {}

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import queue
+import re
 import signal
 import subprocess
 import sys
@@ -23,20 +24,31 @@ GRACE_SECONDS = 10.0
 
 
 def _pump(stream: IO[bytes], prefix: bytes, sink: IO[bytes]) -> None:
-    """Copy a worker's output to ours, prefixing every line (and every progress-bar redraw)."""
-    at_line_start = True
+    """Copy a worker's output to ours, prefixing every line (and every progress-bar redraw).
+
+    Only whole lines (ending in \n or \r) are written, each batch in one write, so lines of
+    different ranks never interleave mid-line; a partial line waits for its end.
+    """
+    pending = b""
     while True:
         chunk = stream.read1(65536) if hasattr(stream, "read1") else stream.read(65536)
         if not chunk:
             break
-        out = bytearray()
-        for byte in chunk:
-            if at_line_start:
-                out += prefix
-            out.append(byte)
-            at_line_start = byte in (0x0A, 0x0D)  # \n and \r both start a fresh line on a terminal
-        sink.write(bytes(out))
+        pending += chunk
+        cut = max(pending.rfind(b"\n"), pending.rfind(b"\r")) + 1
+        if cut:
+            sink.write(_prefixed(pending[:cut], prefix))
+            sink.flush()
+            pending = pending[cut:]
+    if pending:
+        sink.write(_prefixed(pending, prefix))
         sink.flush()
+
+
+def _prefixed(data: bytes, prefix: bytes) -> bytes:
+    """`prefix` before every line of `data` (which starts at a line start)."""
+    lines = re.split(rb"(?<=[\r\n])", data)
+    return b"".join(prefix + line for line in lines if line)
 
 
 def describe_exit(code: int) -> str:

@@ -1,10 +1,12 @@
 """Data-parallel strategies, one file each, all behind dptrain.strategies.base.Strategy."""
 
 from dptrain.strategies.allreduce import AllReduce
+from dptrain.strategies.asynchronous import Async
+from dptrain.strategies.fedavg import FedAvg
 from dptrain.strategies.base import Strategy
 from dptrain.strategies.sync import Sync
 
-STRATEGIES = {"allreduce": AllReduce, "sync": Sync}
+STRATEGIES = {"allreduce": AllReduce, "sync": Sync, "async": Async, "fedavg": FedAvg}
 
 
 def build_strategy(config) -> Strategy:
@@ -15,7 +17,12 @@ def build_strategy(config) -> Strategy:
         return Sync(every=config.sync_every, every_steps=config.sync_every_steps,
                     optimizer_state=config.optimizer_state, outer=config.outer,
                     outer_lr=config.outer_lr, outer_momentum=config.outer_momentum)
+    if config.strategy == "async":
+        return Async(every=config.sync_every, merge=config.merge, max_staleness=config.max_staleness)
+    if config.strategy == "fedavg":
+        return FedAvg(local_epochs=config.local_epochs, partition=config.partition, alpha=config.alpha,
+                      clients_per_round=config.clients_per_round)
     raise ValueError(f"unknown strategy {config.strategy!r}")
 
 
-__all__ = ["AllReduce", "Strategy", "Sync", "STRATEGIES", "build_strategy"]
+__all__ = ["AllReduce", "Async", "FedAvg", "Strategy", "Sync", "STRATEGIES", "build_strategy"]

@@ -21,6 +21,8 @@ class Strategy:
     """
 
     name = "local"
+    # True when workers never wait for each other during training (no per-epoch gathering).
+    barrier_free = False
 
     def __init__(self) -> None:
         self.comm_bytes = 0
@@ -47,6 +49,22 @@ class Strategy:
         """The final global model (unwrapped), after any last communication."""
         assert self.model is not None, "setup() was not called"
         return self.model
+
+    def evaluation_target(self) -> "tuple[nn.Module | None, bool]":
+        """(module to evaluate on this rank or None, whether all ranks evaluate it together)."""
+        return self.model, True
+
+    def partition(self, labels, world: int, seed: int) -> "list | None":
+        """Fixed per-worker sample indices for the whole run, or None for the shared per-epoch sharding."""
+        return None
+
+    def trains_in_epoch(self, epoch: int) -> bool:
+        """False when this worker sits out the epoch (e.g. a federated client not sampled this round)."""
+        return True
+
+    def summary(self) -> dict:
+        """Strategy-specific results for summary.json (after finish)."""
+        return {}
 
     def describe(self) -> dict:
         """Strategy settings for summaries."""

@@ -78,3 +78,24 @@ def broadcast_module(module: nn.Module, src: int = 0, group=None) -> int:
     """Make every rank's parameters and buffers equal to rank `src`'s."""
     floating, integer = module_state(module)
     return _apply_flat(floating + integer, lambda flat: dist.broadcast(flat, src=src, group=group))
+
+
+def weighted_average_module(module: nn.Module, weight: float, group=None) -> int:
+    """Replace parameters and floating buffers by their `weight`-weighted mean over ranks.
+
+    A rank with weight 0 contributes nothing but still receives the result; integer buffers
+    take the max. Returns the bytes handed over (the total weight included).
+    """
+    floating, integer = module_state(module)
+    device = floating[0].device if floating else torch.device("cpu")
+    total = torch.tensor([float(weight)], dtype=torch.float64, device=device)
+    dist.all_reduce(total, group=group)
+    if total.item() <= 0:
+        raise ValueError("the weights of all ranks sum to zero")
+
+    def weighted_mean(flat: torch.Tensor) -> None:
+        flat.mul_(weight)
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+        flat.div_(total.item())
+
+    return tensor_bytes([total]) + _apply_flat(floating, weighted_mean) + max_tensors(integer, group)

@@ -99,7 +99,8 @@ def run_worker(config: TrainConfig, env: DistEnv) -> dict:
         trainer = Trainer(model, optimizer, loss_name(config, data), build_strategy(config),
                           batch_size=config.batch_size, schedule=schedule, amp=config.amp,
                           grad_clip=config.grad_clip, seed=config.seed, shuffle=config.shuffle,
-                          out=config.out if ctx.is_main else None, progress=config.progress, ctx=ctx)
+                          out=config.out if ctx.is_main else None, progress=config.progress, ctx=ctx,
+                          slowdown=config.slow_workers().get(ctx.rank, 1.0))
         return trainer.fit((data.x_train, data.y_train), (data.x_test, data.y_test), epochs=config.epochs)
     finally:
         destroy_process_group()

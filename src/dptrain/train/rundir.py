@@ -32,13 +32,15 @@ def claim_run_dir(path: str) -> Path:
     return directory
 
 
-def write_json(path: Path, data: Any) -> None:
-    """Write JSON atomically (temporary file, then rename) so readers never see half a file."""
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write a file atomically (temporary file, then rename) so readers never see half of it."""
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as handle:
-        json.dump(data, handle, indent=2)
-        handle.write("\n")
+    tmp.write_text(text)
     os.replace(tmp, path)
+
+
+def write_json(path: Path, data: Any) -> None:
+    write_text_atomic(path, json.dumps(data, indent=2) + "\n")
 
 
 def append_jsonl(path: Path, record: dict) -> None:

@@ -16,9 +16,14 @@ from dptrain.errors import UserError
 SHUFFLES = ("global", "local", "none")
 
 
-def derive_seed(*parts: int) -> int:
-    """An independent 63-bit seed for each (seed, epoch[, rank]) tuple."""
-    return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(2, np.uint64)[0] >> np.uint64(1))
+def derive_seed(seed: int, *path: int) -> int:
+    """An independent 63-bit seed for each (seed, epoch[, rank]) tuple.
+
+    The path goes into spawn_key, not the entropy list: entropy words are 32-bit and
+    zero-padded, so (2**32, 0) and (0, 1) would collide there.
+    """
+    sequence = np.random.SeedSequence(int(seed), spawn_key=tuple(int(p) for p in path))
+    return int(sequence.generate_state(2, np.uint64)[0] >> np.uint64(1))
 
 
 def steps_per_epoch(n_samples: int, world: int, batch_size: int) -> int:

@@ -11,6 +11,7 @@ communicated and when, through the hooks of dptrain.strategies.base.Strategy.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import sys
 import time
@@ -28,10 +29,9 @@ from dptrain.data.dstensor import DSTensor
 from dptrain.errors import UserError
 from dptrain.runtime.distributed import DistContext, PeerFailure, init_process_group
 from dptrain.runtime.env import detect
-from dptrain.runtime.heartbeat import Heartbeat, default_store
 from dptrain.strategies.base import Strategy
 from dptrain.train import sharding
-from dptrain.train.rundir import append_jsonl, write_json
+from dptrain.train.rundir import append_jsonl, write_json, write_text_atomic
 
 ArrayLike = Union[DSTensor, np.ndarray, torch.Tensor]
 Split = tuple[ArrayLike, ArrayLike]
@@ -73,7 +73,8 @@ class Trainer:
                  batch_size: int = 32, schedule: Optional[Callable[[torch.optim.Optimizer, int, int], object]] = None,
                  amp: str = "none", grad_clip: Optional[float] = None, seed: int = 0, shuffle: str = "global",
                  device: str = "auto", timeout: float = 300.0, out: Optional[str] = None, progress: bool = True,
-                 ctx: Optional[DistContext] = None, log: Callable[[str], None] = print) -> None:
+                 slowdown: float = 1.0, ctx: Optional[DistContext] = None,
+                 log: Callable[[str], None] = print) -> None:
         if strategy is None:
             from dptrain.strategies.allreduce import AllReduce
             strategy = AllReduce()
@@ -87,6 +88,7 @@ class Trainer:
         self.grad_clip = grad_clip
         self.seed = seed
         self.shuffle = shuffle
+        self.slowdown = slowdown
         self.out = Path(out) if out else None
         self.log = log if self.ctx.is_main else (lambda message: None)
         self.show_progress = progress and self.ctx.is_main and (sys.stderr.isatty() or os.environ.get("DPTRAIN_TTY") == "1")
@@ -95,8 +97,7 @@ class Trainer:
             raise UserError("--amp fp16 needs a GPU; on the CPU use --amp bf16 or none")
         self.scaler = torch.amp.GradScaler("cuda") if amp == "fp16" else None
         self.history: list[dict] = []
-        store = default_store() if self.ctx.world_size > 1 else None
-        self.heartbeat = Heartbeat(store, self.ctx.rank, self.ctx.world_size).start() if store else None
+        self.heartbeat = self.ctx.heartbeat
 
     # -- the loop -----------------------------------------------------------------------
     def fit(self, train: Split, test: Optional[Split] = None, epochs: int = 1) -> dict:
@@ -104,35 +105,36 @@ class Trainer:
         x_train, y_train = (as_dstensor(a) for a in train)
         if len(x_train) != len(y_train):
             raise UserError(f"x has {len(x_train)} samples but y has {len(y_train)}; they must match")
-        rank, world = self.ctx.rank, self.ctx.world_size
-        steps = sharding.steps_per_epoch(len(x_train), world, self.batch_size)
+        rank = self.ctx.rank
+        steps, order_of, fixed_rows = self._plan(len(x_train), y_train)
         scheduler = self.schedule(self.optimizer, steps, epochs) if self.schedule else None
         torch.manual_seed(self.seed + rank)  # dropout and friends differ per worker, reproducibly
         train_model = self._guard("setup", lambda: self.strategy.setup(self.model, self.optimizer, self.ctx))
-        fixed_shard = None
-        if self.shuffle != "global":  # the shard never changes: read it once
-            rows = np.sort(sharding.epoch_indices(len(x_train), rank, world, 0, self.seed, "none"))
-            fixed_shard = (rows, self._to_tensor(x_train.take(rows)), self._to_tensor(y_train.take(rows)))
+        if fixed_rows is not None:  # the shard never changes: read it once
+            xs, ys = self._to_tensor(x_train.take(fixed_rows)), self._to_tensor(y_train.take(fixed_rows))
 
         started = time.perf_counter()
         step = 0
         global_model_evaluated = False
         for epoch in range(epochs):
             epoch_start = time.perf_counter()
-            order = sharding.epoch_indices(len(x_train), rank, world, epoch, self.seed, self.shuffle)
-            if fixed_shard is None:
+            order = order_of(epoch)
+            if fixed_rows is None:
                 xs, ys = self._to_tensor(x_train.take(order)), self._to_tensor(y_train.take(order))
-                positions = torch.arange(len(order))
+                positions = np.arange(len(order))
             else:
-                rows, xs, ys = fixed_shard
-                positions = torch.from_numpy(np.searchsorted(rows, order))
+                positions = np.searchsorted(fixed_rows, order)
+            training = self.strategy.trains_in_epoch(epoch)
             train_model.train()
             loss_sum, seen = 0.0, 0
-            bar = tqdm(total=steps, desc=f"epoch {epoch + 1}/{epochs}", leave=False, disable=not self.show_progress,
-                       dynamic_ncols=True)
-            for batch in np.array_split(positions.numpy(), steps):
+            bar = tqdm(total=steps if training else 0, desc=f"epoch {epoch + 1}/{epochs}", leave=False,
+                       disable=not self.show_progress, dynamic_ncols=True)
+            for batch in (np.array_split(positions, steps) if training else []):
+                step_start = time.perf_counter()
                 batch = torch.from_numpy(batch)
                 loss = self._train_step(train_model, xs[batch], ys[batch])
+                if self.slowdown > 1:  # straggler emulation: this rank computes `slowdown` times slower
+                    time.sleep((self.slowdown - 1) * (time.perf_counter() - step_start))
                 step += 1
                 if scheduler is not None:
                     scheduler.step()
@@ -145,7 +147,7 @@ class Trainer:
             is_global = self._guard("end_epoch", lambda: self.strategy.end_epoch(epoch))
             train_seconds = time.perf_counter() - epoch_start
             stats = EpochStats(rank, seen, loss_sum / max(seen, 1), train_seconds, self.strategy.comm_bytes)
-            test_metrics = self.evaluate(self.strategy.model, test) if (test is not None and is_global) else None
+            test_metrics = self._evaluate_global(test) if (test is not None and is_global) else None
             global_model_evaluated = test_metrics is not None
             self._record(epoch, epochs, stats, test_metrics, time.perf_counter() - started)
 
@@ -155,11 +157,34 @@ class Trainer:
         if test is not None:
             last = self.history[-1]
             final_metrics = ({"test_loss": last["test_loss"], "test_accuracy": last["test_accuracy"]}
-                             if global_model_evaluated else self.evaluate(final, test))
-        summary = self._summarise(final, epochs, wall, final_metrics)
-        if self.heartbeat:
-            self.heartbeat.stop()
-        return summary
+                             if global_model_evaluated and not self.strategy.barrier_free
+                             else self.evaluate(final, test))
+        return self._summarise(final, epochs, wall, final_metrics)
+
+    def _plan(self, n_samples: int, y_train: DSTensor):
+        """(steps per epoch, epoch -> sample order, rows read once or None) for this rank.
+
+        A strategy with fixed partitions (fedavg) gets its own rows, permuted each epoch, and
+        its own step count; every other strategy shares dptrain.train.sharding, where all
+        ranks take the same number of steps.
+        """
+        rank, world = self.ctx.rank, self.ctx.world_size
+        parts = self.strategy.partition(y_train, world, self.seed)
+        if parts is not None:
+            rows = np.sort(np.asarray(parts[rank]))
+            steps = max(1, -(-len(rows) // self.batch_size))
+
+            def partition_order(epoch: int) -> np.ndarray:
+                return rows[np.random.default_rng(sharding.derive_seed(self.seed, epoch, rank)).permutation(len(rows))]
+
+            return steps, partition_order, rows
+        steps = sharding.steps_per_epoch(n_samples, world, self.batch_size)
+
+        def shard_order(epoch: int) -> np.ndarray:
+            return sharding.epoch_indices(n_samples, rank, world, epoch, self.seed, self.shuffle)
+
+        fixed = None if self.shuffle == "global" else np.sort(shard_order(0))
+        return steps, shard_order, fixed
 
     def _train_step(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
         device = self.ctx.device
@@ -185,15 +210,22 @@ class Trainer:
         return loss.item()
 
     # -- evaluation and records ------------------------------------------------------------
-    @torch.no_grad()
-    def evaluate(self, model: nn.Module, test: Split) -> dict:
-        """Loss and accuracy of `model` (the same on every rank) over the whole test split.
+    def _evaluate_global(self, test: Split) -> Optional[dict]:
+        module, collective = self.strategy.evaluation_target()
+        if module is None:
+            return None
+        return self.evaluate(module, test, collective=collective)
 
-        Each rank evaluates its slice; three numbers are summed across ranks (metric
-        traffic, not counted in comm_bytes).
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module, test: Split, collective: bool = True) -> dict:
+        """Loss and accuracy of `model` over the whole test split.
+
+        Collectively (the model is the same on every rank): each rank evaluates its slice and
+        three numbers are summed across ranks (metric traffic, not counted in comm_bytes).
+        Otherwise this rank evaluates all of it alone.
         """
         x_test, y_test = (as_dstensor(a) for a in test)
-        rank, world = self.ctx.rank, self.ctx.world_size
+        rank, world = (self.ctx.rank, self.ctx.world_size) if collective else (0, 1)
         x_part, y_part = x_test.shard(rank, world), y_test.shard(rank, world)
         was_training = model.training
         model.eval()
@@ -219,23 +251,18 @@ class Trainer:
 
     def _record(self, epoch: int, epochs: int, stats: EpochStats, test: Optional[dict], wall: float) -> None:
         per_worker: list[EpochStats] = [stats]
-        if self.ctx.world_size > 1:
+        if self.ctx.world_size > 1 and not self.strategy.barrier_free:
             gathered: list = [None] * self.ctx.world_size
             self._guard("metrics", lambda: dist.all_gather_object(gathered, stats))
             per_worker = gathered
-        samples = sum(s.samples for s in per_worker)
         record = {
             "epoch": epoch + 1,
-            "train_loss": sum(s.train_loss * s.samples for s in per_worker) / max(samples, 1),
             "test_loss": test["test_loss"] if test else None,
             "test_accuracy": test["test_accuracy"] if test else None,
             "evaluated": test is not None,
-            "samples_per_second": sum(s.samples / max(s.train_seconds, 1e-9) for s in per_worker),
-            "comm_bytes": sum(s.comm_bytes for s in per_worker),
-            "epoch_seconds": max(s.train_seconds for s in per_worker),
             "wall_seconds": wall,
             "lr": self.optimizer.param_groups[0]["lr"],
-            "workers": [vars(s) for s in per_worker],
+            **self._aggregate(per_worker),
         }
         self.history.append(record)
         if self.ctx.is_main:
@@ -247,9 +274,34 @@ class Trainer:
                      f"{record['epoch_seconds']:.2f} s  {record['samples_per_second']:.0f} samples/s  "
                      f"comm {record['comm_bytes'] / 1e6:.3f} MB")
 
+    def _complete_history(self) -> None:
+        """Barrier-free runs record only rank 0's numbers live; gather every worker's at the end."""
+        gathered: list = [None] * self.ctx.world_size
+        mine = [record["workers"][0] for record in self.history]
+        self._guard("metrics", lambda: dist.all_gather_object(gathered, mine))
+        for epoch, record in enumerate(self.history):
+            workers = [EpochStats(**theirs[epoch]) for theirs in gathered]
+            record.update(self._aggregate(workers))
+        if self.ctx.is_main and self.out:
+            lines = "".join(json.dumps(record) + "\n" for record in self.history)
+            write_text_atomic(self.out / "metrics.jsonl", lines)
+
+    @staticmethod
+    def _aggregate(per_worker: list[EpochStats]) -> dict:
+        samples = sum(s.samples for s in per_worker)
+        return {
+            "train_loss": sum(s.train_loss * s.samples for s in per_worker) / max(samples, 1),
+            "samples_per_second": sum(s.samples / max(s.train_seconds, 1e-9) for s in per_worker),
+            "comm_bytes": sum(s.comm_bytes for s in per_worker),
+            "epoch_seconds": max(s.train_seconds for s in per_worker),
+            "workers": [vars(s) for s in per_worker],
+        }
+
     def _summarise(self, final: nn.Module, epochs: int, wall: float, test: Optional[dict]) -> dict:
         comm = [self.strategy.comm_bytes]
         if self.ctx.world_size > 1:
+            if self.strategy.barrier_free:
+                self._complete_history()
             comm = [None] * self.ctx.world_size
             self._guard("summary", lambda: dist.all_gather_object(comm, self.strategy.comm_bytes))
         samples = sum(sum(w["samples"] for w in record["workers"]) for record in self.history)
@@ -269,6 +321,7 @@ class Trainer:
             "device": str(self.ctx.device),
             "launcher": self.ctx.launcher,
             "seed": self.seed,
+            **self.strategy.summary(),
         }
         if self.ctx.is_main and self.out:
             torch.save({k: v.detach().cpu() for k, v in final.state_dict().items()}, self.out / "model.pt")

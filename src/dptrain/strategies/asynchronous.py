@@ -1,0 +1,285 @@
+"""async: workers never wait for each other; each merges its progress into a global model.
+
+When a worker finishes an epoch (every `every` epochs) it sends `delta = local - base` (base:
+the global model it last received) to a merge service beside rank 0, which applies
+`global += delta / W` and answers with the new global; the worker continues from it at once.
+If every worker merges once, in any order, the global model is the plain average of the
+workers' models, as under `sync`, because the deltas add up commutatively.
+
+`merge="ema"` instead applies the reference system's rule `global = (global + local) / 2`, in
+which the first of W merges ends up weighted 2^-W (kept for comparison).
+
+The service is a thread in rank 0's process. Remote workers talk to it over torch.distributed
+point-to-point messages in a process group of its own; rank 0's worker calls it directly.
+Merges are serialised by a lock, so none is lost. Only parameters and floating buffers are
+merged; integer buffers (BatchNorm's batch counter) stay per worker.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from datetime import timedelta
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dptrain.runtime.distributed import DistContext, PeerFailure
+from dptrain.strategies.base import Strategy
+from dptrain.strategies.collectives import broadcast_module, module_state
+
+MERGES = ("delta", "ema")
+# Message kinds (first header field) and tags (one per message role, so they never cross).
+MERGE, VERSION, REFRESH, DONE = 1, 2, 3, 4
+TAG_REQUEST, TAG_PAYLOAD, TAG_REPLY, TAG_GLOBAL = 11, 12, 13, 14
+HEADER_SIZE = 4
+# The service waits for requests without a deadline (see MergeService._receive_request).
+SERVICE_GROUP_TIMEOUT = timedelta(days=7)
+
+
+def flat_state(module: nn.Module) -> torch.Tensor:
+    """Parameters and floating buffers as one float32 CPU vector (the merge payload)."""
+    floating, _ = module_state(module)
+    return torch.cat([t.detach().reshape(-1).to("cpu", torch.float32) for t in floating])
+
+
+def load_flat_state(module: nn.Module, flat: torch.Tensor) -> None:
+    floating, _ = module_state(module)
+    offset = 0
+    with torch.no_grad():
+        for tensor in floating:
+            count = tensor.numel()
+            tensor.copy_(flat[offset:offset + count].view_as(tensor))
+            offset += count
+
+
+class GlobalModel:
+    """The global model and its version; merges are serialised and counted per worker."""
+
+    def __init__(self, initial: torch.Tensor, workers: int, merge: str = "delta") -> None:
+        if merge not in MERGES:
+            raise ValueError(f"merge must be one of {MERGES}, not {merge!r}")
+        self.state = initial.clone()
+        self.workers, self.merge = workers, merge
+        self.version = 0
+        self.merges = [0] * workers
+        self.max_staleness_seen = 0
+        self.lock = threading.Lock()
+
+    def apply(self, rank: int, payload: torch.Tensor, base_version: int) -> tuple[torch.Tensor, int, int]:
+        """Merge one worker's payload (a delta, or its local model for ema); return (global, version, staleness)."""
+        with self.lock:
+            staleness = self.version - base_version
+            if self.merge == "delta":
+                self.state.add_(payload, alpha=1.0 / self.workers)
+            else:
+                self.state.add_(payload).mul_(0.5)
+            self.version += 1
+            self.merges[rank] += 1
+            self.max_staleness_seen = max(self.max_staleness_seen, staleness)
+            return self.state.clone(), self.version, staleness
+
+    def snapshot(self) -> tuple[torch.Tensor, int]:
+        with self.lock:
+            return self.state.clone(), self.version
+
+
+class MergeService:
+    """Rank 0's thread: answers remote workers' merge, version and refresh requests until all are done."""
+
+    def __init__(self, model: GlobalModel, group, ctx: DistContext) -> None:
+        self.model, self.group, self.ctx = model, group, ctx
+        self.pending = set(range(1, ctx.world_size))
+        self.error: Optional[str] = None
+        self.bytes_sent = 0
+        self._thread = threading.Thread(target=self._serve, name="dptrain-merge-service", daemon=True)
+
+    def start(self) -> "MergeService":
+        self._thread.start()
+        return self
+
+    def _receive_request(self) -> torch.Tensor:
+        # Blocks until some worker asks: the service group's timeout is effectively infinite,
+        # since a worker may train for hours between merges. Liveness is judged from heartbeats
+        # by join(), not by this wait.
+        header = torch.zeros(HEADER_SIZE, dtype=torch.int64)
+        dist.recv(header, group=self.group, tag=TAG_REQUEST)  # from any worker
+        return header
+
+    def _serve(self) -> None:
+        try:
+            while self.pending:
+                header = self._receive_request()
+                kind, rank, base_version = (int(v) for v in header[:3])
+                if kind == DONE:
+                    self.pending.discard(rank)
+                    continue
+                if kind == MERGE:
+                    payload = torch.empty_like(self.model.state)
+                    dist.recv(payload, src=rank, group=self.group, tag=TAG_PAYLOAD)
+                    state, version, staleness = self.model.apply(rank, payload, base_version)
+                else:
+                    state, version = self.model.snapshot()
+                    staleness = version - base_version
+                reply = torch.tensor([version, staleness, 0, 0], dtype=torch.int64)
+                dist.send(reply, dst=rank, group=self.group, tag=TAG_REPLY)
+                if kind in (MERGE, REFRESH):
+                    dist.send(state, dst=rank, group=self.group, tag=TAG_GLOBAL)
+                    self.bytes_sent += state.numel() * state.element_size()
+        except Exception as exc:  # noqa: BLE001 - reported by rank 0's training thread
+            self.error = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+
+    def join(self) -> None:
+        """Wait until every remote worker is done; fail naming those whose heartbeat stopped."""
+        while self._thread.is_alive():
+            self._thread.join(timeout=1.0)
+            if self.error or self.ctx.heartbeat is None:
+                continue
+            silent = self.ctx.heartbeat.stalled(sorted(self.pending), self.ctx.timeout)
+            if silent:
+                names = ", ".join(map(str, silent))
+                raise PeerFailure(f"rank 0: rank{'s' if len(silent) > 1 else ''} {names} stopped responding for "
+                                  f"{self.ctx.timeout:g} s before finishing (no heartbeat)")
+        if self.error:
+            raise PeerFailure(f"rank 0: the merge service failed: {self.error}")
+
+
+class Async(Strategy):
+    """Barrier-free merging into a global model at epoch ends (every `every` epochs)."""
+
+    name = "async"
+    barrier_free = True
+
+    def __init__(self, every: int = 1, merge: str = "delta", max_staleness: Optional[int] = None) -> None:
+        super().__init__()
+        if every < 1:
+            raise ValueError("every must be at least 1")
+        if merge not in MERGES:
+            raise ValueError(f"merge must be one of {MERGES}, not {merge!r}")
+        if max_staleness is not None and max_staleness < 0:
+            raise ValueError("max_staleness must be at least 0")
+        self.every, self.merge, self.max_staleness = every, merge, max_staleness
+        self.base: Optional[torch.Tensor] = None
+        self.base_version = 0
+        self.merges = 0
+        self.refreshes = 0
+        self.max_staleness_seen = 0
+        self.global_model: Optional[GlobalModel] = None
+        self.service: Optional[MergeService] = None
+        self.group = None
+        self._diverged = False
+        self._final: Optional[dict] = None
+
+    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, ctx: DistContext) -> nn.Module:
+        super().setup(model, optimizer, ctx)
+        if ctx.world_size > 1:
+            self.comm_bytes += broadcast_module(model)
+            self.group = dist.new_group(backend="gloo", timeout=SERVICE_GROUP_TIMEOUT)
+        self.base = flat_state(model)
+        if ctx.rank == 0:
+            self.global_model = GlobalModel(self.base, ctx.world_size, self.merge)
+            if ctx.world_size > 1:
+                self.service = MergeService(self.global_model, self.group, ctx).start()
+        return model
+
+    # -- talking to the service ----------------------------------------------------------------
+    def _request(self, kind: int, payload: Optional[torch.Tensor] = None) -> tuple[Optional[torch.Tensor], int, int]:
+        """One exchange with the service: returns (global state or None, version, staleness)."""
+        if self.ctx.rank == 0:  # the service lives in this process
+            if kind == MERGE:
+                return self.global_model.apply(0, payload, self.base_version)
+            state, version = self.global_model.snapshot()
+            return (state if kind == REFRESH else None), version, version - self.base_version
+        header = torch.tensor([kind, self.ctx.rank, self.base_version, 0], dtype=torch.int64)
+        self._exchange(dist.isend, header, TAG_REQUEST)
+        if kind == DONE:
+            return None, self.base_version, 0
+        if kind == MERGE:
+            self._exchange(dist.isend, payload, TAG_PAYLOAD)
+        reply = torch.zeros(HEADER_SIZE, dtype=torch.int64)
+        self._exchange(dist.irecv, reply, TAG_REPLY)
+        state = None
+        if kind in (MERGE, REFRESH):
+            state = torch.empty_like(self.base)
+            self._exchange(dist.irecv, state, TAG_GLOBAL)
+        return state, int(reply[0]), int(reply[1])
+
+    def _exchange(self, operation, tensor: torch.Tensor, tag: int) -> None:
+        """One point-to-point message with rank 0, bounded by the run's timeout; counted both ways."""
+        work = operation(tensor, 0, group=self.group, tag=tag)
+        try:
+            work.wait(timeout=timedelta(seconds=self.ctx.timeout))
+        except RuntimeError as exc:
+            raise PeerFailure(f"rank {self.ctx.rank}: no answer from the merge service on rank 0 within "
+                              f"{self.ctx.timeout:g} s: {str(exc).splitlines()[0]}") from None
+        self.comm_bytes += tensor.numel() * tensor.element_size()
+
+    def merge_now(self) -> int:
+        """Send this worker's progress, continue from the new global; returns the staleness of the merge."""
+        local = flat_state(self.model)
+        payload = local - self.base if self.merge == "delta" else local
+        state, version, staleness = self._request(MERGE, payload)
+        load_flat_state(self.model, state)
+        self.base, self.base_version = state, version
+        self.merges += 1
+        self.max_staleness_seen = max(self.max_staleness_seen, staleness)
+        self._diverged = False
+        return staleness
+
+    def _refresh_if_stale(self) -> None:
+        _, version, staleness = self._request(VERSION)
+        if staleness <= self.max_staleness:
+            return
+        # Rebase: keep this worker's progress since its base, on top of the newer global.
+        state, version, _ = self._request(REFRESH)
+        local = flat_state(self.model)
+        load_flat_state(self.model, state + (local - self.base))
+        self.base, self.base_version = state, version
+        self.refreshes += 1
+
+    # -- hooks ---------------------------------------------------------------------------------
+    def after_step(self, step: int) -> None:
+        self._diverged = True
+        if self.max_staleness is not None and self.ctx.world_size > 1:
+            self._refresh_if_stale()
+
+    def end_epoch(self, epoch: int) -> bool:
+        if (epoch + 1) % self.every == 0 and self._diverged:
+            self.merge_now()
+        return True  # a global model always exists: rank 0 evaluates it
+
+    def evaluation_target(self) -> tuple[Optional[nn.Module], bool]:
+        """Rank 0 evaluates a copy holding the current global model, alone: no one waits for it."""
+        if self.global_model is None:
+            return None, False
+        snapshot = copy.deepcopy(self.model)
+        load_flat_state(snapshot, self.global_model.snapshot()[0])
+        return snapshot, False
+
+    def finish(self) -> nn.Module:
+        """Last merge, then the one barrier of the run: everyone adopts the final global model."""
+        if self._diverged:
+            self.merge_now()
+        if self.ctx.world_size > 1:
+            if self.ctx.rank == 0:
+                self.service.join()
+                load_flat_state(self.model, self.global_model.snapshot()[0])
+            else:
+                self._request(DONE)
+            self.comm_bytes += broadcast_module(self.model)
+            counts = [None] * self.ctx.world_size
+            dist.all_gather_object(counts, (self.merges, self.refreshes, self.max_staleness_seen))
+        else:
+            load_flat_state(self.model, self.global_model.snapshot()[0])
+            counts = [(self.merges, self.refreshes, self.max_staleness_seen)]
+        self._final = {"merges": [c[0] for c in counts], "refreshes": [c[1] for c in counts],
+                       "max_staleness_seen": max(c[2] for c in counts)}
+        return self.model
+
+    def summary(self) -> dict:
+        return dict(self._final or {})
+
+    def describe(self) -> dict:
+        return {"name": self.name, "every": self.every, "merge": self.merge, "max_staleness": self.max_staleness}

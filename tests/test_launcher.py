@@ -1,0 +1,153 @@
+"""The local launcher: rank-prefixed output, torchrun-style worker environments, and one line naming a failed worker."""
+
+import io
+import re
+import threading
+
+import pytest
+
+from dptrain.runtime.env import detect
+from dptrain.runtime.launcher import _pump, describe_exit, launch_local, worker_env
+
+
+class ChunkedStream(io.BytesIO):
+    """A worker's pipe: each read1 returns the next chunk as written, however lines fall across chunks."""
+
+    def __init__(self, chunks):
+        super().__init__(b"".join(chunks))
+        self.sizes = [len(chunk) for chunk in chunks]
+
+    def read1(self, size=-1):
+        return super().read1(self.sizes.pop(0) if self.sizes else 0)
+
+
+class Sink:
+    """Our stdout: records what reaches it and whether it was flushed after the last write."""
+
+    def __init__(self):
+        self.data = bytearray()
+        self.flushed = True
+        self.lock = threading.Lock()
+
+    def write(self, data):
+        with self.lock:
+            self.data += data
+            self.flushed = False
+        return len(data)
+
+    def flush(self):
+        self.flushed = True
+
+
+def pumped(chunks, prefix=b"[rank1] "):
+    sink = Sink()
+    _pump(ChunkedStream(chunks), prefix, sink)
+    return sink
+
+
+def test_pump_prefixes_every_line_across_chunks_split_mid_line():
+    sink = pumped([b"epo", b"ch 1\nepoch", b" 2\n\nlast line without newline"])
+    assert bytes(sink.data) == b"[rank1] epoch 1\n[rank1] epoch 2\n[rank1] \n[rank1] last line without newline"
+    assert sink.flushed
+
+
+def test_pump_prefixes_every_carriage_return_redraw_of_a_progress_bar():
+    sink = pumped([b"\r 10%", b"|#  |\r 50%|##", b" |\r100%|###|\n", b"done\n"])
+    assert bytes(sink.data) == (b"[rank1] \r[rank1]  10%|#  |\r[rank1]  50%|## |\r[rank1] 100%|###|\n"
+                                b"[rank1] done\n")
+    assert sink.flushed
+
+
+def test_pump_of_an_empty_stream_writes_nothing():
+    assert bytes(pumped([]).data) == b""
+
+
+def test_pump_reads_streams_without_read1():
+    class PlainStream:
+        def __init__(self, chunks):
+            self.chunks = list(chunks)
+
+        def read(self, size):
+            return self.chunks.pop(0) if self.chunks else b""
+
+    sink = Sink()
+    _pump(PlainStream([b"a\nb", b"c\n"]), b"> ", sink)
+    assert bytes(sink.data) == b"> a\n> bc\n"
+
+
+class ScriptedStream:
+    """A pipe whose i-th read1 first sets `before[i]` (if any), then waits for `after[i]` (if any)."""
+
+    def __init__(self, chunks, before, after):
+        self.script = list(zip(chunks + [b""], before, after))
+
+    def read1(self, size):
+        chunk, before, after = self.script.pop(0) if self.script else (b"", None, None)
+        if before is not None:
+            before.set()
+        if after is not None:
+            assert after.wait(10)
+        return chunk
+
+
+def test_two_ranks_printing_at_once_never_share_a_line():
+    # Rank 0 prints "abc\n" as two writes ("abc", "\n"), as print() does under PYTHONUNBUFFERED;
+    # rank 1 prints a whole line after rank 0's pump has taken "abc" and before "\n" arrives.
+    rank0_took_partial, rank1_finished = threading.Event(), threading.Event()
+    rank0 = ScriptedStream([b"abc", b"\n"], before=[None, rank0_took_partial, None], after=[None, rank1_finished, None])
+    rank1 = ScriptedStream([b"xyz\n"], before=[None, rank1_finished], after=[rank0_took_partial, None])
+    sink = Sink()
+    threads = [threading.Thread(target=_pump, args=(stream, prefix, sink))
+               for stream, prefix in ((rank0, b"[rank0] "), (rank1, b"[rank1] "))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(10)
+    assert sorted(bytes(sink.data).decode().splitlines()) == ["[rank0] abc", "[rank1] xyz"]
+
+
+@pytest.mark.parametrize("code, text", [
+    (-9, "was killed by SIGKILL"), (-15, "was killed by SIGTERM"), (-2, "was killed by SIGINT"),
+    (-11, "was killed by SIGSEGV"), (-200, "was killed by signal 200"),
+    (0, "exited with code 0"), (1, "exited with code 1"), (2, "exited with code 2"), (137, "exited with code 137"),
+])
+def test_describe_exit_names_signals_and_codes(code, text):
+    assert describe_exit(code) == text
+
+
+@pytest.mark.parametrize("rank, world", [(0, 1), (1, 2), (3, 4)])
+def test_worker_env_is_torchrun_style_and_detect_reads_the_same_rank_back(rank, world):
+    base = {"PATH": "/usr/bin", "RANK": "7", "WORLD_SIZE": "9", "MASTER_ADDR": "elsewhere", "OMP_NUM_THREADS": "64"}
+    env = worker_env(rank, world, 29123, 3, base)
+    assert base["RANK"] == "7"  # the launcher's own environment is left alone
+    assert env["PATH"] == "/usr/bin"
+    assert {key: env[key] for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                                      "MASTER_PORT", "DPTRAIN_LAUNCHER", "OMP_NUM_THREADS")} == {
+        "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world),
+        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29123", "DPTRAIN_LAUNCHER": "local", "OMP_NUM_THREADS": "3"}
+    seen = detect(env)
+    assert (seen.launcher, seen.rank, seen.world_size, seen.local_rank, seen.local_world_size) == (
+        "local", rank, world, rank, world)
+    assert (seen.master_addr, seen.master_port, seen.launched) == ("127.0.0.1", 29123, True)
+
+
+@pytest.mark.slow
+def test_launch_local_runs_every_rank_and_prefixes_its_output(capfd):
+    assert launch_local(2, ["info"]) == 0
+    out, _ = capfd.readouterr()
+    lines = [line for line in out.splitlines() if line.strip()]
+    assert lines and all(re.match(r"\[rank[01]\] ", line) for line in lines)
+    for rank in (0, 1):
+        mine = "\n".join(line for line in lines if line.startswith(f"[rank{rank}] "))
+        assert re.search(rf"\brank\b\W+{rank}\b", mine)
+        assert re.search(r"\bworld_size\b\W+2\b", mine)
+        assert re.search(r"\blauncher\b\W+local\b", mine)
+
+
+@pytest.mark.slow
+def test_launch_local_returns_the_failed_worker_code_and_names_its_rank(capfd):
+    assert launch_local(2, ["train", "--config", "/nonexistent.yaml"]) == 2
+    _, err = capfd.readouterr()
+    failed = re.search(r"^dptrain: worker rank ([01]) exited with code 2; stopping the other workers$", err, re.M)
+    assert failed, err
+    assert re.search(rf"^\[rank{failed.group(1)}\] dptrain: error: .*/nonexistent\.yaml", err, re.M), err
