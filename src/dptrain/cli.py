@@ -17,7 +17,7 @@ import yaml
 
 from dptrain import __version__
 from dptrain.config import FIELDS, resolve
-from dptrain.errors import UserError, closest
+from dptrain.errors import Preempted, UserError, closest
 
 
 class _Parser(argparse.ArgumentParser):
@@ -69,6 +69,8 @@ def parse_model_options(items: Optional[list[str]]) -> Optional[dict[str, Any]]:
 # Commands that live in their own subpackage: name -> (module with add_arguments(parser) and
 # main(args) -> exit code, one-line help).
 COMMAND_MODULES: dict[str, tuple[str, str]] = {
+    "launch": ("dptrain.launch.commands", "write a job script for SLURM, PBS or this machine, and optionally submit it"),
+    "container": ("dptrain.launch.container_commands", "prepare a rootless container (udocker, Apptainer) for launch"),
 }
 
 
@@ -134,6 +136,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if debug:
             traceback.print_exc()
         print(f"dptrain: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except Preempted as exc:
+        print(f"dptrain: {exc}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
         print("dptrain: interrupted", file=sys.stderr)

@@ -79,6 +79,13 @@ class TrainConfig(BaseModel):
     local_epochs: int = Field(1, ge=1, description="fedavg: local epochs per round")
     clients_per_round: float = Field(1.0, gt=0, le=1, description="fedavg: fraction of clients sampled each round")
 
+    # Reliability
+    checkpoint_every: int = Field(1, ge=0, description="save a checkpoint every E epochs (0: never)")
+    keep_checkpoints: int = Field(2, ge=1, description="how many checkpoints to keep")
+    resume: bool = Field(False, description="continue the run in --out from its last checkpoint (also automatic when "
+                                            "--out holds an unfinished run with the same settings)")
+    max_restarts: int = Field(0, ge=0, description="local launcher: restart the workers from the last checkpoint up to N times")
+
     # Outputs
     out: Optional[str] = Field(None, description="run directory (default runs/STRATEGY-TIMESTAMP); must not hold a run already")
     progress: bool = Field(True, description="progress bar on rank 0 when the terminal is interactive")
@@ -89,6 +96,8 @@ class TrainConfig(BaseModel):
             raise ValueError("give --dataset or --data")
         if self.sync_every_steps is not None and self.strategy != "sync":
             raise ValueError(f"sync_every_steps applies to strategy sync, not {self.strategy}")
+        if self.resume and not self.out:
+            raise ValueError("resume needs out, the run directory to continue")
         for rank, factor in self.slow_workers().items():
             if factor < 1:
                 raise ValueError(f"slow_worker factor {factor} for rank {rank} must be at least 1")

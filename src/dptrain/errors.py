@@ -11,6 +11,12 @@ class UserError(Exception):
     exit_code = 2
 
 
+class Preempted(Exception):
+    """The run stopped on request (SIGTERM/SIGUSR1) after saving a checkpoint; rerun to continue."""
+
+    exit_code = 75  # EX_TEMPFAIL: try again later
+
+
 def closest(name: str, candidates: "list[str] | tuple[str, ...]") -> "str | None":
     """The candidate a user most likely meant by `name`, or None.
 

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from dptrain import __version__
+from dptrain.launch.containers import detect as detect_container
 from dptrain.runtime.env import detect
 
 
@@ -30,6 +31,7 @@ def runtime_report() -> dict:
         "local_rank": env.local_rank,
         "local_world_size": env.local_world_size,
         "rendezvous": f"{env.master_addr}:{env.master_port}" if env.launched else None,
+        "container": detect_container(),
         "backend": "nccl" if cuda and dist.is_nccl_available() else "gloo",
         "gloo": dist.is_gloo_available(),
         "nccl": dist.is_nccl_available(),

@@ -18,9 +18,11 @@ import threading
 import time
 from typing import IO, Sequence
 
+from dptrain.errors import Preempted
 from dptrain.runtime.env import free_port
 
-GRACE_SECONDS = 10.0
+PREEMPTED = Preempted.exit_code
+
 
 
 def _pump(stream: IO[bytes], prefix: bytes, sink: IO[bytes]) -> None:
@@ -96,15 +98,28 @@ def launch_local(workers: int, argv: Sequence[str]) -> int:
     exits: queue.Queue = queue.Queue()
     for rank, proc in enumerate(procs):
         threading.Thread(target=lambda r=rank, p=proc: exits.put((r, p.wait())), daemon=True).start()
+    # A scheduler's warning (SIGTERM/SIGUSR1) is passed on: the workers checkpoint and stop.
+    def forward(signum, frame):
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signum)
+
+    previous = {signum: signal.signal(signum, forward) for signum in (signal.SIGTERM, signal.SIGUSR1)}
     failed: tuple[int, int] | None = None
+    preempted = False
     try:
         for _ in procs:
             rank, code = exits.get()
-            if code != 0:
+            if code == PREEMPTED:
+                preempted = True
+            elif code != 0:
                 failed = (rank, code)
                 break
     except KeyboardInterrupt:
         failed = (-1, 130)
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
     if failed is not None:
         rank, code = failed
@@ -114,21 +129,16 @@ def launch_local(workers: int, argv: Sequence[str]) -> int:
     for pump in pumps:
         pump.join(timeout=5)
     if failed is None:
-        return 0
+        return PREEMPTED if preempted else 0
     code = failed[1]
     return code if 0 < code < 256 else 1
 
 
 def _stop(procs: list[subprocess.Popen]) -> None:
-    """SIGTERM the survivors, then SIGKILL whoever is still there after a grace period."""
+    """Kill the survivors: a world that lost a worker can neither finish nor checkpoint consistently
+    (the last complete checkpoint stays the one to resume from)."""
     for proc in procs:
         if proc.poll() is None:
-            proc.terminate()
-            proc.send_signal(signal.SIGCONT)  # a stopped (SIGSTOP) worker acts on SIGTERM only when resumed
-    deadline = time.monotonic() + GRACE_SECONDS
-    for proc in procs:
-        try:
-            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
             proc.kill()
-            proc.wait()
+    for proc in procs:
+        proc.wait()

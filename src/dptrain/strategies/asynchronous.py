@@ -278,6 +278,36 @@ class Async(Strategy):
                        "max_staleness_seen": max(c[2] for c in counts)}
         return self.model
 
+    def state_dict(self) -> dict:
+        # Async checkpoints are approximate: each rank saves at its own epoch end, rank 0 the
+        # global model as it stands then (merges arrive in a run-dependent order anyway).
+        state = super().state_dict()
+        state.update(base=self.base, base_version=self.base_version, merges=self.merges, refreshes=self.refreshes,
+                     max_staleness_seen=self.max_staleness_seen, diverged=self._diverged)
+        if self.global_model is not None:
+            with self.global_model.lock:
+                state["global"] = {"state": self.global_model.state.clone(), "version": self.global_model.version,
+                                   "merges": list(self.global_model.merges),
+                                   "max_staleness_seen": self.global_model.max_staleness_seen}
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.base, self.base_version = state["base"], state["base_version"]
+        self.merges, self.refreshes = state["merges"], state["refreshes"]
+        self.max_staleness_seen, self._diverged = state["max_staleness_seen"], state["diverged"]
+        if self.global_model is not None and "global" in state:
+            with self.global_model.lock:
+                saved = state["global"]
+                self.global_model.state.copy_(saved["state"])
+                self.global_model.version = saved["version"]
+                self.global_model.merges = list(saved["merges"])
+                self.global_model.max_staleness_seen = saved["max_staleness_seen"]
+        # A rank that resumes at a newer version than rank 0's saved global sees negative
+        # staleness once; clamp it so the refresh rule stays meaningful.
+        if self.global_model is not None:
+            self.base_version = min(self.base_version, self.global_model.version)
+
     def summary(self) -> dict:
         return dict(self._final or {})
 

@@ -62,6 +62,14 @@ class Strategy:
         """False when this worker sits out the epoch (e.g. a federated client not sampled this round)."""
         return True
 
+    def state_dict(self) -> dict:
+        """What a checkpoint must hold to continue exactly (tensors, numbers, lists, dicts only)."""
+        return {"comm_bytes": self.comm_bytes}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore state_dict() output; called after setup()."""
+        self.comm_bytes = state["comm_bytes"]
+
     def summary(self) -> dict:
         """Strategy-specific results for summary.json (after finish)."""
         return {}

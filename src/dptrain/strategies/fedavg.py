@@ -90,6 +90,15 @@ class FedAvg(Strategy):
         self.participation.append(participants)
         self._diverged = False
 
+    def state_dict(self) -> dict:
+        state = super().state_dict()
+        state.update(rounds=self.rounds, participation=self.participation, diverged=self._diverged)
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.rounds, self.participation, self._diverged = state["rounds"], state["participation"], state["diverged"]
+
     def summary(self) -> dict:
         return {"rounds": self.rounds, "partition_sizes": [len(p) for p in self.parts],
                 "participation": self.participation}

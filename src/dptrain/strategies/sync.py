@@ -104,6 +104,21 @@ class Sync(Strategy):
                         tensors.append(value)
         return tensors
 
+    def state_dict(self) -> dict:
+        state = super().state_dict()
+        state.update(averages=self.averages, diverged=self._diverged, anchor=[a.detach() for a in self._anchor],
+                     outer=self._outer_optimizer.state_dict() if self._outer_optimizer else {})
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.averages, self._diverged = state["averages"], state["diverged"]
+        with torch.no_grad():
+            for anchor, saved in zip(self._anchor, state["anchor"]):
+                anchor.copy_(saved)
+        if self._outer_optimizer and state["outer"]:
+            self._outer_optimizer.load_state_dict(state["outer"])
+
     def describe(self) -> dict:
         return {"name": self.name, "every": self.every, "every_steps": self.every_steps,
                 "optimizer_state": self.optimizer_state, "outer": self.outer,

@@ -7,20 +7,22 @@ directory) before any worker starts, so bad input fails once, with one line and 
 from __future__ import annotations
 
 import os
+import sys
 from functools import partial
 
 import torch
+import torch.distributed as dist
 
 from dptrain.config import TrainConfig, to_yaml
 from dptrain.data import Dataset, load_dataset
-from dptrain.errors import UserError
+from dptrain.errors import Preempted, UserError
 from dptrain.models import build_model, check_output_shape
 from dptrain.runtime.distributed import choose_device, destroy_process_group, init_process_group, set_cpu_threads
 from dptrain.runtime.env import DistEnv, detect
 from dptrain.runtime.launcher import launch_local
 from dptrain.strategies import build_strategy
 from dptrain.train.optim import build_optimizer, build_schedule
-from dptrain.train.rundir import claim_run_dir, default_run_dir
+from dptrain.train.rundir import default_run_dir, open_run_dir
 from dptrain.train.trainer import Trainer
 
 
@@ -70,14 +72,44 @@ def train(config: TrainConfig) -> int:
     if not env.launched:
         validate(config)
     if not env.launched and config.workers > 1:
-        out = config.out or default_run_dir(config.strategy)
-        run_dir = claim_run_dir(out)
+        run_dir, resuming = open_run_dir(config.out or default_run_dir(config.strategy), _settings(config),
+                                         config.resume)
         config = config.model_copy(update={"out": str(run_dir)})
         (run_dir / "config.yaml").write_text(to_yaml(config))
-        print(f"dptrain: {config.workers} workers on this machine, run directory {run_dir}", flush=True)
-        return launch_local(config.workers, ["train", "--config", str(run_dir / "config.yaml")])
+        verb = "continuing the run in" if resuming else "run directory"
+        print(f"dptrain: {config.workers} workers on this machine, {verb} {run_dir}", flush=True)
+        argv = ["train", "--config", str(run_dir / "config.yaml")]
+        for attempt in range(config.max_restarts + 1):
+            code = launch_local(config.workers, argv)
+            if code in (0, UserError.exit_code, Preempted.exit_code) or attempt == config.max_restarts:
+                return code
+            print(f"dptrain: restarting the {config.workers} workers from the last checkpoint "
+                  f"(restart {attempt + 1} of {config.max_restarts})", file=sys.stderr, flush=True)
     run_worker(config, env)
     return 0
+
+
+def _settings(config: TrainConfig) -> dict:
+    return config.model_dump(mode="json")
+
+
+def _join_run_dir(config: TrainConfig, env: DistEnv, ctx) -> TrainConfig:
+    """Under an outside launcher rank 0 opens the run directory and tells the others (or its error)."""
+    decision: list = [None, None]
+    if ctx.is_main:
+        config = config.model_copy(update={"workers": ctx.world_size})
+        out = config.out or default_run_dir(config.strategy, env.job_id or os.environ.get("TORCHELASTIC_RUN_ID"))
+        try:
+            run_dir, _ = open_run_dir(out, _settings(config.model_copy(update={"out": out})), config.resume)
+            (run_dir / "config.yaml").write_text(to_yaml(config.model_copy(update={"out": str(run_dir)})))
+            decision = [str(run_dir), None]
+        except UserError as exc:
+            decision = [None, str(exc)]
+    if ctx.world_size > 1:
+        dist.broadcast_object_list(decision, src=0)
+    if decision[1]:
+        raise UserError(decision[1])
+    return config.model_copy(update={"out": decision[0], "workers": ctx.world_size})
 
 
 def run_worker(config: TrainConfig, env: DistEnv) -> dict:
@@ -85,11 +117,8 @@ def run_worker(config: TrainConfig, env: DistEnv) -> dict:
     set_cpu_threads()
     ctx = init_process_group(env, device=config.device, timeout=config.timeout)
     try:
-        if env.launcher != "local" and ctx.is_main:
-            config = config.model_copy(update={"out": config.out or default_run_dir(config.strategy),
-                                               "workers": ctx.world_size})
-            run_dir = claim_run_dir(config.out)
-            (run_dir / "config.yaml").write_text(to_yaml(config))
+        if env.launcher != "local":
+            config = _join_run_dir(config, env, ctx)
         data = load_data(config)
         model = make_model(config, data)
         lr = config.lr * (ctx.world_size if config.scale_lr else 1)
@@ -99,8 +128,10 @@ def run_worker(config: TrainConfig, env: DistEnv) -> dict:
         trainer = Trainer(model, optimizer, loss_name(config, data), build_strategy(config),
                           batch_size=config.batch_size, schedule=schedule, amp=config.amp,
                           grad_clip=config.grad_clip, seed=config.seed, shuffle=config.shuffle,
-                          out=config.out if ctx.is_main else None, progress=config.progress, ctx=ctx,
-                          slowdown=config.slow_workers().get(ctx.rank, 1.0))
+                          out=config.out, progress=config.progress, ctx=ctx,
+                          slowdown=config.slow_workers().get(ctx.rank, 1.0),
+                          checkpoint_every=config.checkpoint_every, keep_checkpoints=config.keep_checkpoints,
+                          resume=True)
         return trainer.fit((data.x_train, data.y_train), (data.x_test, data.y_test), epochs=config.epochs)
     finally:
         destroy_process_group()

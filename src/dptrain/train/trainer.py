@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import signal
+import threading
 import os
 import sys
 import time
@@ -26,11 +28,11 @@ from torch import nn
 from tqdm import tqdm
 
 from dptrain.data.dstensor import DSTensor
-from dptrain.errors import UserError
+from dptrain.errors import Preempted, UserError
 from dptrain.runtime.distributed import DistContext, PeerFailure, init_process_group
 from dptrain.runtime.env import detect
 from dptrain.strategies.base import Strategy
-from dptrain.train import sharding
+from dptrain.train import checkpoint, sharding
 from dptrain.train.rundir import append_jsonl, write_json, write_text_atomic
 
 ArrayLike = Union[DSTensor, np.ndarray, torch.Tensor]
@@ -73,7 +75,8 @@ class Trainer:
                  batch_size: int = 32, schedule: Optional[Callable[[torch.optim.Optimizer, int, int], object]] = None,
                  amp: str = "none", grad_clip: Optional[float] = None, seed: int = 0, shuffle: str = "global",
                  device: str = "auto", timeout: float = 300.0, out: Optional[str] = None, progress: bool = True,
-                 slowdown: float = 1.0, ctx: Optional[DistContext] = None,
+                 slowdown: float = 1.0, checkpoint_every: int = 0, keep_checkpoints: int = 2,
+                 resume: bool = False, ctx: Optional[DistContext] = None,
                  log: Callable[[str], None] = print) -> None:
         if strategy is None:
             from dptrain.strategies.allreduce import AllReduce
@@ -89,6 +92,8 @@ class Trainer:
         self.seed = seed
         self.shuffle = shuffle
         self.slowdown = slowdown
+        self.checkpoint_every, self.keep_checkpoints, self.resume = checkpoint_every, keep_checkpoints, resume
+        self._signalled: Optional[str] = None
         self.out = Path(out) if out else None
         self.log = log if self.ctx.is_main else (lambda message: None)
         self.show_progress = progress and self.ctx.is_main and (sys.stderr.isatty() or os.environ.get("DPTRAIN_TTY") == "1")
@@ -113,10 +118,11 @@ class Trainer:
         if fixed_rows is not None:  # the shard never changes: read it once
             xs, ys = self._to_tensor(x_train.take(fixed_rows)), self._to_tensor(y_train.take(fixed_rows))
 
-        started = time.perf_counter()
-        step = 0
+        start_epoch, step, wall_before = self._restore(scheduler) if self.resume else (0, 0, 0.0)
+        self._watch_signals()
+        started = time.perf_counter() - wall_before
         global_model_evaluated = False
-        for epoch in range(epochs):
+        for epoch in range(start_epoch, epochs):
             epoch_start = time.perf_counter()
             order = order_of(epoch)
             if fixed_rows is None:
@@ -150,6 +156,12 @@ class Trainer:
             test_metrics = self._evaluate_global(test) if (test is not None and is_global) else None
             global_model_evaluated = test_metrics is not None
             self._record(epoch, epochs, stats, test_metrics, time.perf_counter() - started)
+            stop = self._stop_requested()
+            if stop or (self.checkpoint_every and (epoch + 1) % self.checkpoint_every == 0):
+                self._checkpoint(epoch + 1, step, scheduler, time.perf_counter() - started)
+            if stop:
+                raise Preempted(f"rank {rank}: stopped by {stop} after epoch {epoch + 1}; a checkpoint is saved in "
+                                f"{self.out}: run the same command again to continue")
 
         final = self._guard("finish", self.strategy.finish)
         wall = time.perf_counter() - started
@@ -185,6 +197,78 @@ class Trainer:
 
         fixed = None if self.shuffle == "global" else np.sort(shard_order(0))
         return steps, shard_order, fixed
+
+    # -- checkpoints and pre-emption ---------------------------------------------------------
+    def _checkpoint(self, epoch: int, step: int, scheduler, wall: float) -> None:
+        if self.out is None:
+            return
+        state = {
+            "epoch": epoch, "step": step, "wall_seconds": wall,
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": scheduler.state_dict() if scheduler is not None else {},
+            "scaler": self.scaler.state_dict() if self.scaler else {},
+            "strategy": self.strategy.state_dict(),
+            "rng": checkpoint.rng_state(),
+            "history": self.history if self.ctx.is_main else [],
+        }
+        checkpoint.save(self.out, epoch, self.ctx.rank, state)
+        if self.ctx.is_main:
+            checkpoint.prune(self.out, self.keep_checkpoints)
+
+    def _restore(self, scheduler) -> tuple[int, int, float]:
+        """Load the newest complete checkpoint (rank 0 chooses it for everyone); (epoch, step, wall)."""
+        choice = [None]
+        if self.ctx.is_main:
+            epoch, notes = checkpoint.latest_complete(self.out, self.ctx.world_size) if self.out else (None, [])
+            for note in notes:
+                self.log(f"dptrain: {note}")
+            choice = [epoch]
+        if self.ctx.world_size > 1:
+            self._guard("resume", lambda: dist.broadcast_object_list(choice, src=0))
+        epoch = choice[0]
+        if epoch is None:
+            return 0, 0, 0.0
+        state = checkpoint.load(self.out, epoch, self.ctx.rank)
+        try:
+            self.model.load_state_dict(state["model"])
+        except RuntimeError as exc:
+            raise UserError(f"checkpoint of epoch {epoch} in '{self.out}' does not fit this model: "
+                            f"{str(exc).splitlines()[0]}") from None
+        self.optimizer.load_state_dict(state["optimizer"])
+        if scheduler is not None and state["scheduler"]:
+            scheduler.load_state_dict(state["scheduler"])
+        if self.scaler and state["scaler"]:
+            self.scaler.load_state_dict(state["scaler"])
+        self.strategy.load_state_dict(state["strategy"])
+        checkpoint.set_rng_state(state["rng"])
+        if self.ctx.is_main:
+            self.history = list(state["history"])
+            if self.out:  # metrics after the checkpoint belong to the lost attempt
+                write_text_atomic(self.out / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in self.history))
+            self.log(f"dptrain: resuming after epoch {epoch} from {self.out}")
+        return epoch, state["step"], state["wall_seconds"]
+
+    def _watch_signals(self) -> None:
+        """SIGTERM/SIGUSR1 (a scheduler's warning before the time limit) ask for a checkpoint and a clean stop."""
+        if not self.checkpoint_every or threading.current_thread() is not threading.main_thread():
+            return
+
+        def request_stop(signum, frame):
+            self._signalled = signal.Signals(signum).name
+
+        for signum in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(signum, request_stop)
+
+    def _stop_requested(self) -> Optional[str]:
+        """The signal that asked this run to stop, agreed by all ranks (one may have been missed)."""
+        if not self.checkpoint_every:
+            return None
+        if self.ctx.world_size == 1 or self.strategy.barrier_free:
+            return self._signalled
+        flag = torch.tensor([1 if self._signalled else 0], device=self.ctx.device if self.ctx.backend == "nccl" else "cpu")
+        self._guard("stop check", lambda: dist.all_reduce(flag, op=dist.ReduceOp.MAX))
+        return (self._signalled or "a signal to another rank") if flag.item() else None
 
     def _train_step(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
         device = self.ctx.device

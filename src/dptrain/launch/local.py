@@ -1,0 +1,76 @@
+"""This machine, no scheduler: a bash script that runs the job now.
+
+Without a container it hands the ranks to dptrain's own launcher (`dptrain train --workers N`).
+With one, the script starts one container per rank itself, with the torchrun-style variables
+(RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), and stops the others when one fails.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+from dptrain.launch.containers import rank_command
+from dptrain.launch.spec import JobSpec, header, quote, train_command
+from dptrain.launch.submit import JobStatus
+
+SCRIPT_NAME = "job.sh"
+OUTPUT_NAME = "job.out"
+
+# Jobs this process started, by job id (the script's PID), so that poll() can read their exit codes.
+_started: dict[str, subprocess.Popen] = {}
+
+
+def render(spec: JobSpec) -> str:
+    lines = [*header(spec, "Local job"), "set -euo pipefail", f"cd {quote([spec.workdir])}",
+             f"export OMP_NUM_THREADS={spec.cpus_per_task}", ""]
+    if spec.container is None:
+        lines += ["# dptrain's own launcher starts the ranks and stops them all if one fails.",
+                  f"exec {quote(train_command(spec))} --workers {spec.world_size}"]
+        return "\n".join(lines) + "\n"
+    setup, command = rank_command(spec)
+    lines += [
+        *setup,
+        "",
+        "# Rendezvous on this machine; the port is derived from this script's PID, like a job id.",
+        f"export MASTER_ADDR=127.0.0.1 MASTER_PORT=$((20000 + $$ % 20000)) WORLD_SIZE={spec.world_size} "
+        f"LOCAL_WORLD_SIZE={spec.world_size}",
+        "",
+        "# One container per rank.",
+        "pids=()",
+        f"for rank in $(seq 0 {spec.world_size - 1}); do",
+        f"    RANK=$rank LOCAL_RANK=$rank {command} &",
+        "    pids+=($!)",
+        "done",
+        "# The first rank to fail stops the others, as srun --kill-on-bad-exit does.",
+        'for _ in "${pids[@]}"; do',
+        "    wait -n && continue",
+        "    status=$?",
+        '    kill "${pids[@]}" 2>/dev/null || true',
+        "    wait || true",
+        '    echo "dptrain: a rank exited with code $status; stopped the others" >&2',
+        '    exit "$status"',
+        "done",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def output_path(run_dir: Path, job_id: str) -> Path:
+    return run_dir / OUTPUT_NAME
+
+
+def submit(script: Path) -> str:
+    """Start the script in its own session, output to job.out beside it; the job id is its PID."""
+    with open(script.parent / OUTPUT_NAME, "ab") as output:
+        proc = subprocess.Popen(["bash", str(script)], stdout=output, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+    _started[str(proc.pid)] = proc
+    return str(proc.pid)
+
+
+def poll(job_id: str) -> JobStatus:
+    code = _started[job_id].poll()
+    if code is None:
+        return JobStatus(state="RUNNING", finished=False)
+    return JobStatus(state="COMPLETED" if code == 0 else "FAILED", finished=True,
+                     exit_code=code if code >= 0 else 128 - code)

@@ -1,0 +1,82 @@
+"""PBS (PBS Pro, OpenPBS, Torque): the qsub script (the host's Open MPI mpirun starts one rank, or one
+container, per MPI slot), submission with qsub, and the job's state from `qstat -f -x`."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from dptrain.launch.containers import rank_command
+from dptrain.launch.spec import JobSpec, header, quote
+from dptrain.launch.submit import JobStatus, run_tool
+
+SCRIPT_NAME = "job.pbs"
+OUTPUT_NAME = "pbs.out"
+FINAL_STATES = {"F", "C"}  # PBS Pro/OpenPBS: F (finished, needs qstat -x); Torque: C (completed)
+
+
+def render(spec: JobSpec) -> str:
+    select = f"select={spec.nodes}:ncpus={spec.tasks_per_node * spec.cpus_per_task}:mpiprocs={spec.tasks_per_node}"
+    if spec.gpus_per_node:
+        select += f":ngpus={spec.gpus_per_node}"
+    directives = [f"-N {spec.job_name}", f"-l {select}", "-l place=scatter"]
+    if spec.time:
+        directives.append(f"-l walltime={spec.time}")
+    if spec.partition:
+        directives.append(f"-q {spec.partition}")
+    if spec.account:
+        directives.append(f"-A {spec.account}")
+    directives += ["-j oe", f"-o {spec.run_dir}/{OUTPUT_NAME}"]
+    setup, command = rank_command(spec)
+    lines = [
+        *header(spec, "PBS job"),
+        *(f"#PBS {d}" for d in directives),
+        "set -euo pipefail",
+        f"cd {quote([spec.workdir])}",
+        "",
+        "# Rendezvous: rank 0 runs on the first host of PBS_NODEFILE; every rank derives the same port",
+        "# from PBS_JOBID. mpirun hands both to the ranks on other nodes with -x.",
+        'MASTER_ADDR=$(head -n 1 "$PBS_NODEFILE")',
+        "export MASTER_ADDR",
+        f"export OMP_NUM_THREADS={spec.cpus_per_task}",
+        'echo "dptrain: job $PBS_JOBID on $(sort -u "$PBS_NODEFILE" | paste -sd,), rendezvous $MASTER_ADDR"',
+        *([""] + setup if setup else []),
+        "",
+        "# One process per rank (one container each), started by the host's Open MPI.",
+        f'mpirun -np {spec.world_size} --hostfile "$PBS_NODEFILE" --map-by ppr:{spec.tasks_per_node}:node '
+        f"--bind-to none -x MASTER_ADDR -x PBS_JOBID -x OMP_NUM_THREADS -x PATH {command}",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def output_path(run_dir: Path, job_id: str) -> Path:
+    return run_dir / OUTPUT_NAME
+
+
+def parse_job_id(qsub_output: str) -> str:
+    """qsub prints the job id, e.g. `1234.pbs-server`."""
+    return qsub_output.strip().splitlines()[-1].strip()
+
+
+def parse_status(qstat_output: str) -> JobStatus:
+    """job_state and Exit_status from `qstat -f -x ID` (PBS Pro) or `qstat -f ID` (Torque)."""
+    state = re.search(r"^\s*job_state\s*=\s*(\S+)", qstat_output, re.MULTILINE)
+    if not state:
+        raise ValueError(f"no job_state in qstat output: {qstat_output[:200]!r}")
+    exit_match = re.search(r"^\s*exit_status\s*=\s*(-?\d+)", qstat_output, re.MULTILINE | re.IGNORECASE)
+    finished = state.group(1) in FINAL_STATES
+    code = int(exit_match.group(1)) if exit_match else (1 if finished else 0)
+    # PBS reports a job killed by signal N as 256 + N; negative values are PBS's own failures.
+    if code >= 256:
+        code = 128 + code - 256
+    elif code < 0:
+        code = 1
+    return JobStatus(state=state.group(1), finished=finished, exit_code=code)
+
+
+def submit(script: Path) -> str:
+    return parse_job_id(run_tool(["qsub", str(script)], what="submit the job", cwd=script.parent))
+
+
+def poll(job_id: str) -> JobStatus:
+    return parse_status(run_tool(["qstat", "-f", "-x", job_id], what=f"ask for the state of job {job_id}"))

@@ -1,0 +1,78 @@
+"""SLURM: the sbatch script (srun starts one rank, or one container, per task), submission with sbatch,
+and the job's state from `scontrol show job` (which needs no accounting database)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from dptrain.launch.containers import rank_command
+from dptrain.launch.spec import JobSpec, header, quote
+from dptrain.launch.submit import JobStatus, run_tool
+
+SCRIPT_NAME = "job.slurm"
+FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY",
+                "BOOT_FAIL", "DEADLINE", "SPECIAL_EXIT"}
+
+
+def render(spec: JobSpec) -> str:
+    directives = [f"--job-name={spec.job_name}", f"--nodes={spec.nodes}", f"--ntasks-per-node={spec.tasks_per_node}",
+                  f"--cpus-per-task={spec.cpus_per_task}"]
+    if spec.gpus_per_node:
+        directives.append(f"--gpus-per-node={spec.gpus_per_node}")
+    for flag, value in (("time", spec.time), ("partition", spec.partition), ("account", spec.account)):
+        if value:
+            directives.append(f"--{flag}={value}")
+    directives.append(f"--output={spec.run_dir}/slurm-%j.out")
+    setup, command = rank_command(spec)
+    lines = [
+        *header(spec, "SLURM job"),
+        *(f"#SBATCH {quote([d])}" for d in directives),
+        "set -euo pipefail",
+        f"cd {quote([spec.workdir])}",
+        "",
+        "# Rendezvous: rank 0 runs on the first node of the allocation, reached at the address SLURM",
+        "# itself uses for that node; every rank derives the same port from SLURM_JOB_ID.",
+        'first_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+        "MASTER_ADDR=$(scontrol show node \"$first_node\" | sed -n 's/.*NodeAddr=\\([^ ]*\\).*/\\1/p')",
+        'export MASTER_ADDR="${MASTER_ADDR:-$first_node}"',
+        f"export OMP_NUM_THREADS={spec.cpus_per_task}",
+        'echo "dptrain: job $SLURM_JOB_ID on $SLURM_JOB_NODELIST, rendezvous $MASTER_ADDR"',
+        *([""] + setup if setup else []),
+        "",
+        "# One process per rank (one container each); if one fails, srun stops the others.",
+        f"srun --kill-on-bad-exit=1 --nodes={spec.nodes} --ntasks-per-node={spec.tasks_per_node} "
+        f"--cpus-per-task={spec.cpus_per_task} {command}",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def output_path(run_dir: Path, job_id: str) -> Path:
+    return run_dir / f"slurm-{job_id}.out"
+
+
+def parse_job_id(sbatch_output: str) -> str:
+    """`sbatch --parsable` prints `ID` or `ID;CLUSTER`."""
+    return sbatch_output.strip().splitlines()[-1].split(";")[0].strip()
+
+
+def parse_status(scontrol_output: str) -> JobStatus:
+    """JobState and ExitCode (`CODE:SIGNAL`) from `scontrol show job -o ID`."""
+    state = re.search(r"\bJobState=(\S+)", scontrol_output)
+    if not state:
+        raise ValueError(f"no JobState in scontrol output: {scontrol_output[:200]!r}")
+    exit_match = re.search(r"\bExitCode=(\d+):(\d+)", scontrol_output)
+    code, signal = (int(exit_match.group(1)), int(exit_match.group(2))) if exit_match else (0, 0)
+    finished = state.group(1) in FINAL_STATES
+    if finished and code == 0:
+        code = 128 + signal if signal else (0 if state.group(1) == "COMPLETED" else 1)
+    return JobStatus(state=state.group(1), finished=finished, exit_code=code)
+
+
+def submit(script: Path) -> str:
+    out = run_tool(["sbatch", "--parsable", str(script)], what="submit the job", cwd=script.parent)
+    return parse_job_id(out)
+
+
+def poll(job_id: str) -> JobStatus:
+    return parse_status(run_tool(["scontrol", "show", "job", "-o", job_id], what=f"ask for the state of job {job_id}"))

@@ -1,0 +1,105 @@
+"""What a job is (JobSpec) and the shell text every scheduler shares: header, rank command, binds.
+
+Everything here is a pure function of a JobSpec, so job scripts are tested as text.
+"""
+
+from __future__ import annotations
+
+import posixpath
+import re
+import shlex
+from dataclasses import dataclass, field
+from typing import Optional
+
+from dptrain.errors import UserError
+
+SCHEDULERS = ("slurm", "pbs", "local")
+CONTAINER_RUNTIMES = ("udocker", "apptainer")
+TIME_PATTERN = re.compile(r"(\d+-)?\d{1,3}:\d{2}:\d{2}")
+
+
+@dataclass(frozen=True)
+class ContainerSpec:
+    """A container each rank runs in: udocker container NAME, or an Apptainer IMAGE.sif."""
+
+    runtime: str
+    image: str
+
+    @classmethod
+    def parse(cls, text: str) -> "ContainerSpec":
+        runtime, sep, image = text.partition(":")
+        if not sep or runtime not in CONTAINER_RUNTIMES or not image:
+            raise UserError(f"--container {text!r} is not RUNTIME:IMAGE; use udocker:NAME or apptainer:IMAGE.sif")
+        return cls(runtime, image)
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """One training job: where it runs, how many ranks, and the `dptrain train` arguments of each rank."""
+
+    scheduler: str
+    workdir: str
+    run_dir: str
+    train_args: tuple[str, ...] = ()
+    nodes: int = 1
+    tasks_per_node: int = 1
+    gpus_per_node: int = 0
+    cpus_per_task: int = 1
+    time: Optional[str] = None
+    partition: Optional[str] = None
+    account: Optional[str] = None
+    job_name: str = "dptrain"
+    container: Optional[ContainerSpec] = None
+    binds: tuple[str, ...] = field(default_factory=tuple)
+    dptrain: str = "dptrain"
+
+    def __post_init__(self):
+        if self.scheduler not in SCHEDULERS:
+            raise UserError(f"--scheduler {self.scheduler!r} is not known; use one of {', '.join(SCHEDULERS)}")
+        for name in ("nodes", "tasks_per_node", "cpus_per_task"):
+            if getattr(self, name) < 1:
+                raise UserError(f"--{name.replace('_', '-')} {getattr(self, name)} must be at least 1")
+        if self.gpus_per_node < 0:
+            raise UserError(f"--gpus-per-node {self.gpus_per_node} must be 0 or more")
+        if self.time is not None and not TIME_PATTERN.fullmatch(self.time):
+            raise UserError(f"--time {self.time!r} is not HH:MM:SS (or D-HH:MM:SS), e.g. 02:00:00")
+        if self.scheduler == "local" and self.nodes != 1:
+            raise UserError(f"--scheduler local runs on this machine only; use --nodes 1, not {self.nodes}")
+        if not posixpath.isabs(self.workdir) or not posixpath.isabs(self.run_dir):
+            raise ValueError("workdir and run_dir must be absolute")
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.tasks_per_node
+
+
+def header(spec: JobSpec, what: str) -> list[str]:
+    """The first lines of every script: what it is and how it was made."""
+    ranks = f"{spec.world_size} rank{'s' if spec.world_size > 1 else ''}"
+    layout = f"{spec.nodes} node{'s' if spec.nodes > 1 else ''} x {spec.tasks_per_node} task{'s' if spec.tasks_per_node > 1 else ''}"
+    inside = f", each in {spec.container.runtime} container {spec.container.image}" if spec.container else ""
+    return ["#!/bin/bash", f"# {what}: {ranks} ({layout}){inside}.", "# Written by dptrain launch; rerun it rather than editing this file."]
+
+
+def train_command(spec: JobSpec) -> list[str]:
+    """The words one rank runs: `dptrain train ARGS --out RUN_DIR`."""
+    return [*shlex.split(spec.dptrain), "train", *spec.train_args, "--out", spec.run_dir]
+
+
+def bind_paths(spec: JobSpec) -> list[str]:
+    """Directories a container must see: the project, the run directory, and the user's --bind paths.
+
+    A path inside one already bound is left out; the user's own `SRC:DST` binds are kept as given.
+    """
+    binds: list[str] = []
+    for path in (spec.workdir, spec.run_dir, *spec.binds):
+        source = path.split(":", 1)[0]
+        if ":" not in path and any(source == b or source.startswith(b.rstrip("/") + "/") for b in binds if ":" not in b):
+            continue
+        if path not in binds:
+            binds.append(path)
+    return binds
+
+
+def quote(words: list[str]) -> str:
+    return " ".join(shlex.quote(word) for word in words)

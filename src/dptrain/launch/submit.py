@@ -1,0 +1,74 @@
+"""Submitting a written job script and following it to the end: the thin, impure step after rendering."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+from dptrain.errors import UserError
+
+POLL_SECONDS = 2.0
+
+
+@dataclass(frozen=True)
+class JobStatus:
+    """A scheduler's word on a job: its state, whether that is final, and the script's exit code."""
+
+    state: str
+    finished: bool
+    exit_code: int = 0
+
+
+def run_tool(argv: Sequence[str], *, what: str, timeout: float = 60, cwd: Optional[Path] = None) -> str:
+    """Run a scheduler command (sbatch, qsub, scontrol, qstat); its stdout, or one line saying why it failed."""
+    try:
+        result = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout, cwd=cwd,
+                                stdin=subprocess.DEVNULL)
+    except FileNotFoundError:
+        raise UserError(f"{argv[0]} is not on the PATH; {what} needs it (run on the cluster's login node)") from None
+    except subprocess.TimeoutExpired:
+        raise UserError(f"{argv[0]} did not answer within {timeout:g} s while trying to {what}") from None
+    if result.returncode != 0:
+        message = (result.stderr or result.stdout).strip().splitlines()
+        raise UserError(f"{' '.join(argv[:2])} failed to {what}: {message[-1] if message else f'exit {result.returncode}'}")
+    return result.stdout
+
+
+class OutputFollower:
+    """Copies what a job appends to its output file to our stdout, as `tail -f` would."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.offset = 0
+
+    def pump(self) -> None:
+        if not self.path.exists():
+            return
+        with open(self.path, "rb") as handle:
+            handle.seek(self.offset)
+            chunk = handle.read()
+        if chunk:
+            self.offset += len(chunk)
+            sys.stdout.buffer.write(chunk)
+            sys.stdout.flush()
+
+
+def follow(scheduler, job_id: str, output: Path, *, timeout: Optional[float]) -> JobStatus:
+    """Poll `scheduler.poll(job_id)` until the job is finished (or `timeout` seconds pass), echoing its output."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    follower = OutputFollower(output)
+    while True:
+        status = scheduler.poll(job_id)
+        follower.pump()
+        if status.finished:
+            time.sleep(0.5)  # the last lines may reach the shared file system just after the state
+            follower.pump()
+            return status
+        if deadline is not None and time.monotonic() > deadline:
+            raise UserError(f"job {job_id} is still {status.state} after --wait-timeout {timeout:g} s; "
+                            f"it keeps running, its output goes to {output}")
+        time.sleep(POLL_SECONDS)

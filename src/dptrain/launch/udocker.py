@@ -1,0 +1,225 @@
+"""udocker: rootless containers from a Docker image or a root-filesystem tarball, run through PRoot.
+
+Rendering (pure): the run command of one rank, the udocker configuration, the PRoot wrapper
+and a Dockerfile for the image. Set-up and checks (processes) are at the bottom.
+
+Offline by design: udocker's engine download at first run ("autoinstall") is switched off in
+its configuration file, and it runs the system's proot through a wrapper. The configuration
+is passed with --config on every call, because udocker reads `$UDOCKER_DIR/udocker.conf`
+only for its default directory.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+from typing import Mapping, Optional, Sequence
+
+from dptrain.errors import UserError
+from dptrain.launch.spec import JobSpec, bind_paths, quote, train_command
+
+CONFIG_NAME = "udocker.conf"
+WRAPPER_NAME = "proot-no-kernel"
+DEFAULT_BASE = "python:3.11-slim"
+
+
+def running_inside(env: Mapping[str, str]) -> bool:
+    """udocker marks the processes it starts with container_* variables."""
+    return "container_uuid" in env and "container_execmode" in env
+
+
+# ---- rendering -------------------------------------------------------------------------------
+
+def preamble(spec: JobSpec) -> list[str]:
+    return [
+        "# udocker: the repository is $UDOCKER_DIR (default ~/.udocker); its configuration keeps it",
+        "# offline. As root udocker needs --allow-root; a normal user needs nothing.",
+        'udocker=(udocker "--config=${UDOCKER_DIR:-$HOME/.udocker}/' + CONFIG_NAME + '")',
+        'if [ "$(id -u)" = 0 ]; then udocker+=(--allow-root); fi',
+    ]
+
+
+def wrap(spec: JobSpec) -> str:
+    """One rank: the host's environment (ranks, rendezvous) passes in with --hostenv.
+
+    The host's /etc/hosts goes in too: images carry none (Docker writes it at run time), and
+    without it gloo and NCCL cannot resolve this node's name to an address.
+    """
+    binds = " ".join(f"-v {quote([path])}" for path in ["/etc/hosts", *bind_paths(spec)])
+    return (f'"${{udocker[@]}}" run --nobanner --hostenv {binds} -w {quote([spec.workdir])} '
+            f"{quote([spec.container.image])} {quote(train_command(spec))}")
+
+
+def config_text(proot: Optional[str]) -> str:
+    """udocker.conf: no engine download ever; the given proot executable when there is one."""
+    lines = [
+        "# Written by dptrain container setup.",
+        "[DEFAULT]",
+        # Empty, not False: udocker keeps the file's string, and any non-empty string is true.
+        "autoinstall =",
+    ]
+    if proot:
+        lines.append(f"use_proot_executable = {proot}")
+    return "\n".join(lines) + "\n"
+
+
+def proot_wrapper(real_proot: str) -> str:
+    """A proot that ignores `-k RELEASE`: Debian's proot 5.1 fails with it on recent kernels."""
+    return f"""#!/bin/sh
+# Written by dptrain container setup: runs {real_proot} without udocker's -k (kernel release)
+# option, which makes this proot fail on recent kernels; the container sees the real release.
+skip=0
+for arg in "$@"; do
+    shift
+    if [ "$skip" = 1 ]; then skip=0; continue; fi
+    case "$arg" in
+        -k) skip=1; continue ;;
+        -k*|--kernel-release=*) continue ;;
+    esac
+    set -- "$@" "$arg"
+done
+exec {real_proot} "$@"
+"""
+
+
+def dockerfile(base: str = DEFAULT_BASE, torch: str = "torch") -> str:
+    return f"""# An image holding dptrain and its dependencies, for udocker (or Docker, Podman).
+# Build it from the project directory on a machine with Docker, save it, copy it to the cluster:
+#   docker build -t dptrain -f Dockerfile . && docker save dptrain -o dptrain.tar
+#   dptrain container setup --runtime udocker --image dptrain.tar --name dptrain [--nvidia]
+# MPI and the scheduler stay on the host: srun or mpirun starts one container per rank, and
+# ranks meet over torch.distributed (gloo, NCCL), so no MPI library is needed in here.
+FROM {base}
+ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1
+COPY . /opt/dptrain
+RUN python -m pip install "{torch}" && python -m pip install /opt/dptrain
+WORKDIR /work
+CMD ["dptrain", "info"]
+"""
+
+
+# ---- set-up and checks (processes) -----------------------------------------------------------
+
+def udocker_dir(env: Mapping[str, str] = os.environ) -> Path:
+    return Path(env.get("UDOCKER_DIR") or Path.home() / ".udocker")
+
+
+def executable() -> str:
+    found = shutil.which("udocker") or shutil.which("udocker", path=str(Path(sys.executable).parent))
+    if not found:
+        raise UserError("udocker is not installed; install it as a normal user with 'pip install udocker'")
+    return found
+
+
+def base_argv(directory: Path) -> list[str]:
+    argv = [executable(), f"--config={directory / CONFIG_NAME}"]
+    if os.geteuid() == 0:
+        argv.append("--allow-root")
+    return argv
+
+
+def run_udocker(directory: Path, *args: str, timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess:
+    env = {**os.environ, "UDOCKER_DIR": str(directory)}
+    argv = [*base_argv(directory), *args]
+    try:
+        result = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout,
+                                stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        raise UserError(f"'udocker {' '.join(args)}' did not finish within {timeout:g} s") from None
+    if check and result.returncode != 0:
+        raise UserError(f"'udocker {' '.join(args)}' failed (exit {result.returncode}): "
+                        f"{_last_error(result.stdout + result.stderr)}")
+    return result
+
+
+def _last_error(text: str) -> str:
+    lines = [line.strip() for line in text.splitlines() if line.strip() and "autoinstall disabled" not in line]
+    errors = [line for line in lines if line.lower().startswith("error")]
+    return (errors or lines or ["no output"])[-1]
+
+
+def write_config(directory: Path, proot: Optional[str] = None) -> Path:
+    """Write udocker.conf (and the proot wrapper) into the udocker directory; returns the config."""
+    directory.mkdir(parents=True, exist_ok=True)
+    real_proot = proot or shutil.which("proot")
+    wrapper = None
+    if real_proot:
+        wrapper = directory / "bin" / WRAPPER_NAME
+        wrapper.parent.mkdir(exist_ok=True)
+        wrapper.write_text(proot_wrapper(real_proot))
+        wrapper.chmod(0o755)
+    config = directory / CONFIG_NAME
+    config.write_text(config_text(str(wrapper) if wrapper else None))
+    return config
+
+
+def is_docker_archive(tarball: Path) -> bool:
+    """`docker save` archives carry manifest.json; anything else is taken as a root filesystem."""
+    try:
+        with tarfile.open(tarball) as archive:
+            for member in archive:
+                if member.name.lstrip("./") in ("manifest.json", "repositories"):
+                    return True
+    except tarfile.TarError as exc:
+        raise UserError(f"--image {tarball} is not a tar archive: {exc}") from None
+    return False
+
+
+def container_exists(directory: Path, name: str) -> bool:
+    return run_udocker(directory, "inspect", "-p", name, check=False, timeout=60).returncode == 0
+
+
+def setup(tarball: Path, name: str, *, nvidia: bool = False, directory: Optional[Path] = None,
+          execmode: str = "P1", log=print) -> Path:
+    """Import the image, create container NAME and (with nvidia) copy the host's GPU libraries into it."""
+    directory = directory or udocker_dir()
+    if not tarball.is_file():
+        raise UserError(f"--image {tarball} does not exist; give a 'docker save' archive or a root-filesystem tarball")
+    config = write_config(directory)
+    log(f"udocker directory {directory}, configuration {config} (offline, system proot)")
+    if container_exists(directory, name):
+        log(f"container {name} exists already; kept")
+    else:
+        image = f"{name.lower()}:latest"
+        if is_docker_archive(tarball):
+            # udocker load prints the repositories it loaded, one a line.
+            loaded = run_udocker(directory, "load", "-i", str(tarball), name.lower()).stdout.splitlines()
+            repos = [line.strip() for line in loaded if ":" in line and not line.startswith(("Info", "Warning"))]
+            image = repos[-1] if repos else image
+        else:
+            run_udocker(directory, "import", str(tarball), image)
+        run_udocker(directory, "create", f"--name={name}", image)
+        log(f"created container {name} from {image}")
+    run_udocker(directory, "setup", f"--execmode={execmode}", name)
+    if nvidia:
+        run_udocker(directory, "setup", "--nvidia", "--force", name)
+        log(f"copied the host's NVIDIA libraries into {name}")
+    return directory
+
+
+def check(name: str, command: Sequence[str], *, directory: Optional[Path] = None,
+          binds: Sequence[str] = ()) -> list[tuple[str, bool, str]]:
+    """(what, ok, detail) for: configuration offline, proot found, container present, command runs inside."""
+    directory = directory or udocker_dir()
+    results = []
+    config = directory / CONFIG_NAME
+    text = config.read_text() if config.exists() else ""
+    offline = any(line.replace(" ", "") == "autoinstall=" for line in text.splitlines())
+    results.append(("configuration offline", offline, str(config) if offline else
+                     f"{config} does not switch autoinstall off; run 'dptrain container setup'"))
+    proot_lines = [line.split("=", 1)[1].strip() for line in text.splitlines() if line.startswith("use_proot_executable")]
+    proot_ok = bool(proot_lines) and os.access(proot_lines[0], os.X_OK)
+    results.append(("proot", proot_ok, proot_lines[0] if proot_lines else "none configured; install proot"))
+    exists = container_exists(directory, name)
+    results.append((f"container {name}", exists, "present" if exists else "missing; run 'dptrain container setup'"))
+    if exists:
+        volumes = [arg for path in binds for arg in ("-v", path)]
+        result = run_udocker(directory, "run", "--nobanner", "--hostenv", *volumes, name, *command,
+                             check=False, timeout=300)
+        output = _last_error(result.stdout + result.stderr)
+        results.append((f"runs {' '.join(command)}", result.returncode == 0, output))
+    return results

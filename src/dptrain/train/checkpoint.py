@@ -1,0 +1,118 @@
+"""Checkpoints: each rank's full state at an epoch end, written atomically, verified on load.
+
+Layout in the run directory:
+
+    checkpoints/epoch-000004/rank-00000.pt     model, optimizer, scheduler, strategy, RNG, history
+    checkpoints/epoch-000004/rank-00000.pt.sha256
+    ...one pair per rank
+
+A checkpoint is complete when every rank's file is present and matches its checksum. Files
+are written to a temporary name, fsynced and renamed, so a crash never leaves a half file
+under the real name; a truncated or altered file fails its checksum and resuming falls back
+to the previous complete checkpoint. Everything is loaded with torch.load(weights_only=True):
+tensors, numbers, strings, lists and dicts only, never arbitrary pickled objects.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from dptrain.errors import UserError
+
+DIRECTORY = "checkpoints"
+EPOCH_DIR = re.compile(r"^epoch-(\d{6})$")
+
+
+def _rank_file(directory: Path, rank: int) -> Path:
+    return directory / f"rank-{rank:05d}.pt"
+
+
+def _fsync_write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as handle:
+        handle.write(data)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+
+
+def save(run_dir: Path, epoch: int, rank: int, state: dict[str, Any]) -> Path:
+    """Write this rank's state for `epoch` (counted from 1) atomically, with its checksum."""
+    directory = Path(run_dir) / DIRECTORY / f"epoch-{epoch:06d}"
+    directory.mkdir(parents=True, exist_ok=True)
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    data = buffer.getvalue()
+    path = _rank_file(directory, rank)
+    # Checksum first: a file without a valid checksum beside it is never trusted.
+    _fsync_write(path.with_name(path.name + ".sha256"), hashlib.sha256(data).hexdigest().encode())
+    _fsync_write(path, data)
+    return path
+
+
+def prune(run_dir: Path, keep: int) -> None:
+    """Keep the newest `keep` epoch directories (rank 0 calls this after its save)."""
+    epochs = _epochs(Path(run_dir))
+    for epoch in epochs[:-keep] if keep > 0 else []:
+        shutil.rmtree(Path(run_dir) / DIRECTORY / f"epoch-{epoch:06d}", ignore_errors=True)
+
+
+def _epochs(run_dir: Path) -> list[int]:
+    root = run_dir / DIRECTORY
+    if not root.is_dir():
+        return []
+    return sorted(int(m.group(1)) for m in (EPOCH_DIR.match(p.name) for p in root.iterdir()) if m)
+
+
+def _verified_bytes(path: Path) -> Optional[bytes]:
+    checksum = path.with_name(path.name + ".sha256")
+    if not path.is_file() or not checksum.is_file():
+        return None
+    data = path.read_bytes()
+    return data if hashlib.sha256(data).hexdigest() == checksum.read_text().strip() else None
+
+
+def latest_complete(run_dir: Path, world_size: int) -> tuple[Optional[int], list[str]]:
+    """(newest epoch whose files all verify, or None; a note for each newer epoch skipped)."""
+    skipped = []
+    for epoch in reversed(_epochs(Path(run_dir))):
+        directory = Path(run_dir) / DIRECTORY / f"epoch-{epoch:06d}"
+        bad = [rank for rank in range(world_size) if _verified_bytes(_rank_file(directory, rank)) is None]
+        if not bad:
+            return epoch, skipped
+        skipped.append(f"checkpoint of epoch {epoch} is incomplete or corrupt (rank file(s) {bad[:4]}); "
+                       "falling back to the one before")
+    return None, skipped
+
+
+def load(run_dir: Path, epoch: int, rank: int) -> dict[str, Any]:
+    """This rank's verified state of `epoch`, loaded without unpickling arbitrary objects."""
+    path = _rank_file(Path(run_dir) / DIRECTORY / f"epoch-{epoch:06d}", rank)
+    data = _verified_bytes(path)
+    if data is None:
+        raise UserError(f"checkpoint '{path}' is missing or does not match its checksum")
+    try:
+        return torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+    except Exception as exc:  # noqa: BLE001 - any unpickling failure is a bad file
+        raise UserError(f"checkpoint '{path}' cannot be read: {str(exc).splitlines()[0]}") from None
+
+
+def rng_state() -> dict[str, Any]:
+    state = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])

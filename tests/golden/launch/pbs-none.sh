@@ -1,0 +1,23 @@
+#!/bin/bash
+# PBS job: 4 ranks (2 nodes x 2 tasks).
+# Written by dptrain launch; rerun it rather than editing this file.
+#PBS -N dptrain
+#PBS -l select=2:ncpus=8:mpiprocs=2:ngpus=2
+#PBS -l place=scatter
+#PBS -l walltime=01:30:00
+#PBS -q gpu
+#PBS -A proj42
+#PBS -j oe
+#PBS -o /home/ada/project/runs/digits-sync/pbs.out
+set -euo pipefail
+cd /home/ada/project
+
+# Rendezvous: rank 0 runs on the first host of PBS_NODEFILE; every rank derives the same port
+# from PBS_JOBID. mpirun hands both to the ranks on other nodes with -x.
+MASTER_ADDR=$(head -n 1 "$PBS_NODEFILE")
+export MASTER_ADDR
+export OMP_NUM_THREADS=4
+echo "dptrain: job $PBS_JOBID on $(sort -u "$PBS_NODEFILE" | paste -sd,), rendezvous $MASTER_ADDR"
+
+# One process per rank (one container each), started by the host's Open MPI.
+mpirun -np 4 --hostfile "$PBS_NODEFILE" --map-by ppr:2:node --bind-to none -x MASTER_ADDR -x PBS_JOBID -x OMP_NUM_THREADS -x PATH dptrain train --dataset digits --strategy sync --epochs 10 --out /home/ada/project/runs/digits-sync

@@ -1,0 +1,28 @@
+#!/bin/bash
+# SLURM job: 4 ranks (2 nodes x 2 tasks), each in apptainer container /home/ada/images/dptrain.sif.
+# Written by dptrain launch; rerun it rather than editing this file.
+#SBATCH --job-name=dptrain
+#SBATCH --nodes=2
+#SBATCH --ntasks-per-node=2
+#SBATCH --cpus-per-task=4
+#SBATCH --gpus-per-node=2
+#SBATCH --time=01:30:00
+#SBATCH --partition=gpu
+#SBATCH --account=proj42
+#SBATCH --output=/home/ada/project/runs/digits-sync/slurm-%j.out
+set -euo pipefail
+cd /home/ada/project
+
+# Rendezvous: rank 0 runs on the first node of the allocation, reached at the address SLURM
+# itself uses for that node; every rank derives the same port from SLURM_JOB_ID.
+first_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+MASTER_ADDR=$(scontrol show node "$first_node" | sed -n 's/.*NodeAddr=\([^ ]*\).*/\1/p')
+export MASTER_ADDR="${MASTER_ADDR:-$first_node}"
+export OMP_NUM_THREADS=4
+echo "dptrain: job $SLURM_JOB_ID on $SLURM_JOB_NODELIST, rendezvous $MASTER_ADDR"
+
+# Apptainer: older sites call it singularity.
+apptainer=$(command -v apptainer || command -v singularity)
+
+# One process per rank (one container each); if one fails, srun stops the others.
+srun --kill-on-bad-exit=1 --nodes=2 --ntasks-per-node=2 --cpus-per-task=4 "$apptainer" exec --nv --bind /home/ada/project,/scratch/ada/data --pwd /home/ada/project /home/ada/images/dptrain.sif dptrain train --dataset digits --strategy sync --epochs 10 --out /home/ada/project/runs/digits-sync

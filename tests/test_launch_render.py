@@ -1,0 +1,173 @@
+"""Job scripts are pure functions of a JobSpec, pinned by golden files (tests/golden/launch/).
+
+One golden script per scheduler x container combination. After an intended change, regenerate
+them with `DPTRAIN_REGENERATE_GOLDEN=1 make test PYTEST_ARGS=tests/test_launch_render.py` and
+review the diff like code.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dptrain.errors import UserError
+from dptrain.launch import local, pbs, slurm, udocker
+from dptrain.launch.containers import detect
+from dptrain.launch.spec import ContainerSpec, JobSpec, bind_paths
+
+GOLDEN = Path(__file__).parent / "golden" / "launch"
+REGENERATE = os.environ.get("DPTRAIN_REGENERATE_GOLDEN") == "1"
+SCHEDULERS = {"slurm": slurm, "pbs": pbs, "local": local}
+CONTAINERS = {"none": None, "udocker": ContainerSpec("udocker", "dptrain"),
+              "apptainer": ContainerSpec("apptainer", "/home/ada/images/dptrain.sif")}
+
+
+def example_spec(scheduler: str, container: str) -> JobSpec:
+    cluster = scheduler != "local"
+    return JobSpec(scheduler=scheduler, workdir="/home/ada/project", run_dir="/home/ada/project/runs/digits-sync",
+                   train_args=("--dataset", "digits", "--strategy", "sync", "--epochs", "10"),
+                   nodes=2 if cluster else 1, tasks_per_node=2, gpus_per_node=2 if cluster else 0,
+                   cpus_per_task=4 if cluster else 1, time="01:30:00" if cluster else None,
+                   partition="gpu" if cluster else None, account="proj42" if cluster else None,
+                   container=CONTAINERS[container], binds=("/scratch/ada/data",) if container != "none" else ())
+
+
+@pytest.mark.parametrize("container", list(CONTAINERS))
+@pytest.mark.parametrize("scheduler", list(SCHEDULERS))
+def test_job_script_matches_its_golden_file(scheduler, container):
+    text = SCHEDULERS[scheduler].render(example_spec(scheduler, container))
+    golden = GOLDEN / f"{scheduler}-{container}.sh"
+    if REGENERATE:
+        golden.parent.mkdir(parents=True, exist_ok=True)
+        golden.write_text(text)
+    assert golden.exists(), f"no golden file {golden}; run with DPTRAIN_REGENERATE_GOLDEN=1"
+    assert text == golden.read_text()
+
+
+@pytest.mark.parametrize("container", list(CONTAINERS))
+@pytest.mark.parametrize("scheduler", list(SCHEDULERS))
+def test_job_script_is_valid_bash(scheduler, container):
+    text = SCHEDULERS[scheduler].render(example_spec(scheduler, container))
+    result = subprocess.run(["bash", "-n"], input=text, capture_output=True, text=True, timeout=10)
+    assert result.returncode == 0, result.stderr
+
+
+def test_rendezvous_comes_from_the_scheduler_never_from_the_user():
+    assert "NodeAddr" in slurm.render(example_spec("slurm", "none"))
+    assert 'head -n 1 "$PBS_NODEFILE"' in pbs.render(example_spec("pbs", "none"))
+    for scheduler in ("slurm", "pbs"):
+        assert "MASTER_PORT" not in SCHEDULERS[scheduler].render(example_spec(scheduler, "udocker"))
+
+
+def test_gpus_ask_apptainer_for_the_nvidia_libraries_and_cpu_jobs_do_not():
+    gpu = example_spec("slurm", "apptainer")
+    cpu = JobSpec(**{**gpu.__dict__, "gpus_per_node": 0})
+    assert " exec --nv " in slurm.render(gpu) and " exec --nv " not in slurm.render(cpu)
+
+
+def test_binds_skip_paths_inside_bound_directories_but_keep_renames():
+    spec = JobSpec(scheduler="local", workdir="/p", run_dir="/p/runs/x", binds=("/data", "/p/sub", "/a:/b", "/data"))
+    assert bind_paths(spec) == ["/p", "/data", "/a:/b"]
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("nodes", 0, "--nodes 0 must be at least 1"),
+    ("time", "90", "--time '90' is not HH:MM:SS"),
+    ("gpus_per_node", -1, "--gpus-per-node -1 must be 0 or more"),
+])
+def test_bad_job_settings_are_one_sentence_naming_the_value(field, value, message):
+    with pytest.raises(UserError, match=message):
+        JobSpec(**{"scheduler": "slurm", "workdir": "/p", "run_dir": "/p/r", field: value})
+
+
+def test_local_scheduler_refuses_several_nodes():
+    with pytest.raises(UserError, match="--nodes 1, not 2"):
+        JobSpec(scheduler="local", workdir="/p", run_dir="/p/r", nodes=2)
+
+
+def test_container_spec_names_the_valid_forms():
+    assert ContainerSpec.parse("apptainer:/x/y.sif") == ContainerSpec("apptainer", "/x/y.sif")
+    with pytest.raises(UserError, match="udocker:NAME or apptainer:IMAGE.sif"):
+        ContainerSpec.parse("docker:ubuntu")
+
+
+def test_slurm_status_parsing():
+    running = slurm.parse_status("JobId=7 JobName=x JobState=RUNNING Reason=None ExitCode=0:0 RunTime=00:00:03")
+    assert (running.state, running.finished) == ("RUNNING", False)
+    failed = slurm.parse_status("JobId=7 JobState=FAILED Reason=NonZeroExitCode ExitCode=3:0")
+    assert (failed.finished, failed.exit_code) == (True, 3)
+    cancelled = slurm.parse_status("JobId=7 JobState=CANCELLED ExitCode=0:15")
+    assert cancelled.exit_code == 128 + 15
+    timeout = slurm.parse_status("JobId=7 JobState=TIMEOUT ExitCode=0:0")
+    assert timeout.finished and timeout.exit_code == 1
+    assert slurm.parse_job_id("1234;cluster\n") == "1234"
+
+
+def test_pbs_status_parsing():
+    finished = pbs.parse_status("Job Id: 12.server\n    job_state = F\n    Exit_status = 2\n")
+    assert (finished.state, finished.finished, finished.exit_code) == ("F", True, 2)
+    killed = pbs.parse_status("Job Id: 12.server\n    job_state = F\n    Exit_status = 265\n")
+    assert killed.exit_code == 128 + 9
+    queued = pbs.parse_status("Job Id: 12.server\n    job_state = Q\n")
+    assert not queued.finished
+    torque = pbs.parse_status("Job Id: 12.server\n    job_state = C\n    exit_status = 0\n")
+    assert torque.finished and torque.exit_code == 0
+    assert pbs.parse_job_id("12.server\n") == "12.server"
+
+
+def test_udocker_config_switches_autoinstall_off_with_an_empty_value():
+    text = udocker.config_text("/opt/proot")
+    assert "autoinstall =\n" in text and "False" not in text
+    assert "use_proot_executable = /opt/proot" in text
+
+
+def test_proot_wrapper_drops_the_kernel_release_option(tmp_path):
+    wrapper = tmp_path / "proot"
+    wrapper.write_text(udocker.proot_wrapper("/bin/echo"))
+    wrapper.chmod(wrapper.stat().st_mode | stat.S_IXUSR)
+    result = subprocess.run([str(wrapper), "-r", "/root fs", "-k", "6.1.0", "--kernel-release=5", "-w", "/", "true"],
+                            capture_output=True, text=True, timeout=10)
+    assert result.stdout.split() == ["-r", "/root", "fs", "-w", "/", "true"]
+
+
+def test_container_runtime_is_detected_from_its_marker_variables():
+    assert detect({"container_uuid": "x", "container_execmode": "P1"}) == "udocker"
+    assert detect({"APPTAINER_CONTAINER": "/x.sif"}) == "apptainer"
+    assert detect({}) is None
+
+
+def dptrain(*args, cwd):
+    return subprocess.run([sys.executable, "-m", "dptrain", *args], cwd=cwd, capture_output=True, text=True, timeout=120)
+
+
+def test_dry_run_prints_the_script_and_writes_nothing(tmp_path):
+    result = dptrain("launch", "--scheduler", "slurm", "--nodes", "2", "--dry-run", "--", "--epochs", "3",
+                     "--out", "runs/x", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("#!/bin/bash") and f"--out {tmp_path}/runs/x" in result.stdout
+    assert not (tmp_path / "runs").exists()
+
+
+def test_launch_writes_the_script_into_the_run_directory(tmp_path):
+    result = dptrain("launch", "--scheduler", "pbs", "--", "--out", "run", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "run" / "job.pbs").read_text().startswith("#!/bin/bash")
+
+
+def test_bad_train_arguments_fail_before_anything_is_written(tmp_path):
+    result = dptrain("launch", "--scheduler", "slurm", "--", "--epoch", "3", "--out", "run", cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.strip() == "dptrain: error: unknown option --epoch for 'dptrain train'; did you mean --epochs?"
+    assert not (tmp_path / "run").exists()
+
+
+def test_container_recipe_writes_a_dockerfile_and_an_apptainer_definition(tmp_path):
+    result = dptrain("container", "recipe", "--out", "image", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "pip install /opt/dptrain" in (tmp_path / "image" / "Dockerfile").read_text()
+    assert "Bootstrap: docker" in (tmp_path / "image" / "dptrain.def").read_text()

@@ -1,0 +1,55 @@
+"""SLURM for real: `dptrain launch --scheduler slurm --submit --wait` trains across two nodes of a
+cluster started by the fixture (slurmctld and two slurmd on this machine, see cluster_fixtures)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cluster_fixtures import slurm_cluster  # noqa: F401 - pytest fixture
+
+pytestmark = pytest.mark.slow
+DIGITS = ["--dataset", "digits", "--model", "mlp", "--epochs", "10", "--lr", "0.05", "--batch-size", "32",
+          "--timeout", "60"]
+
+
+def launch(cluster, *args: str, cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dptrain", "launch", "--scheduler", "slurm", *args],
+                          cwd=cwd, env=cluster.env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_launch_trains_digits_across_two_slurm_nodes(slurm_cluster, tmp_path):
+    result = launch(slurm_cluster, "--nodes", "2", "--tasks-per-node", "1", "--dptrain", f"{sys.executable} -m dptrain",
+                    "--submit", "--wait", "--wait-timeout", "180", "--", *DIGITS, "--strategy", "allreduce",
+                    "--out", "run", cwd=tmp_path)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output + slurm_cluster.logs()
+    job_id = next(line.split()[3].rstrip(";") for line in output.splitlines() if line.startswith("dptrain: submitted job"))
+    job = slurm_cluster.run("scontrol", "show", "job", "-o", job_id).stdout
+    assert "NodeList=node[1-2]" in job and "JobState=COMPLETED" in job
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["workers"] == 2 and summary["launcher"] == "srun", summary
+    assert summary["test_accuracy"] >= 0.90, summary
+    assert (tmp_path / "run" / "job.slurm").exists() and (tmp_path / "run" / f"slurm-{job_id}.out").exists()
+
+
+def test_wait_returns_the_exit_code_of_a_failing_job(slurm_cluster, tmp_path):
+    # A rank that cannot start (no such program) fails the step; --wait reports the job's code.
+    result = launch(slurm_cluster, "--nodes", "2", "--dptrain", str(tmp_path / "no-such-dptrain"), "--submit", "--wait",
+                    "--wait-timeout", "60", "--", "--epochs", "1", "--out", "run", cwd=tmp_path, timeout=120)
+    assert result.returncode != 0
+    assert "FAILED with exit code" in result.stdout, result.stdout + result.stderr
+
+
+def test_submit_without_wait_prints_the_job_id_and_returns(slurm_cluster, tmp_path):
+    result = launch(slurm_cluster, "--nodes", "1", "--dptrain", f"{sys.executable} -m dptrain", "--submit", "--",
+                    "--epochs", "1", "--out", "run", cwd=tmp_path, timeout=60)
+    assert result.returncode == 0, result.stderr
+    job_id = result.stdout.split("submitted job ")[1].split(";")[0]
+    assert job_id.isdigit()
+    # leave the cluster idle for the next test
+    slurm_cluster.run("scancel", job_id)
