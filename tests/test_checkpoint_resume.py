@@ -1,0 +1,134 @@
+"""Checkpoints are atomic and verified; an interrupted run continues exactly where it stopped."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from dptrain.errors import UserError
+from dptrain.train import checkpoint
+from test_train_cli import DIGITS, dptrain
+
+
+def _state(value: float) -> dict:
+    return {"model": {"w": torch.full((3,), value)}, "epoch": 1, "history": [{"loss": value}]}
+
+
+def test_latest_complete_skips_a_truncated_checkpoint_and_falls_back(tmp_path):
+    for epoch in (1, 2):
+        for rank in (0, 1):
+            checkpoint.save(tmp_path, epoch, rank, _state(epoch + rank / 10))
+    assert checkpoint.latest_complete(tmp_path, 2) == (2, [])
+    newest = tmp_path / "checkpoints" / "epoch-000002" / "rank-00001.pt"
+    newest.write_bytes(newest.read_bytes()[:20])  # a crash mid-write that bypassed the rename
+    epoch, notes = checkpoint.latest_complete(tmp_path, 2)
+    assert epoch == 1 and "epoch 2" in notes[0]
+    assert torch.equal(checkpoint.load(tmp_path, 1, 1)["model"]["w"], torch.full((3,), 1.1))
+    with pytest.raises(UserError, match="does not match its checksum"):
+        checkpoint.load(tmp_path, 2, 1)
+
+
+def test_missing_rank_file_makes_a_checkpoint_incomplete(tmp_path):
+    checkpoint.save(tmp_path, 1, 0, _state(1.0))
+    assert checkpoint.latest_complete(tmp_path, 2)[0] is None
+    assert checkpoint.latest_complete(tmp_path, 1)[0] == 1
+
+
+def test_prune_keeps_the_newest(tmp_path):
+    for epoch in range(1, 6):
+        checkpoint.save(tmp_path, epoch, 0, _state(epoch))
+    checkpoint.prune(tmp_path, keep=2)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["epoch-000004", "epoch-000005"]
+
+
+class NotATensor:
+    pass
+
+
+def test_checkpoints_are_loaded_without_unpickling_objects(tmp_path):
+    state = _state(1.0)
+    state["evil"] = NotATensor()
+    checkpoint.save(tmp_path, 1, 0, state)  # valid checksum, forbidden content
+    with pytest.raises(UserError, match="cannot be read"):
+        checkpoint.load(tmp_path, 1, 0)
+
+
+ONCE_FAILING_MODEL = """
+import os, signal
+from pathlib import Path
+from torch import nn
+
+class Net(nn.Module):
+    def __init__(self, input_shape, num_outputs):
+        super().__init__()
+        self.net = nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.ReLU(), nn.Dropout(0.1),
+                                 nn.Linear(32, num_outputs))
+        self.calls = 0
+
+    def forward(self, x):
+        if self.training:
+            self.calls += 1
+            marker = Path(os.environ.get("FAIL_MARKER", "/nonexistent/marker"))
+            # rank 1 dies in the middle of epoch 3 of the first attempt only
+            if os.environ.get("RANK") == "1" and self.calls == 51 and marker.parent.is_dir() and not marker.exists():
+                marker.write_text("failed once")
+                os.kill(os.getpid(), signal.SIGKILL)
+        return self.net(x)
+
+def make(input_shape, num_outputs):
+    return Net(input_shape, num_outputs)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["sync"])  # allreduce restores the same state (checked by hand)
+def test_a_restart_after_a_killed_worker_ends_bitwise_equal_to_an_uninterrupted_run(tmp_path, strategy):
+    (tmp_path / "once_failing.py").write_text(textwrap.dedent(ONCE_FAILING_MODEL))
+    env = {"PYTHONPATH": str(tmp_path)}
+    args = ["train", *DIGITS, "--epochs", "5", "--model", "once_failing:make", "--strategy", strategy]
+    clean = dptrain(*args, "--out", "clean", cwd=tmp_path, env=env)
+    assert clean.returncode == 0, clean.stderr
+    restarted = dptrain(*args, "--max-restarts", "2", "--out", "restarted", cwd=tmp_path,
+                        env={**env, "FAIL_MARKER": str(tmp_path / "marker")})
+    assert restarted.returncode == 0, restarted.stderr
+    assert "worker rank 1 was killed by SIGKILL" in restarted.stderr
+    assert "restarting the 2 workers from the last checkpoint (restart 1 of 2)" in restarted.stderr
+    assert "resuming after epoch 2" in restarted.stdout
+    first = torch.load(tmp_path / "clean" / "model.pt", weights_only=True)
+    second = torch.load(tmp_path / "restarted" / "model.pt", weights_only=True)
+    assert all(torch.equal(first[key], second[key]) for key in first)
+    records = [json.loads(line) for line in (tmp_path / "restarted" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in records] == [1, 2, 3, 4, 5]  # the lost attempt's epoch 3 is not recorded twice
+
+
+@pytest.mark.slow
+def test_sigterm_checkpoints_and_stops_then_the_same_command_continues(tmp_path):
+    args = [sys.executable, "-m", "dptrain", "train", *DIGITS, "--epochs", "25", "--strategy", "sync", "--out", "run"]
+    proc = subprocess.Popen(args, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first_checkpoint = tmp_path / "run" / "checkpoints"
+    deadline = time.monotonic() + 120
+    while not first_checkpoint.is_dir() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)  # what SLURM sends before the time limit
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 75, stderr
+    assert "stopped by SIGTERM" in stderr and "run the same command again" in stderr
+    stopped_at = len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
+    assert 1 <= stopped_at < 25
+    assert checkpoint.latest_complete(tmp_path / "run", 2)[0] == stopped_at
+    again = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert again.returncode == 0, again.stderr
+    assert f"resuming after epoch {stopped_at}" in again.stdout
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["epochs"] == 25 and summary["test_accuracy"] >= 0.9
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in records] == list(range(1, 26))
