@@ -90,7 +90,7 @@ def make(input_shape, num_outputs):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["sync"])  # allreduce restores the same state (checked by hand)
+@pytest.mark.parametrize("strategy", ["sync"])  # one strategy keeps the suite short: all share _checkpoint/_restore
 def test_a_restart_after_a_killed_worker_ends_bitwise_equal_to_an_uninterrupted_run(tmp_path, strategy):
     (tmp_path / "once_failing.py").write_text(textwrap.dedent(ONCE_FAILING_MODEL))
     env = {"PYTHONPATH": str(tmp_path)}
