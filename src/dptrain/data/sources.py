@@ -77,6 +77,7 @@ def load_dataset(
     classes: int = 10,
     features: int = 8,
     test_fraction: float = 0.2,
+    check_values: bool = True,
 ) -> Dataset:
     """A built-in dataset by ``name``, or the user's data at ``data_path`` (see the module docstring)."""
     if not 0.0 < test_fraction < 1.0:
@@ -88,7 +89,7 @@ def load_dataset(
             )
         if samples is not None:
             raise UserError(f"samples={samples} applies only to synthetic datasets, not to data_path '{data_path}'.")
-        return _load_file(Path(data_path), name, seed, block_size, test_fraction)
+        return _load_file(Path(data_path), name, seed, block_size, test_fraction, check_values)
     if name is None:
         raise UserError(f"no dataset given; name one of: {', '.join(DATASET_NAMES)}, or give data_path.")
     if name not in DATASET_NAMES:
@@ -186,7 +187,8 @@ def _synthetic_regression(rng: np.random.Generator, n: int, features: int) -> tu
 # ------------------------------------------------------------------------ user files
 
 
-def _load_file(path: Path, name: str | None, seed: int, block_size: int | None, test_fraction: float) -> Dataset:
+def _load_file(path: Path, name: str | None, seed: int, block_size: int | None, test_fraction: float,
+               check_values: bool = True) -> Dataset:
     if not path.exists():
         raise UserError(f"data_path '{path}' does not exist.")
     opened = _open_arrays(path, block_size)
@@ -196,7 +198,10 @@ def _load_file(path: Path, name: str | None, seed: int, block_size: int | None, 
 
     for key, tensor in opened.items():
         _check_array(path, key, tensor, opened)
-    stats = {key: _scan(path, key, tensor) for key, tensor in opened.items()}
+    # Scanning x for NaN/inf reads all of it: done once, by the process that validates the run;
+    # workers pass check_values=False and read only the labels (for the class count) and their rows.
+    stats = {key: _scan(path, key, tensor) for key, tensor in opened.items()
+             if check_values or key in ("y", "y_test")}
 
     x, y = opened["x"], opened["y"]
     task = "classification" if np.issubdtype(y.dtype, np.integer) else "regression"

@@ -26,10 +26,11 @@ from dptrain.train.rundir import default_run_dir, open_run_dir
 from dptrain.train.trainer import Trainer
 
 
-def load_data(config: TrainConfig) -> Dataset:
+def load_data(config: TrainConfig, check_values: bool = True) -> Dataset:
     return load_dataset(config.dataset if config.data is None else None, data_path=config.data, seed=config.seed,
                         block_size=config.block_size, samples=config.samples, image_size=config.image_size,
-                        channels=config.channels, classes=config.classes, features=config.features)
+                        channels=config.channels, classes=config.classes, features=config.features,
+                        check_values=check_values)
 
 
 def make_model(config: TrainConfig, data: Dataset) -> torch.nn.Module:
@@ -119,7 +120,8 @@ def run_worker(config: TrainConfig, env: DistEnv) -> dict:
     try:
         if env.launcher != "local":
             config = _join_run_dir(config, env, ctx)
-        data = load_data(config)
+        # validate() checked the data before spawning (or running alone); under other launchers rank 0 does.
+        data = load_data(config, check_values=env.launched and env.launcher != "local" and ctx.is_main)
         model = make_model(config, data)
         lr = config.lr * (ctx.world_size if config.scale_lr else 1)
         optimizer = build_optimizer(config.optimizer, model.parameters(), lr=lr, momentum=config.momentum,
