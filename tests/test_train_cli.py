@@ -102,11 +102,11 @@ def test_config_yaml_reproduces_the_run_bitwise(digits_runs, tmp_path):
 
 def test_existing_run_directory_is_refused_and_left_untouched(digits_runs):
     run_dir, _ = digits_runs["allreduce"]
-    before = {p.name: p.read_bytes() for p in run_dir.iterdir()}
+    before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
     result = dptrain("train", *DIGITS, "--out", str(run_dir), cwd=run_dir.parent)
     assert result.returncode == 2
     assert result.stderr.strip().count("\n") == 0 and "already holds a run" in result.stderr
-    assert {p.name: p.read_bytes() for p in run_dir.iterdir()} == before
+    assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before
 
 
 def test_one_worker_runs_in_process_and_communicates_nothing(tmp_path):

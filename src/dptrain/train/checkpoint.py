@@ -105,6 +105,15 @@ def load(run_dir: Path, epoch: int, rank: int) -> dict[str, Any]:
         raise UserError(f"checkpoint '{path}' cannot be read: {str(exc).splitlines()[0]}") from None
 
 
+def first_mismatch(exc: Exception) -> str:
+    """The informative line of load_state_dict's error (which key or shape does not fit)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    for line in lines:
+        if any(word in line for word in ("size mismatch", "Missing key", "Unexpected key")):
+            return line[:300]
+    return lines[0] if lines else type(exc).__name__
+
+
 def rng_state() -> dict[str, Any]:
     state = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available():

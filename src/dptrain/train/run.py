@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import sys
 from functools import partial
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -22,6 +23,7 @@ from dptrain.runtime.env import DistEnv, detect
 from dptrain.runtime.launcher import launch_local
 from dptrain.strategies import build_strategy
 from dptrain.train.optim import build_optimizer, build_schedule
+from dptrain.train import checkpoint
 from dptrain.train.rundir import default_run_dir, open_run_dir
 from dptrain.train.trainer import Trainer
 
@@ -47,13 +49,13 @@ def loss_name(config: TrainConfig, data: Dataset) -> str:
     return "cross-entropy" if data.task == "classification" else "mse"
 
 
-def validate(config: TrainConfig) -> None:
+def validate(config: TrainConfig) -> torch.nn.Module:
     """Everything that can be checked before workers start: data, model, loss, worker count."""
     device = choose_device(config.device, 0)
     if config.amp == "fp16" and device.type != "cuda":
         raise UserError("--amp fp16 needs a GPU; on the CPU use --amp bf16 or none")
     data = load_data(config)
-    make_model(config, data)
+    model = make_model(config, data)
     loss = loss_name(config, data)
     if (loss == "cross-entropy") != (data.task == "classification"):
         valid = "cross-entropy" if data.task == "classification" else "mse"
@@ -65,18 +67,40 @@ def validate(config: TrainConfig) -> None:
         raise UserError(f"--batch-size {config.batch_size} is larger than a worker's shard of "
                         f"{len(data.x_train) // config.workers} samples ({len(data.x_train)} samples over "
                         f"{config.workers} workers); use at most {len(data.x_train) // config.workers}")
+    return model
+
+
+def prepare_run_dir(config: TrainConfig, out: str, world: int, model: torch.nn.Module) -> tuple[Path, bool]:
+    """Open (or continue) the run directory; refuse unusable checkpoints before anything is written."""
+    run_dir, resuming = open_run_dir(out, _settings(config.model_copy(update={"out": out})), config.resume)
+    if resuming and (run_dir / checkpoint.DIRECTORY).is_dir():
+        epoch, notes = checkpoint.latest_complete(run_dir, world)
+        if epoch is None and notes:
+            raise UserError(f"run directory '{out}' has checkpoints but none is complete and readable ({notes[0]}); "
+                            f"remove its {checkpoint.DIRECTORY}/ folder to start the run over")
+        if epoch is not None:
+            saved = checkpoint.load(run_dir, epoch, 0)["model"]
+            try:
+                model.load_state_dict(saved)
+            except RuntimeError as exc:
+                raise UserError(f"the checkpoint of epoch {epoch} in '{out}' does not fit this model: "
+                                f"{checkpoint.first_mismatch(exc)}") from None
+    text = to_yaml(config.model_copy(update={"out": str(run_dir), "resume": False, "workers": world}))
+    saved_config = run_dir / "config.yaml"
+    if not saved_config.exists() or saved_config.read_text() != text:
+        saved_config.write_text(text)
+    return run_dir, resuming
 
 
 def train(config: TrainConfig) -> int:
     """Entry point of `dptrain train`: spawn local workers or run as one rank of a launched job."""
     env = detect()
     if not env.launched:
-        validate(config)
+        model = validate(config)
     if not env.launched and config.workers > 1:
-        run_dir, resuming = open_run_dir(config.out or default_run_dir(config.strategy), _settings(config),
-                                         config.resume)
+        run_dir, resuming = prepare_run_dir(config, config.out or default_run_dir(config.strategy), config.workers,
+                                            model)
         config = config.model_copy(update={"out": str(run_dir)})
-        (run_dir / "config.yaml").write_text(to_yaml(config))
         verb = "continuing the run in" if resuming else "run directory"
         print(f"dptrain: {config.workers} workers on this machine, {verb} {run_dir}", flush=True)
         argv = ["train", "--config", str(run_dir / "config.yaml")]
@@ -101,8 +125,8 @@ def _join_run_dir(config: TrainConfig, env: DistEnv, ctx) -> TrainConfig:
         config = config.model_copy(update={"workers": ctx.world_size})
         out = config.out or default_run_dir(config.strategy, env.job_id or os.environ.get("TORCHELASTIC_RUN_ID"))
         try:
-            run_dir, _ = open_run_dir(out, _settings(config.model_copy(update={"out": out})), config.resume)
-            (run_dir / "config.yaml").write_text(to_yaml(config.model_copy(update={"out": str(run_dir)})))
+            model = make_model(config, load_data(config, check_values=False))
+            run_dir, _ = prepare_run_dir(config, out, ctx.world_size, model)
             decision = [str(run_dir), None]
         except UserError as exc:
             decision = [None, str(exc)]

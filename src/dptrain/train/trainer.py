@@ -233,8 +233,8 @@ class Trainer:
         try:
             self.model.load_state_dict(state["model"])
         except RuntimeError as exc:
-            raise UserError(f"checkpoint of epoch {epoch} in '{self.out}' does not fit this model: "
-                            f"{str(exc).splitlines()[0]}") from None
+            raise UserError(f"the checkpoint of epoch {epoch} in '{self.out}' does not fit this model: "
+                            f"{checkpoint.first_mismatch(exc)}") from None
         self.optimizer.load_state_dict(state["optimizer"])
         if scheduler is not None and state["scheduler"]:
             scheduler.load_state_dict(state["scheduler"])
