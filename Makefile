@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed-stamp
 # The CPU build of PyTorch; the package itself only requires torch>=2.3.
 TORCH  ?= torch==2.13.0
 
-.PHONY: setup demo test clean
+.PHONY: setup demo test clean horovod
 
 setup: $(STAMP)
 
@@ -24,3 +24,20 @@ test: setup
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
+
+# Optional, not part of setup: Horovod 0.28.1 (its last release) as a baseline for `dptrain bench`.
+# It builds against torch 2.x only as C++17, so the sdist is patched first (about 2 minutes;
+# needs cmake, a C++ compiler and network access for the download).
+HOROVOD := horovod-0.28.1
+HOROVOD_SRC := build/$(HOROVOD)
+
+horovod: setup
+	rm -rf $(HOROVOD_SRC) && mkdir -p build
+	$(BIN)/python -m pip download --quiet --no-deps --no-binary :all: horovod==0.28.1 -d build
+	tar -xzf build/$(HOROVOD).tar.gz -C build
+	sed -i 's/CMAKE_CXX_STANDARD 14/CMAKE_CXX_STANDARD 17/' $(HOROVOD_SRC)/CMakeLists.txt $(HOROVOD_SRC)/horovod/torch/CMakeLists.txt
+	sed -i 's/-std=c++11/-std=c++17/' $(HOROVOD_SRC)/third_party/gloo/CMakeLists.txt
+	$(BIN)/python -m pip install --quiet setuptools wheel
+	HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1 \
+	HOROVOD_WITHOUT_MPI=1 $(BIN)/python -m pip install --no-build-isolation $(HOROVOD_SRC)
+	$(BIN)/python -c "import horovod.torch; print('horovod', horovod.__version__, 'ready')"

@@ -71,6 +71,8 @@ def parse_model_options(items: Optional[list[str]]) -> Optional[dict[str, Any]]:
 COMMAND_MODULES: dict[str, tuple[str, str]] = {
     "launch": ("dptrain.launch.commands", "write a job script for SLURM, PBS or this machine, and optionally submit it"),
     "container": ("dptrain.launch.container_commands", "prepare a rootless container (udocker, Apptainer) for launch"),
+    "bench": ("dptrain.bench.commands", "benchmark strategies x workers (optionally on an emulated slow network) against plain PyTorch"),
+    "simulate": ("dptrain.bench.simulate", "project epoch time and scaling to 1024 workers from a measured bench"),
 }
 
 

@@ -1,0 +1,55 @@
+"""What the baseline scripts share: their flags, the data as tensors, and the run files `dptrain bench` reads."""
+
+import argparse
+import json
+import os
+
+import torch
+
+from dptrain.data import load_dataset
+from dptrain.models import build_model
+
+
+def arguments(description):
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--dataset", default="digits")
+    parser.add_argument("--model", default="mlp")
+    parser.add_argument("--samples", type=int, default=None)
+    parser.add_argument("--image-size", type=int, default=32)
+    parser.add_argument("--epochs", type=int, default=5)
+    parser.add_argument("--batch-size", type=int, default=32, help="per worker")
+    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--momentum", type=float, default=0.9)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    threads = os.environ.get("OMP_NUM_THREADS")
+    if threads:
+        torch.set_num_threads(int(threads))
+    return args
+
+
+def data_and_model(args):
+    """(train TensorDataset, x_test, y_test, model): dptrain's data set and its seeded model, nothing else of dptrain."""
+    data = load_dataset(args.dataset, seed=args.seed, samples=args.samples, image_size=args.image_size)
+    x_train, y_train = _tensors(data.x_train, data.y_train)
+    x_test, y_test = _tensors(data.x_test, data.y_test)
+    torch.manual_seed(args.seed)
+    model = build_model(args.model, data.input_shape, data.num_outputs)
+    return torch.utils.data.TensorDataset(x_train, y_train), x_test, y_test, model
+
+
+def _tensors(x, y):
+    return torch.from_numpy(x.to_numpy()).float(), torch.from_numpy(y.to_numpy()).long()
+
+
+def write_run(out, strategy, workers, records, wall, samples, model, comm_bytes=None):
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "metrics.jsonl"), "w") as handle:
+        handle.writelines(json.dumps(record) + "\n" for record in records)
+    summary = {"strategy": strategy, "workers": workers, "epochs": len(records),
+               "test_accuracy": records[-1]["test_accuracy"], "wall_seconds": wall,
+               "samples_per_second": samples / wall, "comm_bytes": comm_bytes,
+               "model_parameters": sum(p.numel() for p in model.parameters())}
+    with open(os.path.join(out, "summary.json"), "w") as handle:
+        json.dump(summary, handle, indent=2)
