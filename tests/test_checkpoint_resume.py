@@ -132,3 +132,19 @@ def test_sigterm_checkpoints_and_stops_then_the_same_command_continues(tmp_path)
     assert summary["epochs"] == 25 and summary["test_accuracy"] >= 0.9
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["epoch"] for r in records] == list(range(1, 26))
+
+
+@pytest.mark.slow
+def test_a_run_that_died_after_its_last_checkpoint_finishes_on_the_next_attempt(tmp_path):
+    # Found by the fault-injection harness: the resumed attempt trains no epoch at all.
+    args = ["train", *DIGITS, "--epochs", "3", "--strategy", "sync", "--out", "run"]
+    first = dptrain(*args, cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    for name in ("summary.json", "model.pt"):  # as if killed between the last checkpoint and the end
+        (tmp_path / "run" / name).unlink()
+    again = dptrain(*args, cwd=tmp_path)
+    assert again.returncode == 0, again.stderr
+    assert "resuming after epoch 3" in again.stdout
+    resumed = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert resumed["test_accuracy"] == summary["test_accuracy"] and resumed["epochs"] == 3

@@ -167,10 +167,12 @@ class Trainer:
         wall = time.perf_counter() - started
         final_metrics = None
         if test is not None:
-            last = self.history[-1]
-            final_metrics = ({"test_loss": last["test_loss"], "test_accuracy": last["test_accuracy"]}
-                             if global_model_evaluated and not self.strategy.barrier_free
-                             else self.evaluate(final, test))
+            # Reuse the last epoch's evaluation when it was of this very model (not when this
+            # attempt resumed after the last epoch and trained nothing, nor under async).
+            if global_model_evaluated and not self.strategy.barrier_free:
+                final_metrics = {key: self.history[-1][key] for key in ("test_loss", "test_accuracy")}
+            else:
+                final_metrics = self.evaluate(final, test)
         return self._summarise(final, epochs, wall, final_metrics)
 
     def _plan(self, n_samples: int, y_train: DSTensor):
@@ -210,7 +212,7 @@ class Trainer:
             "scaler": self.scaler.state_dict() if self.scaler else {},
             "strategy": self.strategy.state_dict(),
             "rng": checkpoint.rng_state(),
-            "history": self.history if self.ctx.is_main else [],
+            "history": self.history,
         }
         checkpoint.save(self.out, epoch, self.ctx.rank, state)
         if self.ctx.is_main:
@@ -242,8 +244,8 @@ class Trainer:
             self.scaler.load_state_dict(state["scaler"])
         self.strategy.load_state_dict(state["strategy"])
         checkpoint.set_rng_state(state["rng"])
+        self.history = list(state["history"])
         if self.ctx.is_main:
-            self.history = list(state["history"])
             if self.out:  # metrics after the checkpoint belong to the lost attempt
                 write_text_atomic(self.out / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in self.history))
             self.log(f"dptrain: resuming after epoch {epoch} from {self.out}")
@@ -361,10 +363,10 @@ class Trainer:
     def _complete_history(self) -> None:
         """Barrier-free runs record only rank 0's numbers live; gather every worker's at the end."""
         gathered: list = [None] * self.ctx.world_size
-        mine = [record["workers"][0] for record in self.history]
+        mine = {record["epoch"]: record["workers"][0] for record in self.history}
         self._guard("metrics", lambda: dist.all_gather_object(gathered, mine))
-        for epoch, record in enumerate(self.history):
-            workers = [EpochStats(**theirs[epoch]) for theirs in gathered]
+        for record in self.history:
+            workers = [EpochStats(**theirs[record["epoch"]]) for theirs in gathered if record["epoch"] in theirs]
             record.update(self._aggregate(workers))
         if self.ctx.is_main and self.out:
             lines = "".join(json.dumps(record) + "\n" for record in self.history)
