@@ -105,7 +105,7 @@ def test_existing_run_directory_is_refused_and_left_untouched(digits_runs):
     before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
     result = dptrain("train", *DIGITS, "--out", str(run_dir), cwd=run_dir.parent)
     assert result.returncode == 2
-    assert result.stderr.strip().count("\n") == 0 and "already holds a run" in result.stderr
+    assert result.stderr.strip().count("\n") == 0 and "holds a finished run" in result.stderr
     assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before
 
 
