@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import json
-import textwrap
 
 import pytest
 
-from test_train_cli import DIGITS, FREEZING_MODEL, dptrain
+from test_train_cli import DIGITS, dptrain, misbehave
 
 pytestmark = pytest.mark.slow
 
@@ -28,9 +27,7 @@ def test_two_workers_reach_90_percent_on_digits(tmp_path, strategy, extra):
 
 
 def test_a_frozen_worker_during_async_is_named_instead_of_a_hang(tmp_path):
-    (tmp_path / "freezing_model.py").write_text(textwrap.dedent(FREEZING_MODEL))
-    result = dptrain("train", *DIGITS, "--model", "freezing_model:make", "--strategy", "async", "--timeout", "6",
-                     "--out", "frozen", cwd=tmp_path, env={"PYTHONPATH": str(tmp_path)}, timeout=120)
+    result = misbehave(tmp_path, "stop", "--strategy", "async", "--timeout", "6", "--out", "frozen")
     assert result.returncode != 0
     assert "rank 1 stopped responding" in result.stderr, result.stderr[-2000:]
     assert not (tmp_path / "frozen" / "summary.json").exists()

@@ -133,12 +133,13 @@ def test_torchrun_world_is_joined_not_respawned(tmp_path):
     assert "workers: 2" in config
 
 
-FAILING_MODEL = """
+MISBEHAVING_MODEL = """
 import os, signal
-import torch
 from torch import nn
 
-class Failing(nn.Module):
+class Misbehaving(nn.Module):
+    \"\"\"Rank 1 misbehaves at its 30th training step, as FAIL_HOW says: kill, raise or stop.\"\"\"
+
     def __init__(self, input_shape, num_outputs):
         super().__init__()
         self.net = nn.Sequential(nn.Flatten(), nn.Linear(64, num_outputs))
@@ -147,22 +148,31 @@ class Failing(nn.Module):
     def forward(self, x):
         self.calls += 1
         if os.environ.get("RANK") == "1" and self.training and self.calls == 30:
-            if os.environ["FAIL_HOW"] == "kill":
+            how = os.environ["FAIL_HOW"]
+            if how == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
-            raise RuntimeError("boom in the user's model")
+            elif how == "stop":
+                os.kill(os.getpid(), signal.SIGSTOP)  # frozen, not dead: only a timeout can notice
+            else:
+                raise RuntimeError("boom in the user's model")
         return self.net(x)
 
 def make(input_shape, num_outputs):
-    return Failing(input_shape, num_outputs)
+    return Misbehaving(input_shape, num_outputs)
 """
+
+
+def misbehave(tmp_path, how: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """`dptrain train` on digits whose rank 1 fails in the way `how` names."""
+    (tmp_path / "misbehaving_model.py").write_text(textwrap.dedent(MISBEHAVING_MODEL))
+    return dptrain("train", *DIGITS, "--model", "misbehaving_model:make", *args, cwd=tmp_path,
+                   env={"PYTHONPATH": str(tmp_path), "FAIL_HOW": how}, timeout=timeout)
 
 
 @pytest.mark.parametrize("how,expected", [("kill", "worker rank 1 was killed by SIGKILL"),
                                           ("raise", "worker rank 1 exited with code 1")])
 def test_a_failing_worker_stops_the_run_with_a_line_naming_it(tmp_path, how, expected):
-    (tmp_path / "failing_model.py").write_text(textwrap.dedent(FAILING_MODEL))
-    result = dptrain("train", *DIGITS, "--model", "failing_model:make", "--strategy", "allreduce", "--timeout", "20",
-                     "--out", "fail", cwd=tmp_path, env={"PYTHONPATH": str(tmp_path), "FAIL_HOW": how}, timeout=120)
+    result = misbehave(tmp_path, how, "--strategy", "allreduce", "--timeout", "20", "--out", "fail")
     assert result.returncode != 0
     assert expected in result.stderr
     assert not (tmp_path / "fail" / "summary.json").exists()
@@ -187,31 +197,8 @@ def test_bad_input_exits_2_with_one_line_and_no_traceback(tmp_path, args, messag
     assert not (tmp_path / "bad").exists()
 
 
-FREEZING_MODEL = """
-import os, signal
-from torch import nn
-
-class Freezing(nn.Module):
-    def __init__(self, input_shape, num_outputs):
-        super().__init__()
-        self.net = nn.Sequential(nn.Flatten(), nn.Linear(64, num_outputs))
-        self.calls = 0
-
-    def forward(self, x):
-        self.calls += 1
-        if os.environ.get("RANK") == "1" and self.training and self.calls == 30:
-            os.kill(os.getpid(), signal.SIGSTOP)  # frozen, not dead: only a timeout can notice
-        return self.net(x)
-
-def make(input_shape, num_outputs):
-    return Freezing(input_shape, num_outputs)
-"""
-
-
 def test_a_frozen_worker_is_named_after_the_timeout_instead_of_a_hang(tmp_path):
-    (tmp_path / "freezing_model.py").write_text(textwrap.dedent(FREEZING_MODEL))
-    result = dptrain("train", *DIGITS, "--model", "freezing_model:make", "--strategy", "allreduce", "--timeout", "8",
-                     "--out", "frozen", cwd=tmp_path, env={"PYTHONPATH": str(tmp_path)}, timeout=120)
+    result = misbehave(tmp_path, "stop", "--strategy", "allreduce", "--timeout", "8", "--out", "frozen")
     assert result.returncode != 0
     assert "rank 0:" in result.stderr and "rank 1 stopped responding" in result.stderr, result.stderr[-2000:]
     assert "worker rank 0 exited with code 1" in result.stderr

@@ -5,11 +5,20 @@
     summary = trainer.fit((x_train, y_train), (x_test, y_test), epochs=10)
 """
 
+import importlib
+
 __version__ = "0.1.0"
 
-from dptrain.config import TrainConfig  # noqa: E402
-from dptrain.data import DSTensor  # noqa: E402
-from dptrain.strategies import AllReduce, Async, FedAvg, Strategy, Sync  # noqa: E402
-from dptrain.train.trainer import Trainer  # noqa: E402
+# Imported on first use, so that `dptrain --help` or `dptrain launch` do not pay for torch.
+_EXPORTS = {
+    "AllReduce": "dptrain.strategies", "Async": "dptrain.strategies", "FedAvg": "dptrain.strategies",
+    "Strategy": "dptrain.strategies", "Sync": "dptrain.strategies", "DSTensor": "dptrain.data",
+    "TrainConfig": "dptrain.config", "Trainer": "dptrain.train.trainer",
+}
+__all__ = [*_EXPORTS, "__version__"]
 
-__all__ = ["AllReduce", "Async", "DSTensor", "FedAvg", "Strategy", "Sync", "TrainConfig", "Trainer", "__version__"]
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'dptrain' has no attribute {name!r}")

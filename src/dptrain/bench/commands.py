@@ -13,10 +13,8 @@ from tqdm import tqdm
 from dptrain.bench.matrix import BenchSpec, run_matrix
 from dptrain.bench.netns import namespaces_unavailable, parse_rate
 from dptrain.bench.results import format_table, ratio, write_results
-from dptrain.bench.throughput import run_throughput
 from dptrain.config import FIELDS, STRATEGIES
 from dptrain.errors import UserError, closest
-from dptrain.models import MODEL_NAMES
 from dptrain.train.rundir import write_json
 
 SHOWN = ("strategy", "workers", "network", "runs", "final_accuracy", "time_to_target_seconds", "reached_target",
@@ -129,7 +127,10 @@ def headlines(summary: list[dict], widest: int) -> dict[str, Optional[float]]:
 
 
 def main(args: argparse.Namespace) -> int:
-    from dptrain.bench import plots  # matplotlib loads only when a command draws, not for `dptrain --help`
+    # matplotlib and torch load only when a command runs, not for `dptrain --help`
+    from dptrain.bench import plots
+    from dptrain.bench.throughput import run_throughput
+    from dptrain.models import MODEL_NAMES
 
     spec = spec_from(args)
     models = _list(args.throughput, "throughput") if args.throughput else []

@@ -7,6 +7,7 @@ strategy runs the same code with one worker or many.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 from dataclasses import dataclass
@@ -95,10 +96,18 @@ def _heartbeat(store, rank: int, world: int) -> Optional[Heartbeat]:
     return _HEARTBEATS[0]
 
 
-def destroy_process_group() -> None:
+def stop_heartbeats() -> None:
     for heartbeat in _HEARTBEATS:
         heartbeat.stop()
     _HEARTBEATS.clear()
+
+
+# Scripts using the Python API rarely tear the group down; stop the heartbeat before exit anyway.
+atexit.register(stop_heartbeats)
+
+
+def destroy_process_group() -> None:
+    stop_heartbeats()
     if dist.is_initialized():
         dist.destroy_process_group()
 

@@ -38,7 +38,11 @@ class Heartbeat:
         return self
 
     def stop(self) -> None:
+        """Stop beating and wait for the thread: it must not be inside a store call when the
+        process group (and its store) is torn down, or the C++ runtime aborts the process."""
         self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=10)
 
     def _beat(self) -> None:
         while not self._stop.is_set():
