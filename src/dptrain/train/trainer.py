@@ -145,14 +145,15 @@ class Trainer:
                 if scheduler is not None:
                     scheduler.step()
                 self._guard("after_step", lambda: self.strategy.after_step(step))
-                loss_sum += loss * len(batch)
+                loss_sum += loss * len(batch)  # a tensor: no device sync per step
                 seen += len(batch)
-                bar.update(1)
-                bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
+                if self.show_progress:
+                    bar.update(1)
+                    bar.set_postfix(loss=f"{loss.item():.4f}", refresh=False)
             bar.close()
             is_global = self._guard("end_epoch", lambda: self.strategy.end_epoch(epoch))
             train_seconds = time.perf_counter() - epoch_start
-            stats = EpochStats(rank, seen, loss_sum / max(seen, 1), train_seconds, self.strategy.comm_bytes)
+            stats = EpochStats(rank, seen, float(loss_sum) / max(seen, 1), train_seconds, self.strategy.comm_bytes)
             test_metrics = self._evaluate_global(test) if (test is not None and is_global) else None
             global_model_evaluated = test_metrics is not None
             self._record(epoch, epochs, stats, test_metrics, time.perf_counter() - started)
@@ -272,7 +273,7 @@ class Trainer:
         self._guard("stop check", lambda: dist.all_reduce(flag, op=dist.ReduceOp.MAX))
         return (self._signalled or "a signal to another rank") if flag.item() else None
 
-    def _train_step(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+    def _train_step(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         device = self.ctx.device
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         autocast = (torch.autocast(device.type, dtype=self.amp_dtype) if self.amp_dtype
@@ -293,7 +294,7 @@ class Trainer:
         else:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return loss.item()
+        return loss.detach()
 
     # -- evaluation and records ------------------------------------------------------------
     def _evaluate_global(self, test: Split) -> Optional[dict]:
