@@ -76,6 +76,13 @@ COMMAND_MODULES: dict[str, tuple[str, str]] = {
 }
 
 
+def config_from_args(args: argparse.Namespace):
+    """The TrainConfig of parsed `dptrain train` arguments (file, then flags), validated once."""
+    overrides = {name: getattr(args, name) for name in FIELDS}
+    overrides["model_options"] = parse_model_options(args.model_options)
+    return resolve(args.config, overrides)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="dptrain", description="Data-parallel PyTorch training from a laptop to an HPC cluster.",
                      allow_abbrev=False)
@@ -108,11 +115,8 @@ def run(argv: Sequence[str]) -> int:
         subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
         (subparsers.choices.get(args.command) or parser).reject_unknown(unknown)
     if args.command == "train":
-        overrides = {name: getattr(args, name) for name in FIELDS}
-        overrides["model_options"] = parse_model_options(args.model_options)
-        config = resolve(args.config, overrides)
         from dptrain.train.run import train
-        return train(config)
+        return train(config_from_args(args))
     if args.command == "demo":
         from dptrain.demo import demo
         return demo(workers=args.workers, epochs=args.epochs, out=args.out)

@@ -31,14 +31,13 @@ test set and the rest the training set, each kept in file order, where
 
 from __future__ import annotations
 
-import difflib
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from dptrain.data.dstensor import DSTensor, list_arrays
-from dptrain.errors import UserError
+from dptrain.errors import UserError, closest
 
 DATASET_NAMES = ("digits", "synthetic-images", "synthetic-regression")
 ARRAY_NAMES = ("x", "y", "x_test", "y_test")
@@ -93,8 +92,8 @@ def load_dataset(
     if name is None:
         raise UserError(f"no dataset given; name one of: {', '.join(DATASET_NAMES)}, or give data_path.")
     if name not in DATASET_NAMES:
-        close = difflib.get_close_matches(name, DATASET_NAMES, n=1)
-        hint = f" (did you mean '{close[0]}'?)" if close else ""
+        close = closest(name, DATASET_NAMES)
+        hint = f" (did you mean '{close}'?)" if close else ""
         raise UserError(f"unknown dataset '{name}'{hint}; choose one of: {', '.join(DATASET_NAMES)}.")
     if name == "digits":
         if samples is not None:

@@ -52,16 +52,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def train_config(train_args: list[str]):
     """Validate the train arguments exactly as 'dptrain train' would; returns the TrainConfig."""
-    from dptrain.cli import build_parser, parse_model_options
-    from dptrain.config import FIELDS, resolve
+    from dptrain.cli import build_parser, config_from_args
 
     parser = build_parser()
     args, unknown = parser.parse_known_args(["train", *train_args])
     if unknown:
         next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices["train"].reject_unknown(unknown)
-    overrides = {name: getattr(args, name) for name in FIELDS}
-    overrides["model_options"] = parse_model_options(args.model_options)
-    return resolve(args.config, overrides)
+    return config_from_args(args)
 
 
 def without_out(train_args: list[str]) -> list[str]:

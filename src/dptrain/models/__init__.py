@@ -7,7 +7,6 @@ parameters are its options; their defaults define both the valid names and the e
 
 from __future__ import annotations
 
-import difflib
 import inspect
 import operator
 from typing import Any, Callable
@@ -15,7 +14,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from dptrain.errors import UserError
+from dptrain.errors import UserError, closest
 from dptrain.models import nfnet, resnet, user, zoo
 
 MODEL_NAMES = ("mlp", "cnn", "resnet", "nfnet", "mlp-regression")
@@ -41,8 +40,8 @@ def build_model(
     if user.is_user_model(name):
         return user.build_user_model(name, input_shape, num_outputs, options)
     if name not in _BUILDERS:
-        close = difflib.get_close_matches(name, MODEL_NAMES, n=1)
-        hint = f"did you mean '{close[0]}'? " if close else ""
+        close = closest(name, MODEL_NAMES)
+        hint = f"did you mean '{close}'? " if close else ""
         raise UserError(
             f"unknown model '{name}'; {hint}valid names are {', '.join(MODEL_NAMES)}, "
             "or a user model as package.module:factory"
