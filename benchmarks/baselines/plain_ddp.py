@@ -15,7 +15,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
-from common import arguments, data_and_model, write_run
+from common import arguments, data_and_model, exit_without_finalizing, write_run
 
 
 def main():
@@ -61,3 +61,4 @@ def main():
 
 if __name__ == "__main__":
     main()
+    exit_without_finalizing()

@@ -14,6 +14,7 @@ _EXPORTS = {
     "AllReduce": "dptrain.strategies", "Async": "dptrain.strategies", "FedAvg": "dptrain.strategies",
     "Strategy": "dptrain.strategies", "Sync": "dptrain.strategies", "DSTensor": "dptrain.data",
     "TrainConfig": "dptrain.config", "Trainer": "dptrain.train.trainer",
+    "exit_process": "dptrain.runtime.distributed",
 }
 __all__ = [*_EXPORTS, "__version__"]
 

@@ -157,5 +157,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         raise
 
 
+def entry() -> None:
+    """The `dptrain` program (console script and `python -m dptrain`): main(), then a safe exit."""
+    try:
+        code = main()
+    except SystemExit as exc:
+        code = exc.code
+    except BaseException:  # noqa: BLE001 - a bug: show it, then exit as Python would
+        traceback.print_exc()
+        code = 1
+    if code is not None and not isinstance(code, int):
+        print(code, file=sys.stderr)
+        code = 1
+    from dptrain.runtime.distributed import exit_process
+    exit_process(code or 0)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -116,4 +116,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from dptrain.runtime.distributed import exit_process
+    exit_process(main())

@@ -10,6 +10,8 @@ from __future__ import annotations
 import atexit
 import datetime
 import os
+import sys
+import time
 from dataclasses import dataclass
 from typing import Optional
 
@@ -60,6 +62,8 @@ def init_process_group(env: DistEnv, *, device: str = "auto", timeout: float = 3
     backend = "nccl" if dev.type == "cuda" else "gloo"
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
+    global _JOINED
+    _JOINED = True
     if not dist.is_initialized():
         wait = datetime.timedelta(seconds=timeout)
         if not env.launched:
@@ -110,6 +114,38 @@ def destroy_process_group() -> None:
     stop_heartbeats()
     if dist.is_initialized():
         dist.destroy_process_group()
+        # Let gloo's worker threads take the GIL and release the last collective's tensors now,
+        # not during interpreter finalization (see exit_process). This makes the abort at exit
+        # rare for scripts that end normally (none in 51 two-rank runs against 4 in 94 without);
+        # only exit_process rules it out.
+        time.sleep(0.05)
+
+
+_JOINED = False  # whether this process ever joined a process group
+
+
+def exit_process(code: int) -> None:
+    """End a program that used a process group without letting Python finalize the interpreter.
+
+    Gloo's worker threads release each finished collective a moment after the caller sees it
+    complete; releasing it drops tensors that may own Python objects, which needs the GIL. If
+    that moment falls inside interpreter finalization the thread is unwound by force and the
+    C++ runtime aborts the process (SIGABRT, "terminate called without an active exception",
+    exit code 134) after the work finished: about one run in thirty of a two-rank job with
+    torch 2.13 on gloo, a plain DDP script included. atexit handlers still run, the standard
+    streams are flushed, then the process leaves with `code` and no finalization.
+    """
+    if not _JOINED:
+        sys.exit(code)
+    try:
+        atexit._run_exitfuncs()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError, AttributeError):
+                pass
+        os._exit(code)
 
 
 def set_cpu_threads() -> None:
