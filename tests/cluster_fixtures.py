@@ -90,6 +90,28 @@ class SlurmCluster:
     def logs(self) -> str:
         return "".join(f"\n--- {d.log.name}:\n{d.log.read_text()[-3000:]}" for d in self.daemons if d.log.exists())
 
+    def state(self, job_id: str) -> str:
+        out = self.run("scontrol", "show", "job", "-o", job_id).stdout
+        return out.split("JobState=")[1].split()[0] if "JobState=" in out else "UNKNOWN"
+
+    def wait_until(self, check, what: str, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while not check():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no {what} within {timeout:g} s" + self.logs())
+            time.sleep(0.5)
+
+    def preempt(self, job_id: str, metrics: Path, after_epochs: int, timeout: float = 180) -> None:
+        """Send the time-limit warning (SIGUSR1 to every rank) once `after_epochs` epochs are recorded,
+        then wait for the job to requeue itself and let it start again at once."""
+        self.wait_until(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= after_epochs,
+                        f"epoch {after_epochs} of job {job_id}", timeout)
+        self.run("scancel", "--signal=USR1", job_id)
+        # SLURM holds a requeued job back for a while (BeginTime, about two minutes); an operator
+        # may start it sooner, which the tests do to stay short.
+        self.wait_until(lambda: self.state(job_id) == "PENDING", f"requeue of job {job_id}", timeout)
+        self.run("scontrol", "update", f"JobId={job_id}", "StartTime=now")
+
 
 def slurm_conf(root: Path, *, controller_port: int, node_ports: dict[str, int], munge_socket: Path) -> str:
     host = socket.gethostname()

@@ -79,10 +79,50 @@ def test_binds_skip_paths_inside_bound_directories_but_keep_renames():
     ("nodes", 0, "--nodes 0 must be at least 1"),
     ("time", "90", "--time '90' is not HH:MM:SS"),
     ("gpus_per_node", -1, "--gpus-per-node -1 must be 0 or more"),
+    ("stop_before", -5, "--stop-before -5 must be 0"),
 ])
 def test_bad_job_settings_are_one_sentence_naming_the_value(field, value, message):
     with pytest.raises(UserError, match=message):
         JobSpec(**{"scheduler": "slurm", "workdir": "/p", "run_dir": "/p/r", field: value})
+
+
+FAKE_SLURM = {
+    "srun": 'echo "srun $*" >> "$LOG"; exit "$SRUN_EXIT"\n',
+    "scontrol": ('echo "scontrol $*" >> "$LOG"\n'
+                 'case "$1 $2" in "show hostnames") echo node1;; "show node") echo "NodeName=node1 NodeAddr=10.0.0.1";; esac\n'),
+}
+
+
+@pytest.mark.parametrize("container", ["none", "udocker"])
+@pytest.mark.parametrize("srun_exit, job_exit, requeued", [(0, 0, False), (75, 0, True), (3, 3, False)])
+def test_slurm_job_requeues_itself_only_when_the_ranks_stopped_at_a_checkpoint(tmp_path, container, srun_exit,
+                                                                                job_exit, requeued):
+    # The script itself, run by bash against stand-ins for srun and scontrol that log their arguments.
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, body in {**FAKE_SLURM, "udocker": "exit 0\n"}.items():
+        (bin_dir / name).write_text("#!/bin/bash\n" + body)
+        (bin_dir / name).chmod(0o755)
+    spec = JobSpec(**{**example_spec("slurm", container).__dict__, "workdir": str(tmp_path)})
+    script = tmp_path / "job.slurm"
+    script.write_text(slurm.render(spec))
+    log = tmp_path / "calls.log"
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path), "LOG": str(log), "SRUN_EXIT": str(srun_exit),
+           "SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "node[1-2]"}
+    done = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=30)
+    assert done.returncode == job_exit, done.stderr
+    calls = log.read_text().splitlines()
+    assert ("scontrol requeue 4242" in calls) == requeued, calls
+    srun = next(call for call in calls if call.startswith("srun "))
+    if container == "udocker":  # the container runtime ignores the warning signal; the rank inside handles it
+        assert " bash -c trap \"\" USR1; exec \"$@\" rank udocker " in srun, srun
+    assert "#SBATCH --signal=USR1@300" in script.read_text() and "#SBATCH --requeue" in script.read_text()
+
+
+def test_stop_before_zero_sends_no_signal_but_still_requeues_a_stopped_job():
+    text = slurm.render(JobSpec(**{**example_spec("slurm", "udocker").__dict__, "stop_before": 0}))
+    assert "--signal" not in text and "trap" not in text
+    assert 'scontrol requeue "$SLURM_JOB_ID"' in text
 
 
 def test_local_scheduler_refuses_several_nodes():

@@ -53,3 +53,31 @@ def test_submit_without_wait_prints_the_job_id_and_returns(slurm_cluster, tmp_pa
     assert job_id.isdigit()
     # leave the cluster idle for the next test
     slurm_cluster.run("scancel", job_id)
+
+
+
+def test_the_warning_signal_checkpoints_requeues_the_job_and_it_resumes_to_the_end(slurm_cluster, tmp_path):
+    # What SLURM does --stop-before seconds ahead of the time limit (or at a pre-emption warning):
+    # SIGUSR1 to every rank of the step. The ranks checkpoint, exit 75, the job requeues itself,
+    # the second start resumes from the checkpoint and finishes; --wait follows it to the end.
+    follower = subprocess.Popen([sys.executable, "-m", "dptrain", "launch", "--scheduler", "slurm", "--nodes", "2",
+                                 "--dptrain", f"{sys.executable} -m dptrain", "--submit", "--wait", "--wait-timeout",
+                                 "300", "--", *DIGITS, "--strategy", "sync", "--slow-worker", "0:30", "--out", "run"],
+                                cwd=tmp_path, env=slurm_cluster.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True)
+    try:
+        run = tmp_path / "run"
+        slurm_cluster.wait_until(lambda: list(run.glob("slurm-*.out")), "job output", 60)
+        job_id = next(run.glob("slurm-*.out")).stem.split("-")[1]
+        slurm_cluster.preempt(job_id, run / "metrics.jsonl", after_epochs=2)
+        output, _ = follower.communicate(timeout=300)
+    finally:
+        follower.kill()
+    assert follower.returncode == 0, output + slurm_cluster.logs()
+    assert f"job {job_id} COMPLETED with exit code 0" in output, output
+    assert "stopped by SIGUSR1 after epoch" in output and "requeueing it to resume" in output, output
+    stopped_after = int(output.split("stopped by SIGUSR1 after epoch ")[1].split(";")[0])
+    assert f"resuming after epoch {stopped_after}" in output, output
+    epochs = [json.loads(line)["epoch"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert epochs == list(range(1, 11)), epochs  # each epoch once: none lost, none repeated
+    assert json.loads((run / "summary.json").read_text())["test_accuracy"] >= 0.90

@@ -23,13 +23,17 @@ DIGITS = ["--dataset", "digits", "--model", "mlp", "--epochs", "10", "--lr", "0.
           "--strategy", "sync", "--timeout", "120"]
 
 
-def launch(container, *args: str, cwd: Path, env: dict, timeout: float = 300) -> subprocess.CompletedProcess:
+def launch_command(container, *args: str, wait_timeout: float, slow: str = "") -> list[str]:
     """`dptrain launch ARGS --container udocker:NAME ... --submit --wait -- DIGITS --out run`."""
     binds = [word for path in container.binds for word in ("--bind", path)]
-    return subprocess.run([sys.executable, "-m", "dptrain", "launch", *args, "--container", f"udocker:{container.name}",
-                           *binds, "--dptrain", container.dptrain, "--submit", "--wait", "--wait-timeout",
-                           str(timeout - 30), "--", *DIGITS, "--out", "run"],
-                          cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    return [sys.executable, "-m", "dptrain", "launch", *args, "--container", f"udocker:{container.name}", *binds,
+            "--dptrain", container.dptrain, "--submit", "--wait", "--wait-timeout", str(wait_timeout), "--", *DIGITS,
+            *(["--slow-worker", slow] if slow else []), "--out", "run"]
+
+
+def launch(container, *args: str, cwd: Path, env: dict, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(launch_command(container, *args, wait_timeout=timeout - 30), cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout)
 
 
 def summary(run_dir: Path) -> dict:
@@ -74,12 +78,26 @@ def test_local_launch_trains_with_one_container_per_rank(udocker_container, tmp_
     assert run["workers"] == 2 and run["test_accuracy"] >= 0.90, run
 
 
-def test_slurm_job_trains_across_two_nodes_in_udocker_containers(slurm_cluster, udocker_container, tmp_path):
+def test_slurm_job_in_udocker_containers_trains_across_two_nodes_and_survives_the_time_limit_warning(
+        slurm_cluster, udocker_container, tmp_path):
+    # SIGUSR1 reaches every process of the step: udocker and proot ignore it (the job script's
+    # trap), the rank inside checkpoints and exits 75, the job requeues itself and resumes.
     env = {**udocker_container.env, "SLURM_CONF": slurm_cluster.env["SLURM_CONF"]}
-    result = launch(udocker_container, "--scheduler", "slurm", "--nodes", "2", "--tasks-per-node", "1", cwd=tmp_path,
-                    env=env)
-    output = result.stdout + result.stderr
-    assert result.returncode == 0, output + slurm_cluster.logs()
-    assert "on node[1-2]" in output and "COMPLETED with exit code 0" in output
-    run = summary(tmp_path / "run")
+    follower = subprocess.Popen(launch_command(udocker_container, "--scheduler", "slurm", "--nodes", "2",
+                                               "--tasks-per-node", "1", wait_timeout=400, slow="0:8"),
+                                cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        run_dir = tmp_path / "run"
+        slurm_cluster.wait_until(lambda: list(run_dir.glob("slurm-*.out")), "job output", 60)
+        job_id = next(run_dir.glob("slurm-*.out")).stem.split("-")[1]
+        slurm_cluster.preempt(job_id, run_dir / "metrics.jsonl", after_epochs=2, timeout=240)
+        output, _ = follower.communicate(timeout=420)
+    finally:
+        follower.kill()
+    assert follower.returncode == 0, output + slurm_cluster.logs()
+    assert "on node[1-2]" in output and f"job {job_id} COMPLETED with exit code 0" in output, output
+    assert "stopped by SIGUSR1 after epoch" in output and "resuming after epoch" in output, output
+    epochs = [json.loads(line)["epoch"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert epochs == list(range(1, 11)), epochs
+    run = summary(run_dir)
     assert run["workers"] == 2 and run["launcher"] == "srun" and run["test_accuracy"] >= 0.90, run

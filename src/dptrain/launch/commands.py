@@ -41,6 +41,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "directories and --data are bound anyway")
     parser.add_argument("--dptrain", default="dptrain", metavar="COMMAND",
                         help="how a rank runs dptrain (default: dptrain from the PATH; e.g. '/opt/venv/bin/python -m dptrain')")
+    parser.add_argument("--stop-before", type=int, default=300, metavar="SECONDS",
+                        help="SLURM: signal the ranks this long before --time runs out; they save a checkpoint "
+                             "after the current epoch and the job requeues itself to resume (0: no signal; "
+                             "default: 300)")
     what = parser.add_mutually_exclusive_group()
     what.add_argument("--submit", action="store_true", help="submit the script (sbatch, qsub; local: run it now)")
     what.add_argument("--dry-run", action="store_true", help="print the script, write and submit nothing")
@@ -90,7 +94,7 @@ def build_spec(args: argparse.Namespace, workdir: Path) -> JobSpec:
                    train_args=tuple(without_out(train_args)), nodes=args.nodes, tasks_per_node=args.tasks_per_node,
                    gpus_per_node=args.gpus_per_node, cpus_per_task=args.cpus_per_task, time=args.time,
                    partition=args.partition, account=args.account, job_name=args.job_name, container=container,
-                   binds=tuple(binds), dptrain=args.dptrain)
+                   binds=tuple(binds), dptrain=args.dptrain, stop_before=args.stop_before)
 
 
 def main(args: argparse.Namespace) -> int:

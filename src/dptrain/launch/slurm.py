@@ -24,7 +24,15 @@ def render(spec: JobSpec) -> str:
         if value:
             directives.append(f"--{flag}={value}")
     directives.append(f"--output={spec.run_dir}/slurm-%j.out")
+    # A requeued job appends to its output rather than starting it again.
+    directives += ["--open-mode=append", "--requeue"]
+    if spec.stop_before:
+        directives.append(f"--signal=USR1@{spec.stop_before}")
     setup, command = rank_command(spec)
+    if spec.stop_before and spec.container:
+        # The signal reaches every process of the step: the container runtime must not die of it
+        # (SIGUSR1 ends a process that does not handle it); the rank inside handles it.
+        command = "bash -c 'trap \"\" USR1; exec \"$@\"' rank " + command
     lines = [
         *header(spec, "SLURM job"),
         *(f"#SBATCH {quote([d])}" for d in directives),
@@ -41,8 +49,20 @@ def render(spec: JobSpec) -> str:
         *([""] + setup if setup else []),
         "",
         "# One process per rank (one container each); if one fails, srun stops the others.",
+        *(["# SIGUSR1 before the time limit (or a pre-emption warning) makes every rank save a checkpoint",
+           "# after its current epoch and exit with 75; the job then requeues itself and resumes from it."]
+          if spec.stop_before else
+          ["# A rank that was asked to stop (SIGTERM, SIGUSR1) saves a checkpoint and exits with 75; the job",
+           "# then requeues itself and resumes from it."]),
+        "status=0",
         f"srun --kill-on-bad-exit=1 --nodes={spec.nodes} --ntasks-per-node={spec.tasks_per_node} "
-        f"--cpus-per-task={spec.cpus_per_task} {command}",
+        f"--cpus-per-task={spec.cpus_per_task} {command} || status=$?",
+        'if [ "$status" -eq 75 ]; then',
+        '    echo "dptrain: job $SLURM_JOB_ID stopped at a checkpoint; requeueing it to resume"',
+        '    scontrol requeue "$SLURM_JOB_ID"',
+        "    exit 0",
+        "fi",
+        'exit "$status"',
     ]
     return "\n".join(lines) + "\n"
 

@@ -52,6 +52,7 @@ class JobSpec:
     container: Optional[ContainerSpec] = None
     binds: tuple[str, ...] = field(default_factory=tuple)
     dptrain: str = "dptrain"
+    stop_before: int = 300  # seconds before the time limit that the ranks are told to checkpoint and stop
 
     def __post_init__(self):
         if self.scheduler not in SCHEDULERS:
@@ -59,6 +60,8 @@ class JobSpec:
         for name in ("nodes", "tasks_per_node", "cpus_per_task"):
             if getattr(self, name) < 1:
                 raise UserError(f"--{name.replace('_', '-')} {getattr(self, name)} must be at least 1")
+        if self.stop_before < 0:
+            raise UserError(f"--stop-before {self.stop_before} must be 0 (no warning) or a number of seconds")
         if self.gpus_per_node < 0:
             raise UserError(f"--gpus-per-node {self.gpus_per_node} must be 0 or more")
         if self.time is not None and not TIME_PATTERN.fullmatch(self.time):

@@ -161,6 +161,11 @@ class Trainer:
             if stop or (self.checkpoint_every and (epoch + 1) % self.checkpoint_every == 0):
                 self._checkpoint(epoch + 1, step, scheduler, time.perf_counter() - started)
             if stop:
+                if self.ctx.world_size > 1 and not self.strategy.barrier_free:
+                    # No rank exits before every rank's checkpoint is on disk: under srun
+                    # --kill-on-bad-exit the first rank to exit with 75 ends the others.
+                    done = torch.ones(1, device=self.ctx.device if self.ctx.backend == "nccl" else "cpu")
+                    self._guard("checkpoint before stopping", lambda: dist.all_reduce(done))
                 raise Preempted(f"rank {rank}: stopped by {stop} after epoch {epoch + 1}; a checkpoint is saved in "
                                 f"{self.out}: run the same command again to continue")
 

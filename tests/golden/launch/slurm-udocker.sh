@@ -10,6 +10,9 @@
 #SBATCH --partition=gpu
 #SBATCH --account=proj42
 #SBATCH --output=/home/ada/project/runs/digits-sync/slurm-%j.out
+#SBATCH --open-mode=append
+#SBATCH --requeue
+#SBATCH --signal=USR1@300
 set -euo pipefail
 cd /home/ada/project
 
@@ -27,4 +30,13 @@ udocker=(udocker "--config=${UDOCKER_DIR:-$HOME/.udocker}/udocker.conf")
 if [ "$(id -u)" = 0 ]; then udocker+=(--allow-root); fi
 
 # One process per rank (one container each); if one fails, srun stops the others.
-srun --kill-on-bad-exit=1 --nodes=2 --ntasks-per-node=2 --cpus-per-task=4 "${udocker[@]}" run --nobanner --hostenv -v /etc/hosts -v /home/ada/project -v /scratch/ada/data -w /home/ada/project dptrain dptrain train --dataset digits --strategy sync --epochs 10 --out /home/ada/project/runs/digits-sync
+# SIGUSR1 before the time limit (or a pre-emption warning) makes every rank save a checkpoint
+# after its current epoch and exit with 75; the job then requeues itself and resumes from it.
+status=0
+srun --kill-on-bad-exit=1 --nodes=2 --ntasks-per-node=2 --cpus-per-task=4 bash -c 'trap "" USR1; exec "$@"' rank "${udocker[@]}" run --nobanner --hostenv -v /etc/hosts -v /home/ada/project -v /scratch/ada/data -w /home/ada/project dptrain dptrain train --dataset digits --strategy sync --epochs 10 --out /home/ada/project/runs/digits-sync || status=$?
+if [ "$status" -eq 75 ]; then
+    echo "dptrain: job $SLURM_JOB_ID stopped at a checkpoint; requeueing it to resume"
+    scontrol requeue "$SLURM_JOB_ID"
+    exit 0
+fi
+exit "$status"
