@@ -213,3 +213,16 @@ def test_bench_rejects_bad_settings_in_one_line():
         spec_from(parser.parse_args(["--option", "sampels=3"]))
     with pytest.raises(UserError, match="whole numbers"):
         spec_from(parser.parse_args(["--workers", "1,two"]))
+
+
+def test_baselines_refuse_settings_they_cannot_follow_but_not_dptrain_only_ones():
+    from dptrain.bench.commands import add_arguments, spec_from
+    from dptrain.bench.matrix import check
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    with pytest.raises(UserError, match="baseline scripts cannot reproduce optimizer"):
+        check(spec_from(parser.parse_args(["--workers", "1", "--option", "optimizer=adam"])))
+    # Checkpoints change nothing that is trained: the baselines simply write none.
+    check(spec_from(parser.parse_args(["--workers", "1", "--option", "checkpoint_every=0"])))
+    check(spec_from(parser.parse_args(["--workers", "1", "--option", "optimizer=adam", "--no-baselines"])))

@@ -28,6 +28,8 @@ from dptrain.runtime.env import free_port
 
 BASELINES_DIR = Path(__file__).resolve().parents[3] / "benchmarks" / "baselines"
 BASELINE_OPTIONS = ("dataset", "model", "samples", "image_size", "epochs", "batch_size", "lr", "momentum", "seed")
+# Settings of dptrain's own runs that leave what is trained unchanged: the baselines need not follow them.
+DPTRAIN_ONLY = ("shuffle", "timeout", "checkpoint_every", "keep_checkpoints")
 
 
 @dataclass(frozen=True)
@@ -84,7 +86,7 @@ def check(spec: BenchSpec) -> None:
 
     for workers in spec.workers:
         validate(_config(spec, "allreduce", workers, out=None))
-    unsupported = sorted(key for key in spec.train if key not in BASELINE_OPTIONS and key not in ("shuffle", "timeout"))
+    unsupported = sorted(key for key in spec.train if key not in BASELINE_OPTIONS and key not in DPTRAIN_ONLY)
     if spec.baselines and unsupported:
         raise UserError(f"the baseline scripts cannot reproduce {', '.join(unsupported)}; leave those options out "
                         "or add --no-baselines")
