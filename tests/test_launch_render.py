@@ -211,3 +211,26 @@ def test_container_recipe_writes_a_dockerfile_and_an_apptainer_definition(tmp_pa
     assert result.returncode == 0, result.stderr
     assert "pip install /opt/dptrain" in (tmp_path / "image" / "Dockerfile").read_text()
     assert "Bootstrap: docker" in (tmp_path / "image" / "dptrain.def").read_text()
+
+
+def test_wait_follows_a_requeued_job_to_its_end_and_says_so(tmp_path, monkeypatch, capsys):
+    from dptrain.launch import submit
+
+    states = iter(["PENDING", "RUNNING", "REQUEUED", "PENDING", "RUNNING", "COMPLETED"])
+    output = tmp_path / "slurm-7.out"
+
+    class Scheduler:
+        @staticmethod
+        def poll(job_id):
+            state = next(states)
+            with open(output, "a") as handle:
+                handle.write(f"line while {state}\n")
+            return slurm.parse_status(f"JobId={job_id} JobState={state} ExitCode=0:0")
+
+    monkeypatch.setattr(submit, "POLL_SECONDS", 0.0)
+    monkeypatch.setattr(submit.time, "sleep", lambda seconds: None)
+    status = submit.follow(Scheduler, "7", output, timeout=60)
+    assert status.state == "COMPLETED" and status.exit_code == 0
+    printed = capsys.readouterr().out
+    assert printed.count("went back to the queue") == 1 and "(REQUEUED)" in printed
+    assert printed.count("line while") == 6  # the whole output, across both starts

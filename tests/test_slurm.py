@@ -76,6 +76,7 @@ def test_the_warning_signal_checkpoints_requeues_the_job_and_it_resumes_to_the_e
     assert follower.returncode == 0, output + slurm_cluster.logs()
     assert f"job {job_id} COMPLETED with exit code 0" in output, output
     assert "stopped by SIGUSR1 after epoch" in output and "requeueing it to resume" in output, output
+    assert f"job {job_id} went back to the queue" in output, output
     stopped_after = int(output.split("stopped by SIGUSR1 after epoch ")[1].split(";")[0])
     assert f"resuming after epoch {stopped_after}" in output, output
     epochs = [json.loads(line)["epoch"] for line in (run / "metrics.jsonl").read_text().splitlines()]

@@ -11,7 +11,7 @@ from typing import Optional, Sequence
 
 from dptrain.errors import UserError
 
-POLL_SECONDS = 2.0
+POLL_SECONDS = 2.0  # between two looks at the job's state
 
 
 @dataclass(frozen=True)
@@ -61,9 +61,14 @@ def follow(scheduler, job_id: str, output: Path, *, timeout: Optional[float]) ->
     """Poll `scheduler.poll(job_id)` until the job is finished (or `timeout` seconds pass), echoing its output."""
     deadline = None if timeout is None else time.monotonic() + timeout
     follower = OutputFollower(output)
+    last_state = None
     while True:
         status = scheduler.poll(job_id)
         follower.pump()
+        if last_state == "RUNNING" and status.state in ("PENDING", "REQUEUED", "REQUEUE_HOLD"):
+            print(f"dptrain: job {job_id} went back to the queue ({status.state}); following it until it "
+                  "finishes", flush=True)
+        last_state = status.state
         if status.finished:
             time.sleep(0.5)  # the last lines may reach the shared file system just after the state
             follower.pump()
