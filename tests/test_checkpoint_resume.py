@@ -134,6 +134,23 @@ def test_sigterm_checkpoints_and_stops_then_the_same_command_continues(tmp_path)
     assert [r["epoch"] for r in records] == list(range(1, 26))
 
 
+def test_a_stop_signal_during_start_up_ends_the_run_at_its_first_epoch_with_a_checkpoint(tmp_path):
+    # SIGUSR1 lands before any Trainer exists (as when a rank is still importing or meeting its
+    # peers): it must not kill the rank; the run stops cleanly after epoch 1 and can continue.
+    script = textwrap.dedent(f"""
+        import os, signal, sys
+        from dptrain.cli import main
+        from dptrain.train.trainer import catch_stop_signals_early
+        catch_stop_signals_early()
+        os.kill(os.getpid(), signal.SIGUSR1)
+        sys.exit(main(["train", *{DIGITS!r}, "--epochs", "4", "--workers", "1", "--out", "run"]))
+    """)
+    done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 75, done.stderr
+    assert "stopped by SIGUSR1 after epoch 1" in done.stderr
+    assert checkpoint.latest_complete(tmp_path / "run", 1)[0] == 1
+
+
 @pytest.mark.slow
 def test_a_run_that_died_after_its_last_checkpoint_finishes_on_the_next_attempt(tmp_path):
     # Found by the fault-injection harness: the resumed attempt trains no epoch at all.

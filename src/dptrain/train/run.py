@@ -25,7 +25,7 @@ from dptrain.strategies import build_strategy
 from dptrain.train.optim import build_optimizer, build_schedule
 from dptrain.train import checkpoint
 from dptrain.train.rundir import default_run_dir, open_run_dir
-from dptrain.train.trainer import Trainer
+from dptrain.train.trainer import Trainer, catch_stop_signals_early
 
 
 def load_data(config: TrainConfig, check_values: bool = True) -> Dataset:
@@ -139,6 +139,8 @@ def _join_run_dir(config: TrainConfig, env: DistEnv, ctx) -> TrainConfig:
 
 def run_worker(config: TrainConfig, env: DistEnv) -> dict:
     """Train as one rank (or alone): the same code under every launcher."""
+    if config.checkpoint_every:
+        catch_stop_signals_early()
     set_cpu_threads()
     ctx = init_process_group(env, device=config.device, timeout=config.timeout)
     try:

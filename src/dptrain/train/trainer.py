@@ -67,6 +67,25 @@ class EpochStats:
     comm_bytes: int
 
 
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+_EARLY_STOP: list[str] = []  # stop signals that arrived before a Trainer watched for them
+
+
+def catch_stop_signals_early() -> None:
+    """From now on, SIGTERM/SIGUSR1 are remembered rather than fatal, and the next Trainer stops at
+    its first epoch end with a checkpoint: a warning that reaches a rank while it imports, meets its
+    peers or loads data then ends the run cleanly instead of killing that rank."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def remember(signum, frame):
+        _EARLY_STOP.append(signal.Signals(signum).name)
+
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, remember)
+
+
 class Trainer:
     """Data-parallel training of `model` with `strategy` (default: per-step all-reduce)."""
 
@@ -265,8 +284,11 @@ class Trainer:
         def request_stop(signum, frame):
             self._signalled = signal.Signals(signum).name
 
-        for signum in (signal.SIGTERM, signal.SIGUSR1):
+        for signum in STOP_SIGNALS:
             signal.signal(signum, request_stop)
+        if _EARLY_STOP:  # it came while the process was still starting
+            self._signalled = _EARLY_STOP[0]
+            _EARLY_STOP.clear()
 
     def _stop_requested(self) -> Optional[str]:
         """The signal that asked this run to stop, agreed by all ranks (one may have been missed)."""
