@@ -3,6 +3,7 @@
 import argparse
 import json
 import os
+import time
 
 import torch
 
@@ -55,6 +56,38 @@ def data_and_model(args):
 
 def _tensors(x, y):
     return torch.from_numpy(x.to_numpy()).float(), torch.from_numpy(y.to_numpy()).long()
+
+
+def fit(model, optimizer, loader, epochs, test_accuracy, sampler=None):
+    """The textbook loop every baseline runs: SGD steps over the loader, then `test_accuracy()`
+    (in eval mode, without gradients) once per epoch; returns (records, wall seconds, samples trained here)."""
+    loss_fn = torch.nn.CrossEntropyLoss()
+    records, samples = [], 0
+    started = time.perf_counter()
+    for epoch in range(epochs):
+        epoch_start = time.perf_counter()
+        if sampler is not None:
+            sampler.set_epoch(epoch)
+        model.train()
+        for x, y in loader:
+            optimizer.zero_grad()
+            loss_fn(model(x), y).backward()
+            optimizer.step()
+            samples += len(x)
+        epoch_seconds = time.perf_counter() - epoch_start
+        model.eval()
+        with torch.no_grad():
+            accuracy = test_accuracy()
+        records.append({"epoch": epoch + 1, "test_accuracy": accuracy, "epoch_seconds": epoch_seconds,
+                        "wall_seconds": time.perf_counter() - started})
+    return records, time.perf_counter() - started, samples
+
+
+def shard_counts(model, x_test, y_test, rank, world):
+    """[correct, count] on this rank's slice of the test set, in float64, to be summed across ranks."""
+    mine = slice(rank, None, world)
+    correct = (model(x_test[mine]).argmax(1) == y_test[mine]).sum().item()
+    return torch.tensor([correct, len(y_test[mine])], dtype=torch.float64)
 
 
 def write_run(out, strategy, workers, records, wall, samples, model, comm_bytes=None):

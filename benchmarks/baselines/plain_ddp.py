@@ -7,15 +7,13 @@ MASTER_PORT, as torchrun sets them), a DistributedSampler, DDP, SGD, one test pa
     torchrun --nproc-per-node 2 benchmarks/baselines/plain_ddp.py --epochs 5 --out runs/plain-ddp
 """
 
-import time
-
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
-from common import arguments, data_and_model, exit_without_finalizing, write_run
+from common import arguments, data_and_model, exit_without_finalizing, fit, shard_counts, write_run
 
 
 def main():
@@ -25,39 +23,21 @@ def main():
     train_set, x_test, y_test, model = data_and_model(args)
     ddp_model = DistributedDataParallel(model)
     optimizer = torch.optim.SGD(ddp_model.parameters(), lr=args.lr, momentum=args.momentum)
-    loss_fn = torch.nn.CrossEntropyLoss()
     sampler = DistributedSampler(train_set, num_replicas=world, rank=rank, shuffle=True, seed=args.seed)
     loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler)
 
-    records = []
-    started = time.perf_counter()
-    samples = 0
-    for epoch in range(args.epochs):
-        epoch_start = time.perf_counter()
-        sampler.set_epoch(epoch)
-        ddp_model.train()
-        for x, y in loader:
-            optimizer.zero_grad()
-            loss_fn(ddp_model(x), y).backward()
-            optimizer.step()
-            samples += len(x)
-        epoch_seconds = time.perf_counter() - epoch_start
+    def test_accuracy():
         # The replicas are identical: each rank scores its slice of the test set, the counts are summed.
-        ddp_model.eval()
-        with torch.no_grad():
-            mine = slice(rank, None, world)
-            correct = (model(x_test[mine]).argmax(1) == y_test[mine]).sum().item()
-        counts = torch.tensor([correct, len(y_test[mine])], dtype=torch.float64)
+        counts = shard_counts(model, x_test, y_test, rank, world)
         dist.all_reduce(counts)
-        records.append({"epoch": epoch + 1, "test_accuracy": (counts[0] / counts[1]).item(),
-                        "epoch_seconds": epoch_seconds, "wall_seconds": time.perf_counter() - started})
-    wall = time.perf_counter() - started
+        return (counts[0] / counts[1]).item()
+
+    records, wall, samples = fit(ddp_model, optimizer, loader, args.epochs, test_accuracy, sampler)
     total = torch.tensor([samples], dtype=torch.float64)
     dist.all_reduce(total)
     if rank == 0:
         write_run(args.out, "plain-ddp", world, records, wall, total.item(), model)
     dist.destroy_process_group()
-
 
 if __name__ == "__main__":
     main()

@@ -7,14 +7,12 @@ initial parameters and optimizer state, hvd.DistributedOptimizer, one test pass 
     horovodrun --gloo -np 2 -H localhost:2 python benchmarks/baselines/plain_horovod.py --out runs/horovod
 """
 
-import time
-
 import horovod.torch as hvd
 import torch
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
-from common import arguments, data_and_model, write_run
+from common import arguments, data_and_model, fit, shard_counts, write_run
 
 
 def main():
@@ -26,35 +24,17 @@ def main():
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
     optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
-    loss_fn = torch.nn.CrossEntropyLoss()
     sampler = DistributedSampler(train_set, num_replicas=world, rank=rank, shuffle=True, seed=args.seed)
     loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler)
 
-    records = []
-    started = time.perf_counter()
-    samples = 0
-    for epoch in range(args.epochs):
-        epoch_start = time.perf_counter()
-        sampler.set_epoch(epoch)
-        model.train()
-        for x, y in loader:
-            optimizer.zero_grad()
-            loss_fn(model(x), y).backward()
-            optimizer.step()
-            samples += len(x)
-        epoch_seconds = time.perf_counter() - epoch_start
-        model.eval()
-        with torch.no_grad():
-            mine = slice(rank, None, world)
-            correct = (model(x_test[mine]).argmax(1) == y_test[mine]).sum().item()
-        counts = hvd.allreduce(torch.tensor([correct, len(y_test[mine])], dtype=torch.float64), op=hvd.Sum)
-        records.append({"epoch": epoch + 1, "test_accuracy": (counts[0] / counts[1]).item(),
-                        "epoch_seconds": epoch_seconds, "wall_seconds": time.perf_counter() - started})
-    wall = time.perf_counter() - started
+    def test_accuracy():
+        counts = hvd.allreduce(shard_counts(model, x_test, y_test, rank, world), op=hvd.Sum)
+        return (counts[0] / counts[1]).item()
+
+    records, wall, samples = fit(model, optimizer, loader, args.epochs, test_accuracy, sampler)
     total = hvd.allreduce(torch.tensor([samples], dtype=torch.float64), op=hvd.Sum)
     if rank == 0:
         write_run(args.out, "horovod", world, records, wall, total.item(), model)
-
 
 if __name__ == "__main__":
     main()

@@ -38,11 +38,11 @@ def dirichlet(labels: np.ndarray, clients: int, alpha: float, seed: int, min_siz
     if labels.ndim != 1 or labels.dtype.kind not in "iu":
         raise UserError("the dirichlet partition needs integer class labels; use --partition iid or contiguous")
     rng = np.random.default_rng(seed)
-    classes = np.unique(labels)
+    members_by_class = [np.flatnonzero(labels == cls) for cls in np.unique(labels)]
     for _ in range(MAX_DIRICHLET_DRAWS):
         parts: list[list[np.ndarray]] = [[] for _ in range(clients)]
-        for cls in classes:
-            members = rng.permutation(np.flatnonzero(labels == cls))
+        for in_class in members_by_class:
+            members = rng.permutation(in_class)
             shares = rng.dirichlet(np.full(clients, alpha))
             cuts = (np.cumsum(shares)[:-1] * len(members)).astype(int)
             for client, chunk in enumerate(np.split(members, cuts)):

@@ -6,8 +6,6 @@ from dptrain.strategies.fedavg import FedAvg
 from dptrain.strategies.base import Strategy
 from dptrain.strategies.sync import Sync
 
-STRATEGIES = {"allreduce": AllReduce, "sync": Sync, "async": Async, "fedavg": FedAvg}
-
 
 def build_strategy(config) -> Strategy:
     """The strategy a TrainConfig asks for."""
@@ -25,4 +23,4 @@ def build_strategy(config) -> Strategy:
     raise ValueError(f"unknown strategy {config.strategy!r}")
 
 
-__all__ = ["AllReduce", "Async", "FedAvg", "Strategy", "Sync", "STRATEGIES", "build_strategy"]
+__all__ = ["AllReduce", "Async", "FedAvg", "Strategy", "Sync", "build_strategy"]

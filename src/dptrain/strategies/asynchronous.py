@@ -28,7 +28,7 @@ from torch import nn
 
 from dptrain.runtime.distributed import DistContext, PeerFailure
 from dptrain.strategies.base import Strategy
-from dptrain.strategies.collectives import broadcast_module, module_state
+from dptrain.strategies.collectives import broadcast_module, module_state, unflatten_into
 
 MERGES = ("delta", "ema")
 # Message kinds (first header field) and tags (one per message role, so they never cross).
@@ -46,13 +46,8 @@ def flat_state(module: nn.Module) -> torch.Tensor:
 
 
 def load_flat_state(module: nn.Module, flat: torch.Tensor) -> None:
-    floating, _ = module_state(module)
-    offset = 0
     with torch.no_grad():
-        for tensor in floating:
-            count = tensor.numel()
-            tensor.copy_(flat[offset:offset + count].view_as(tensor))
-            offset += count
+        unflatten_into(module_state(module)[0], flat)
 
 
 class GlobalModel:
@@ -81,9 +76,10 @@ class GlobalModel:
             self.max_staleness_seen = max(self.max_staleness_seen, staleness)
             return self.state.clone(), self.version, staleness
 
-    def snapshot(self) -> tuple[torch.Tensor, int]:
+    def snapshot(self, copy: bool = True) -> tuple[Optional[torch.Tensor], int]:
+        """(a copy of the global state, its version); only the version when `copy` is False."""
         with self.lock:
-            return self.state.clone(), self.version
+            return (self.state.clone() if copy else None), self.version
 
 
 class MergeService:
@@ -93,7 +89,6 @@ class MergeService:
         self.model, self.group, self.ctx = model, group, ctx
         self.pending = set(range(1, ctx.world_size))
         self.error: Optional[str] = None
-        self.bytes_sent = 0
         self._thread = threading.Thread(target=self._serve, name="dptrain-merge-service", daemon=True)
 
     def start(self) -> "MergeService":
@@ -121,13 +116,12 @@ class MergeService:
                     dist.recv(payload, src=rank, group=self.group, tag=TAG_PAYLOAD)
                     state, version, staleness = self.model.apply(rank, payload, base_version)
                 else:
-                    state, version = self.model.snapshot()
+                    state, version = self.model.snapshot(copy=kind == REFRESH)
                     staleness = version - base_version
                 reply = torch.tensor([version, staleness, 0, 0], dtype=torch.int64)
                 dist.send(reply, dst=rank, group=self.group, tag=TAG_REPLY)
                 if kind in (MERGE, REFRESH):
                     dist.send(state, dst=rank, group=self.group, tag=TAG_GLOBAL)
-                    self.bytes_sent += state.numel() * state.element_size()
         except Exception as exc:  # noqa: BLE001 - reported by rank 0's training thread
             self.error = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
 
@@ -190,8 +184,8 @@ class Async(Strategy):
         if self.ctx.rank == 0:  # the service lives in this process
             if kind == MERGE:
                 return self.global_model.apply(0, payload, self.base_version)
-            state, version = self.global_model.snapshot()
-            return (state if kind == REFRESH else None), version, version - self.base_version
+            state, version = self.global_model.snapshot(copy=kind == REFRESH)
+            return state, version, version - self.base_version
         header = torch.tensor([kind, self.ctx.rank, self.base_version, 0], dtype=torch.int64)
         self._exchange(dist.isend, header, TAG_REQUEST)
         if kind == DONE:

@@ -45,12 +45,17 @@ def _apply_flat(tensors: list[torch.Tensor], collective) -> int:
             flat = torch.cat([t.detach().reshape(-1) for t in same_dtype])
             collective(flat)
             sent += flat.numel() * flat.element_size()
-            offset = 0
-            for tensor in same_dtype:
-                count = tensor.numel()
-                tensor.copy_(flat[offset:offset + count].view_as(tensor))
-                offset += count
+            unflatten_into(same_dtype, flat)
     return sent
+
+
+def unflatten_into(tensors: list[torch.Tensor], flat: torch.Tensor) -> None:
+    """Copy consecutive slices of `flat` back into `tensors` (the inverse of concatenating them)."""
+    offset = 0
+    for tensor in tensors:
+        count = tensor.numel()
+        tensor.copy_(flat[offset:offset + count].view_as(tensor))
+        offset += count
 
 
 def average_tensors(tensors: list[torch.Tensor], group=None) -> int:
@@ -90,12 +95,13 @@ def weighted_average_module(module: nn.Module, weight: float, group=None) -> int
     device = floating[0].device if floating else torch.device("cpu")
     total = torch.tensor([float(weight)], dtype=torch.float64, device=device)
     dist.all_reduce(total, group=group)
-    if total.item() <= 0:
+    total_weight = total.item()
+    if total_weight <= 0:
         raise ValueError("the weights of all ranks sum to zero")
 
     def weighted_mean(flat: torch.Tensor) -> None:
         flat.mul_(weight)
         dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-        flat.div_(total.item())
+        flat.div_(total_weight)
 
     return tensor_bytes([total]) + _apply_flat(floating, weighted_mean) + max_tensors(integer, group)
