@@ -16,7 +16,7 @@ from typing import Any, Optional, Sequence
 import yaml
 
 from dptrain import __version__
-from dptrain.config import FIELDS, resolve
+from dptrain.config import FIELDS, flag_of, resolve
 from dptrain.errors import Preempted, UserError, closest
 
 
@@ -35,10 +35,6 @@ class _Parser(argparse.ArgumentParser):
         raise UserError(f"unknown option {first} for '{self.prog}'{hint}")
 
 
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
 def add_config_flags(parser: argparse.ArgumentParser) -> None:
     """One flag per TrainConfig field; values stay strings/None so the config validates them once."""
     parser.add_argument("--config", metavar="FILE", help="YAML file with the same keys as the flags (flags win)")
@@ -48,10 +44,10 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
         if name == "model_options":
             parser.add_argument("--model-option", dest=name, action="append", metavar="KEY=VALUE", help=help_text)
         elif field.annotation is bool:
-            parser.add_argument(_flag(name), dest=name, action=argparse.BooleanOptionalAction, default=None,
+            parser.add_argument(flag_of(name), dest=name, action=argparse.BooleanOptionalAction, default=None,
                                 help=help_text)
         else:
-            parser.add_argument(_flag(name), dest=name, metavar=name.upper(), default=None, help=help_text)
+            parser.add_argument(flag_of(name), dest=name, metavar=name.upper(), default=None, help=help_text)
 
 
 def parse_model_options(items: Optional[list[str]]) -> Optional[dict[str, Any]]:

@@ -119,6 +119,11 @@ def _closest(name: str) -> str:
     return f"; did you mean '{match}'?" if match else f"; valid keys are: {', '.join(FIELDS)}"
 
 
+def flag_of(key: str) -> str:
+    """The command-line flag of a config key: batch_size -> --batch-size."""
+    return "--" + key.replace("_", "-")
+
+
 def _describe(error: dict, origin: str) -> str:
     """Turn one pydantic error into one sentence."""
     loc = [str(part) for part in error["loc"] if not isinstance(part, int)]
@@ -127,7 +132,7 @@ def _describe(error: dict, origin: str) -> str:
         return f"unknown key '{field}' in {origin}{_closest(field)}"
     if not field:  # cross-field check
         return f"invalid settings in {origin}: {error['msg'].removeprefix('Value error, ')}"
-    flag = "--" + field.replace("_", "-")
+    flag = flag_of(field)
     message = error["msg"].removeprefix("Value error, ")
     if error["type"] == "literal_error":
         message = message.replace("Input should be", "valid values are")

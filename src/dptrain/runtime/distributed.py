@@ -40,6 +40,11 @@ class DistContext:
     def is_main(self) -> bool:
         return self.rank == 0
 
+    @property
+    def collective_device(self) -> torch.device:
+        """Where a tensor handed to a collective must live: the GPU under NCCL, else the CPU."""
+        return self.device if self.backend == "nccl" else torch.device("cpu")
+
 
 class PeerFailure(RuntimeError):
     """A collective failed or timed out because another worker is gone or stuck."""

@@ -72,7 +72,7 @@ def validate(config: TrainConfig) -> torch.nn.Module:
 
 def prepare_run_dir(config: TrainConfig, out: str, world: int, model: torch.nn.Module) -> tuple[Path, bool]:
     """Open (or continue) the run directory; refuse unusable checkpoints before anything is written."""
-    run_dir, resuming = open_run_dir(out, _settings(config.model_copy(update={"out": out})), config.resume)
+    run_dir, resuming = open_run_dir(out, config.model_dump(mode="json"), config.resume)
     if resuming and (run_dir / checkpoint.DIRECTORY).is_dir():
         epoch, notes = checkpoint.latest_complete(run_dir, world)
         if epoch is None and notes:
@@ -112,10 +112,6 @@ def train(config: TrainConfig) -> int:
                   f"(restart {attempt + 1} of {config.max_restarts})", file=sys.stderr, flush=True)
     run_worker(config, env)
     return 0
-
-
-def _settings(config: TrainConfig) -> dict:
-    return config.model_dump(mode="json")
 
 
 def _join_run_dir(config: TrainConfig, env: DistEnv, ctx) -> TrainConfig:

@@ -77,6 +77,11 @@ def write_json(path: Path, data: Any) -> None:
     write_text_atomic(path, json.dumps(data, indent=2) + "\n")
 
 
+def write_jsonl(path: Path, records: list[dict]) -> None:
+    """Replace a JSON-lines file with `records`, atomically."""
+    write_text_atomic(path, "".join(json.dumps(record) + "\n" for record in records))
+
+
 def append_jsonl(path: Path, record: dict) -> None:
     with open(path, "a") as handle:
         handle.write(json.dumps(record) + "\n")

@@ -11,7 +11,6 @@ communicated and when, through the hooks of dptrain.strategies.base.Strategy.
 from __future__ import annotations
 
 import contextlib
-import json
 import signal
 import threading
 import os
@@ -19,7 +18,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional, Sequence, Union
+from typing import Callable, Optional, Union
 
 import numpy as np
 import torch
@@ -33,7 +32,7 @@ from dptrain.runtime.distributed import DistContext, PeerFailure, init_process_g
 from dptrain.runtime.env import detect
 from dptrain.strategies.base import Strategy
 from dptrain.train import checkpoint, sharding
-from dptrain.train.rundir import append_jsonl, write_json, write_text_atomic
+from dptrain.train.rundir import append_jsonl, write_json, write_jsonl
 
 ArrayLike = Union[DSTensor, np.ndarray, torch.Tensor]
 Split = tuple[ArrayLike, ArrayLike]
@@ -121,7 +120,6 @@ class Trainer:
             raise UserError("--amp fp16 needs a GPU; on the CPU use --amp bf16 or none")
         self.scaler = torch.amp.GradScaler("cuda") if amp == "fp16" else None
         self.history: list[dict] = []
-        self.heartbeat = self.ctx.heartbeat
 
     # -- the loop -----------------------------------------------------------------------
     def fit(self, train: Split, test: Optional[Split] = None, epochs: int = 1) -> dict:
@@ -154,7 +152,7 @@ class Trainer:
             loss_sum, seen = 0.0, 0
             bar = tqdm(total=steps if training else 0, desc=f"epoch {epoch + 1}/{epochs}", leave=False,
                        disable=not self.show_progress, dynamic_ncols=True)
-            for batch in (np.array_split(positions, steps) if training else []):
+            for batch in (sharding.batches(positions, steps) if training else []):
                 step_start = time.perf_counter()
                 batch = torch.from_numpy(batch)
                 loss = self._train_step(train_model, xs[batch], ys[batch])
@@ -183,7 +181,7 @@ class Trainer:
                 if self.ctx.world_size > 1 and not self.strategy.barrier_free:
                     # No rank exits before every rank's checkpoint is on disk: under srun
                     # --kill-on-bad-exit the first rank to exit with 75 ends the others.
-                    done = torch.ones(1, device=self.ctx.device if self.ctx.backend == "nccl" else "cpu")
+                    done = torch.ones(1, device=self.ctx.collective_device)
                     self._guard("checkpoint before stopping", lambda: dist.all_reduce(done))
                 raise Preempted(f"rank {rank}: stopped by {stop} after epoch {epoch + 1}; a checkpoint is saved in "
                                 f"{self.out}: run the same command again to continue")
@@ -272,7 +270,7 @@ class Trainer:
         self.history = list(state["history"])
         if self.ctx.is_main:
             if self.out:  # metrics after the checkpoint belong to the lost attempt
-                write_text_atomic(self.out / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in self.history))
+                write_jsonl(self.out / "metrics.jsonl", self.history)
             self.log(f"dptrain: resuming after epoch {epoch} from {self.out}")
         return epoch, state["step"], state["wall_seconds"]
 
@@ -296,7 +294,7 @@ class Trainer:
             return None
         if self.ctx.world_size == 1 or self.strategy.barrier_free:
             return self._signalled
-        flag = torch.tensor([1 if self._signalled else 0], device=self.ctx.device if self.ctx.backend == "nccl" else "cpu")
+        flag = torch.tensor([1 if self._signalled else 0], device=self.ctx.collective_device)
         self._guard("stop check", lambda: dist.all_reduce(flag, op=dist.ReduceOp.MAX))
         return (self._signalled or "a signal to another rank") if flag.item() else None
 
@@ -356,7 +354,7 @@ class Trainer:
             totals[2] += len(rows)
         model.train(was_training)
         if world > 1:
-            reduced = totals.to(self.ctx.device) if self.ctx.backend == "nccl" else totals
+            reduced = totals.to(self.ctx.collective_device)
             self._guard("evaluate", lambda: dist.all_reduce(reduced))
             totals = reduced.cpu()
         count = max(totals[2].item(), 1.0)
@@ -397,8 +395,7 @@ class Trainer:
             workers = [EpochStats(**theirs[record["epoch"]]) for theirs in gathered if record["epoch"] in theirs]
             record.update(self._aggregate(workers))
         if self.ctx.is_main and self.out:
-            lines = "".join(json.dumps(record) + "\n" for record in self.history)
-            write_text_atomic(self.out / "metrics.jsonl", lines)
+            write_jsonl(self.out / "metrics.jsonl", self.history)
 
     @staticmethod
     def _aggregate(per_worker: list[EpochStats]) -> dict:
@@ -461,7 +458,7 @@ class Trainer:
             if self.ctx.world_size == 1 or not _looks_like_peer_failure(exc):
                 raise
             waited = time.perf_counter() - begun
-            who = self.heartbeat.silent_peers() if self.heartbeat else "no heartbeat store to tell which peer"
+            who = self.ctx.heartbeat.silent_peers() if self.ctx.heartbeat else "no heartbeat store to tell which peer"
             raise PeerFailure(
                 f"rank {self.ctx.rank}: {what} failed after {waited:.1f} s (timeout {self.ctx.timeout:g} s): {who}; "
                 f"cause: {str(exc).splitlines()[0]}") from None
