@@ -103,13 +103,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def run(argv: Sequence[str]) -> int:
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    """Parse a whole command line; an unknown option is one line naming it (with a did-you-mean)."""
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     if unknown:
         # argparse reports a subcommand's unknown options at the top level; search the subcommand's flags.
         subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
         (subparsers.choices.get(args.command) or parser).reject_unknown(unknown)
+    return args
+
+
+def run(argv: Sequence[str]) -> int:
+    args = parse_args(argv)
     if args.command == "train":
         from dptrain.train.run import train
         return train(config_from_args(args))
@@ -121,7 +127,7 @@ def run(argv: Sequence[str]) -> int:
         return info()
     if args.command in COMMAND_MODULES:
         return importlib.import_module(COMMAND_MODULES[args.command][0]).main(args)
-    parser.print_help()
+    build_parser().print_help()
     return 2
 
 

@@ -21,7 +21,7 @@ from tqdm import tqdm
 from dptrain.bench.netns import INTERFACE, EmulatedNetwork, measure_link
 from dptrain.bench.processes import run_ranks
 from dptrain.bench.results import add_scaling, read_run, run_row, summarise
-from dptrain.config import build_config, to_yaml
+from dptrain.config import build_config, flag_of, to_yaml
 from dptrain.data import load_dataset
 from dptrain.errors import UserError
 from dptrain.runtime.env import free_port
@@ -126,7 +126,7 @@ def run_matrix(spec: BenchSpec, out: Path) -> dict:
         for run in tqdm(runs, desc="bench", unit="run", dynamic_ncols=True):
             run_dir = out / "runs" / run.name
             run_dir.mkdir(parents=True)
-            seconds = _execute(spec, run, run_dir, net)
+            seconds = _execute(spec, run, run_dir, net, base)
             summary, metrics = read_run(run_dir)
             rows.append(run_row(summary, metrics, kind=run.kind, repeat=run.repeat, network=network_info["name"],
                                 target=spec.target_accuracy, process_seconds=seconds, train_samples=train_samples,
@@ -135,31 +135,30 @@ def run_matrix(spec: BenchSpec, out: Path) -> dict:
     return {"runs": rows, "summary": summarise(rows), "network": network_info, "notes": spec.notes}
 
 
-def _execute(spec: BenchSpec, run: Run, run_dir: Path, net: Optional[EmulatedNetwork]) -> float:
-    """Start the ranks of one run and wait for them; return wall seconds including process start-up."""
+def _execute(spec: BenchSpec, run: Run, run_dir: Path, net: Optional[EmulatedNetwork], base) -> float:
+    """Start the ranks of one run and wait for them; return wall seconds including process start-up.
+    `base` is the validated 1-worker allreduce config, whose settings the baselines copy."""
+    ranks = run.workers
     if run.kind == "dptrain":
         config = _config(spec, run.strategy, run.workers, out=str(run_dir))
         (run_dir / "config.yaml").write_text(to_yaml(config))
         command = [sys.executable, "-m", "dptrain", "train", "--config", str(run_dir / "config.yaml")]
-    elif run.strategy == "horovod":
+    elif run.strategy == "horovod":  # horovodrun starts the ranks itself
         command = ["horovodrun", "--gloo", "-np", str(run.workers), "-H", f"localhost:{run.workers}",
-                   sys.executable, str(BASELINES_DIR / "plain_horovod.py"), *_baseline_flags(spec, run_dir)]
-        return run_ranks(command, 1, run_dir, port=free_port(), threads=spec.threads, timeout=spec.timeout)
+                   sys.executable, str(BASELINES_DIR / "plain_horovod.py"), *_baseline_flags(base, run_dir)]
+        ranks = 1
     else:
         script = "plain_loop.py" if run.strategy == "plain-loop" else "plain_ddp.py"
-        command = [sys.executable, str(BASELINES_DIR / script), *_baseline_flags(spec, run_dir)]
-    if net is None:
-        return run_ranks(command, run.workers, run_dir, port=free_port(), threads=spec.threads, timeout=spec.timeout)
-    return run_ranks(command, run.workers, run_dir, port=free_port(), master_addr=net.address(0),
-                     prefix=net.exec_prefix, extra_env={"GLOO_SOCKET_IFNAME": INTERFACE}, threads=spec.threads,
-                     timeout=spec.timeout)
+        command = [sys.executable, str(BASELINES_DIR / script), *_baseline_flags(base, run_dir)]
+    hosts = {} if net is None else dict(master_addr=net.address(0), prefix=net.exec_prefix,
+                                        extra_env={"GLOO_SOCKET_IFNAME": INTERFACE})
+    return run_ranks(command, ranks, run_dir, port=free_port(), threads=spec.threads, timeout=spec.timeout, **hosts)
 
 
-def _baseline_flags(spec: BenchSpec, run_dir: Path) -> list[str]:
-    config = _config(spec, "allreduce", 1, None)
+def _baseline_flags(config, run_dir: Path) -> list[str]:
     flags = []
     for key in BASELINE_OPTIONS:
         value = getattr(config, key)
         if value is not None:
-            flags += ["--" + key.replace("_", "-"), str(value)]
+            flags += [flag_of(key), str(value)]
     return flags + ["--out", str(run_dir)]

@@ -39,9 +39,8 @@ def run_ranks(command: Sequence[str], world: int, log_dir: Path, *, port: int, m
     begun = time.perf_counter()
     try:
         for rank in range(world):
-            env = worker_env(rank, world, port, threads, dict(os.environ))
-            env.update(MASTER_ADDR=master_addr, **(extra_env or {}))
-            env.pop("DPTRAIN_TTY", None)
+            env = worker_env(rank, world, port, threads, {**os.environ, **(extra_env or {})},
+                             master_addr=master_addr, tty=False)
             log = open(log_dir / f"rank{rank}.log", "wb")
             logs.append(log)
             full = (prefix(rank) if prefix else []) + list(command)

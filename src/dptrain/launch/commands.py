@@ -56,13 +56,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def train_config(train_args: list[str]):
     """Validate the train arguments exactly as 'dptrain train' would; returns the TrainConfig."""
-    from dptrain.cli import build_parser, config_from_args
+    from dptrain.cli import config_from_args, parse_args
 
-    parser = build_parser()
-    args, unknown = parser.parse_known_args(["train", *train_args])
-    if unknown:
-        next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices["train"].reject_unknown(unknown)
-    return config_from_args(args)
+    return config_from_args(parse_args(["train", *train_args]))
 
 
 def without_out(train_args: list[str]) -> list[str]:
@@ -115,8 +111,7 @@ def main(args: argparse.Namespace) -> int:
     script.chmod(0o755)
     print(f"dptrain: wrote {script}", flush=True)
     if not args.submit:
-        submit_hint = {"slurm": "sbatch", "pbs": "qsub", "local": "bash"}[spec.scheduler]
-        print(f"dptrain: submit it with '{submit_hint} {script}' or run this command again with --submit")
+        print(f"dptrain: submit it with '{scheduler.SUBMIT_COMMAND} {script}' or run this command again with --submit")
         return 0
     job_id = scheduler.submit(script)
     output = scheduler.output_path(run_dir, job_id)

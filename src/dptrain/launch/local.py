@@ -15,6 +15,7 @@ from dptrain.launch.spec import JobSpec, header, quote, train_command
 from dptrain.launch.submit import JobStatus
 
 SCRIPT_NAME = "job.sh"
+SUBMIT_COMMAND = "bash"  # what submits (or, locally, runs) the script
 OUTPUT_NAME = "job.out"
 
 # Jobs this process started, by job id (the script's PID), so that poll() can read their exit codes.
@@ -62,7 +63,7 @@ def output_path(run_dir: Path, job_id: str) -> Path:
 def submit(script: Path) -> str:
     """Start the script in its own session, output to job.out beside it; the job id is its PID."""
     with open(script.parent / OUTPUT_NAME, "ab") as output:
-        proc = subprocess.Popen(["bash", str(script)], stdout=output, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen([SUBMIT_COMMAND, str(script)], stdout=output, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
     _started[str(proc.pid)] = proc
     return str(proc.pid)

@@ -11,6 +11,7 @@ from dptrain.launch.spec import JobSpec, header, quote
 from dptrain.launch.submit import JobStatus, run_tool
 
 SCRIPT_NAME = "job.pbs"
+SUBMIT_COMMAND = "qsub"  # what submits (or, locally, runs) the script
 OUTPUT_NAME = "pbs.out"
 FINAL_STATES = {"F", "C"}  # PBS Pro/OpenPBS: F (finished, needs qstat -x); Torque: C (completed)
 
@@ -75,7 +76,7 @@ def parse_status(qstat_output: str) -> JobStatus:
 
 
 def submit(script: Path) -> str:
-    return parse_job_id(run_tool(["qsub", str(script)], what="submit the job", cwd=script.parent))
+    return parse_job_id(run_tool([SUBMIT_COMMAND, str(script)], what="submit the job", cwd=script.parent))
 
 
 def poll(job_id: str) -> JobStatus:

@@ -11,6 +11,7 @@ from dptrain.launch.spec import JobSpec, header, quote
 from dptrain.launch.submit import JobStatus, run_tool
 
 SCRIPT_NAME = "job.slurm"
+SUBMIT_COMMAND = "sbatch"  # what submits (or, locally, runs) the script
 FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY",
                 "BOOT_FAIL", "DEADLINE", "SPECIAL_EXIT"}
 
@@ -90,7 +91,7 @@ def parse_status(scontrol_output: str) -> JobStatus:
 
 
 def submit(script: Path) -> str:
-    out = run_tool(["sbatch", "--parsable", str(script)], what="submit the job", cwd=script.parent)
+    out = run_tool([SUBMIT_COMMAND, "--parsable", str(script)], what="submit the job", cwd=script.parent)
     return parse_job_id(out)
 
 

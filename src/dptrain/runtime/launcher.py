@@ -15,8 +15,7 @@ import signal
 import subprocess
 import sys
 import threading
-import time
-from typing import IO, Sequence
+from typing import IO, Optional, Sequence
 
 from dptrain.errors import Preempted
 from dptrain.runtime.env import free_port
@@ -62,15 +61,20 @@ def describe_exit(code: int) -> str:
     return f"exited with code {code}"
 
 
-def worker_env(rank: int, world: int, port: int, threads: int, base: dict[str, str]) -> dict[str, str]:
+def worker_env(rank: int, world: int, port: int, threads: int, base: dict[str, str], *,
+               master_addr: str = "127.0.0.1", tty: Optional[bool] = None) -> dict[str, str]:
+    """A local worker's environment: torchrun's variables on top of `base`. `tty` (default: whether
+    our stderr is a terminal) lets rank 0 draw a progress bar although its output is piped."""
     env = dict(base)
     env.update(
         RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), DPTRAIN_LAUNCHER="local",
+        MASTER_ADDR=master_addr, MASTER_PORT=str(port), DPTRAIN_LAUNCHER="local",
         OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1",
     )
-    if sys.stderr.isatty():
+    if sys.stderr.isatty() if tty is None else tty:
         env["DPTRAIN_TTY"] = "1"
+    else:
+        env.pop("DPTRAIN_TTY", None)
     return env
 
 
