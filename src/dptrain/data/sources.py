@@ -189,7 +189,8 @@ def _synthetic_regression(rng: np.random.Generator, n: int, features: int) -> tu
 def _load_file(path: Path, name: str | None, seed: int, block_size: int | None, test_fraction: float,
                check_values: bool = True) -> Dataset:
     if not path.exists():
-        raise UserError(f"data_path '{path}' does not exist.")
+        raise UserError(f"--data '{path}' does not exist; give an .npz, .h5/.hdf5 or .zarr file with arrays x and y "
+                        "(or a directory holding x.npy and y.npy)")
     opened = _open_arrays(path, block_size)
     if ("x_test" in opened) != ("y_test" in opened):
         given, missing = ("x_test", "y_test") if "x_test" in opened else ("y_test", "x_test")
