@@ -103,14 +103,11 @@ class SlurmCluster:
 
     def preempt(self, job_id: str, metrics: Path, after_epochs: int, timeout: float = 180) -> None:
         """Send the time-limit warning (SIGUSR1 to every rank) once `after_epochs` epochs are recorded,
-        then wait for the job to requeue itself and let it start again at once."""
+        then wait for the job to requeue itself (it starts again cred_expire seconds later)."""
         self.wait_until(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= after_epochs,
                         f"epoch {after_epochs} of job {job_id}", timeout)
         self.run("scancel", "--signal=USR1", job_id)
-        # SLURM holds a requeued job back for a while (BeginTime, about two minutes); an operator
-        # may start it sooner, which the tests do to stay short.
         self.wait_until(lambda: self.state(job_id) == "PENDING", f"requeue of job {job_id}", timeout)
-        self.run("scontrol", "update", f"JobId={job_id}", "StartTime=now")
 
 
 def slurm_conf(root: Path, *, controller_port: int, node_ports: dict[str, int], munge_socket: Path) -> str:
@@ -121,7 +118,9 @@ def slurm_conf(root: Path, *, controller_port: int, node_ports: dict[str, int], 
         f"SlurmctldPort={controller_port}",
         "AuthType=auth/munge",
         "CredType=cred/munge",
-        f"AuthInfo=socket={munge_socket}",
+        # cred_expire also sets how long SLURM holds a requeued job back (default 120 s): a job
+        # started again sooner is refused by slurmd ("Job credential revoked").
+        f"AuthInfo=socket={munge_socket},cred_expire=10",
         "SlurmUser=root",
         "SlurmdUser=root",
         f"StateSaveLocation={root / 'state'}",
@@ -135,6 +134,8 @@ def slurm_conf(root: Path, *, controller_port: int, node_ports: dict[str, int], 
         "SelectType=select/cons_tres",
         "SelectTypeParameters=CR_Core",
         "SchedulerType=sched/builtin",
+        # Look at pending jobs every 5 s (default 60): a requeued job starts soon after its hold.
+        "SchedulerParameters=sched_interval=5",
         "JobAcctGatherType=jobacct_gather/none",
         "AccountingStorageType=accounting_storage/none",
         "JobCompType=jobcomp/none",
