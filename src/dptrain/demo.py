@@ -11,13 +11,14 @@ import time
 from rich.console import Console
 from rich.table import Table
 
+from dptrain.io import timestamped
 from dptrain.train.rundir import claim_run_dir
 
 STRATEGIES = ("allreduce", "sync")
 
 
 def demo(workers: int = 2, epochs: int = 10, out: str | None = None) -> int:
-    root = claim_run_dir(out or os.path.join("runs", f"demo-{time.strftime('%Y%m%d-%H%M%S')}"))
+    root = claim_run_dir(out or timestamped("runs", "demo"))
     console = Console()
     summaries = {}
     for strategy in STRATEGIES:

@@ -15,7 +15,7 @@ from dptrain.bench.netns import namespaces_unavailable, parse_rate
 from dptrain.bench.results import format_table, ratio, write_results
 from dptrain.config import FIELDS, STRATEGIES
 from dptrain.errors import UserError, closest
-from dptrain.train.rundir import write_json
+from dptrain.io import write_json
 
 SHOWN = ("strategy", "workers", "network", "runs", "final_accuracy", "time_to_target_seconds", "reached_target",
          "wall_seconds", "wall_seconds_ci", "epoch_seconds", "samples_per_second", "comm_bytes", "speedup", "efficiency")
@@ -109,7 +109,7 @@ def spec_from(args: argparse.Namespace) -> BenchSpec:
 
 
 def _claim(out: Optional[str]) -> Path:
-    directory = Path(out or f"runs/bench-{time.strftime('%Y%m%d-%H%M%S')}")
+    directory = Path(out or timestamped("runs", "bench"))
     if directory.exists() and (not directory.is_dir() or any(directory.iterdir())):
         raise UserError(f"--out '{directory}' exists and is not an empty directory; give a new one")
     directory.mkdir(parents=True, exist_ok=True)

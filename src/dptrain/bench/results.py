@@ -14,7 +14,7 @@ import statistics
 from pathlib import Path
 from typing import Optional
 
-from dptrain.train.rundir import write_json
+from dptrain.io import write_json
 
 RUN_COLUMNS = ("kind", "strategy", "workers", "repeat", "network", "epochs", "final_accuracy", "time_to_target_seconds",
                "wall_seconds", "process_seconds", "epoch_seconds", "samples_per_second",

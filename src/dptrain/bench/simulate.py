@@ -10,7 +10,7 @@ from dptrain.bench import costmodel
 from dptrain.bench.netns import parse_rate
 from dptrain.bench.results import format_table
 from dptrain.errors import UserError
-from dptrain.train.rundir import write_json
+from dptrain.io import write_json
 
 PROJECTION_COLUMNS = ("strategy", "workers", "steps_per_epoch", "compute_seconds", "communication_seconds",
                       "epoch_seconds", "speedup", "efficiency")

@@ -58,6 +58,10 @@ class AllReduce(Strategy):
         ddp.register_comm_hook(state=None, hook=counting_hook)
         return ddp
 
+    @classmethod
+    def from_config(cls, config) -> "AllReduce":
+        return cls(compression=config.compression)
+
     def after_step(self, step: int) -> None:
         self.comm_bytes += self._buffer_bytes
 

@@ -166,6 +166,10 @@ class Async(Strategy):
         self._diverged = False
         self._final: Optional[dict] = None
 
+    @classmethod
+    def from_config(cls, config) -> "Async":
+        return cls(every=config.sync_every, merge=config.merge, max_staleness=config.max_staleness)
+
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, ctx: DistContext) -> nn.Module:
         super().setup(model, optimizer, ctx)
         if ctx.world_size > 1:

@@ -30,6 +30,11 @@ class Strategy:
         self.model: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
 
+    @classmethod
+    def from_config(cls, config) -> "Strategy":
+        """The strategy a TrainConfig asks for (its strategy-specific fields)."""
+        return cls()
+
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, ctx: DistContext) -> nn.Module:
         """Prepare the model (wrap it, make replicas equal); return the module to train."""
         self.model, self.optimizer, self.ctx = model, optimizer, ctx

@@ -41,6 +41,11 @@ class FedAvg(Strategy):
         self.participation: list[list[int]] = []
         self._diverged = False
 
+    @classmethod
+    def from_config(cls, config) -> "FedAvg":
+        return cls(local_epochs=config.local_epochs, partition=config.partition, alpha=config.alpha,
+                   clients_per_round=config.clients_per_round)
+
     def partition(self, labels, world: int, seed: int) -> list[np.ndarray]:
         """Every rank computes the same partition from the labels (a DSTensor or array) and seed."""
         self.seed = seed

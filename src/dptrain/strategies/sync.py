@@ -43,6 +43,12 @@ class Sync(Strategy):
         self._anchor: list[torch.Tensor] = []
         self._outer_optimizer: torch.optim.Optimizer | None = None
 
+    @classmethod
+    def from_config(cls, config) -> "Sync":
+        return cls(every=config.sync_every, every_steps=config.sync_every_steps,
+                   optimizer_state=config.optimizer_state, outer=config.outer,
+                   outer_lr=config.outer_lr, outer_momentum=config.outer_momentum)
+
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, ctx: DistContext) -> nn.Module:
         super().setup(model, optimizer, ctx)
         if ctx.world_size > 1:

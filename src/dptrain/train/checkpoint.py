@@ -26,6 +26,7 @@ from typing import Any, Optional
 import torch
 
 from dptrain.errors import UserError
+from dptrain.io import atomic_write_bytes
 
 DIRECTORY = "checkpoints"
 EPOCH_DIR = re.compile(r"^epoch-(\d{6})$")
@@ -33,15 +34,6 @@ EPOCH_DIR = re.compile(r"^epoch-(\d{6})$")
 
 def _rank_file(directory: Path, rank: int) -> Path:
     return directory / f"rank-{rank:05d}.pt"
-
-
-def _fsync_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
 
 
 def save(run_dir: Path, epoch: int, rank: int, state: dict[str, Any]) -> Path:
@@ -53,8 +45,8 @@ def save(run_dir: Path, epoch: int, rank: int, state: dict[str, Any]) -> Path:
     data = buffer.getvalue()
     path = _rank_file(directory, rank)
     # Checksum first: a file without a valid checksum beside it is never trusted.
-    _fsync_write(path.with_name(path.name + ".sha256"), hashlib.sha256(data).hexdigest().encode())
-    _fsync_write(path, data)
+    atomic_write_bytes(path.with_name(path.name + ".sha256"), hashlib.sha256(data).hexdigest().encode())
+    atomic_write_bytes(path, data)
     return path
 
 

@@ -2,23 +2,20 @@
 
 from __future__ import annotations
 
-import json
-import os
-import time
 from pathlib import Path
 from typing import Any, Optional
 
 import yaml
 
 from dptrain.errors import UserError
+from dptrain.io import timestamped
 
 RUN_FILES = ("config.yaml", "metrics.jsonl", "summary.json", "model.pt")
 
 
 def default_run_dir(strategy: str, job_id: Optional[str] = None) -> str:
     """runs/STRATEGY-JOBID under a scheduler (so a restarted job finds its run), else a timestamp."""
-    suffix = job_id if job_id and job_id != "none" else time.strftime("%Y%m%d-%H%M%S")
-    return os.path.join("runs", f"{strategy}-{suffix}")
+    return timestamped("runs", strategy, job_id if job_id and job_id != "none" else None)
 
 
 # Settings that may change between an interrupted run and its continuation.
@@ -64,24 +61,3 @@ def open_run_dir(path: str, settings: dict[str, Any], resume: bool = False) -> t
     if resume and not (directory / "checkpoints").is_dir():
         raise UserError(f"--resume: run directory '{path}' has no checkpoint yet")
     return directory, True
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write a file atomically (temporary file, then rename) so readers never see half of it."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
-def write_json(path: Path, data: Any) -> None:
-    write_text_atomic(path, json.dumps(data, indent=2) + "\n")
-
-
-def write_jsonl(path: Path, records: list[dict]) -> None:
-    """Replace a JSON-lines file with `records`, atomically."""
-    write_text_atomic(path, "".join(json.dumps(record) + "\n" for record in records))
-
-
-def append_jsonl(path: Path, record: dict) -> None:
-    with open(path, "a") as handle:
-        handle.write(json.dumps(record) + "\n")

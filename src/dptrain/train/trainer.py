@@ -32,7 +32,7 @@ from dptrain.runtime.distributed import DistContext, PeerFailure, init_process_g
 from dptrain.runtime.env import detect
 from dptrain.strategies.base import Strategy
 from dptrain.train import checkpoint, sharding
-from dptrain.train.rundir import append_jsonl, write_json, write_jsonl
+from dptrain.io import append_jsonl, write_json, write_jsonl
 
 ArrayLike = Union[DSTensor, np.ndarray, torch.Tensor]
 Split = tuple[ArrayLike, ArrayLike]

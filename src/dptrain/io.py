@@ -1,0 +1,61 @@
+"""Files dptrain writes: every one atomically (temporary file, fsync, rename), and run-directory names.
+
+A reader never sees half a file under its real name, and a crash leaves either the old file or
+the new one. JSON, JSON lines and torch-saved files all go through `atomic_write_bytes`.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Replace `path` by `data`: written to PATH.tmp, flushed to disk, renamed over PATH."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as handle:
+        handle.write(data)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+
+
+def write_text(path: Path, text: str) -> None:
+    atomic_write_bytes(path, text.encode())
+
+
+def write_json(path: Path, data: Any) -> None:
+    write_text(path, json.dumps(data, indent=2) + "\n")
+
+
+def write_jsonl(path: Path, records: list[dict]) -> None:
+    """Replace a JSON-lines file with `records`."""
+    write_text(path, "".join(json.dumps(record) + "\n" for record in records))
+
+
+def append_jsonl(path: Path, record: dict) -> None:
+    """Add one record to a JSON-lines file (rewritten whole, so a crash never leaves half a line)."""
+    path = Path(path)
+    previous = path.read_bytes() if path.exists() else b""
+    atomic_write_bytes(path, previous + (json.dumps(record) + "\n").encode())
+
+
+def save_torch(path: Path, obj: Any) -> bytes:
+    """torch.save `obj` to `path` atomically; return the bytes written (for a checksum)."""
+    import torch
+
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    data = buffer.getvalue()
+    atomic_write_bytes(path, data)
+    return data
+
+
+def timestamped(parent: str, prefix: str, suffix: str | None = None) -> str:
+    """PARENT/PREFIX-SUFFIX, the suffix defaulting to the current time (YYYYmmdd-HHMMSS)."""
+    return os.path.join(parent, f"{prefix}-{suffix or time.strftime('%Y%m%d-%H%M%S')}")
