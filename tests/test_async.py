@@ -69,9 +69,9 @@ def _ordered_worker(rank, world, delays):
     strategy = DelayedAsync(delays)
     model = _model()
     trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "cross-entropy", strategy, batch_size=8,
-                      seed=5, log=lambda m: None)
+                      seed=5, verbose=False)
     summary = trainer.fit((x, y), epochs=1)
-    return strategy.sent[0], flat_state(model), summary["merges"], strategy.max_staleness_seen
+    return strategy.sent[0], flat_state(model), summary.strategy_results["merges"], strategy.max_staleness_seen
 
 
 @pytest.mark.parametrize("delays", [(0.0, 0.6, 1.2), (1.2, 0.6, 0.0)], ids=["order-012", "order-210"])
@@ -92,10 +92,10 @@ def _many_epochs_worker(rank, world):
     strategy = Async()
     model = _model()
     trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.05), "cross-entropy", strategy, batch_size=16,
-                      seed=0, log=lambda m: None)
+                      seed=0, verbose=False)
     summary = trainer.fit((x, y), epochs=20)
     version = strategy.global_model.version if rank == 0 else None
-    return summary["merges"], version
+    return summary.strategy_results["merges"], version
 
 
 def test_no_merge_is_lost_when_four_workers_merge_many_tiny_epochs_at_once():
@@ -111,9 +111,9 @@ def _staleness_worker(rank, world, max_staleness):
     model = _model()
     # rank 1 is a 5x straggler: rank 0 merges many epochs while rank 1 is inside one
     trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.05), "cross-entropy", strategy, batch_size=8,
-                      seed=0, log=lambda m: None, slowdown=5.0 if rank == 1 else 1.0)
+                      seed=0, verbose=False).emulate_straggler(5.0 if rank == 1 else 1.0)
     summary = trainer.fit((x, y), epochs=4)
-    return summary["refreshes"], summary["merges"]
+    return summary.strategy_results["refreshes"], summary.strategy_results["merges"]
 
 
 def test_a_worker_behind_the_staleness_bound_refreshes_before_it_continues():

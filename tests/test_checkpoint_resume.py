@@ -140,7 +140,7 @@ def test_a_stop_signal_during_start_up_ends_the_run_at_its_first_epoch_with_a_ch
     script = textwrap.dedent(f"""
         import os, signal, sys
         from dptrain.cli import main
-        from dptrain.train.trainer import catch_stop_signals_early
+        from dptrain.train.preemption import catch_stop_signals_early
         catch_stop_signals_early()
         os.kill(os.getpid(), signal.SIGUSR1)
         sys.exit(main(["train", *{DIGITS!r}, "--epochs", "4", "--workers", "1", "--out", "run"]))

@@ -94,9 +94,9 @@ def _fedavg_worker(rank, world, kind, fraction):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Flatten(), nn.Linear(64, 10))
     trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.05), "cross-entropy", strategy,
-                      batch_size=32, seed=4, log=lambda m: None)
+                      batch_size=32, seed=4, verbose=False)
     summary = trainer.fit((data.x_train, data.y_train), epochs=2)
-    return strategy.before, flat_state(model), summary, [r["workers"][rank]["samples"] for r in trainer.history]
+    return strategy.before, flat_state(model), summary.to_dict(), [r["workers"][rank]["samples"] for r in trainer.history]
 
 
 def test_fedavg_round_weights_clients_by_their_sample_counts():

@@ -27,9 +27,9 @@ def _train(rank, world, name):
     model = nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.ReLU(), nn.Dropout(0.1), nn.Linear(32, 10))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     trainer = Trainer(model, optimizer, "cross-entropy", STRATEGIES[name](), batch_size=32, seed=11,
-                      log=lambda m: None)
+                      verbose=False)
     summary = trainer.fit((data.x_train, data.y_train), (data.x_test, data.y_test), epochs=2)
-    return flat_state(model), summary["test_accuracy"]
+    return flat_state(model), summary.test_accuracy
 
 
 @pytest.mark.parametrize("name", ["allreduce", "sync", "local-sgd", "fedavg"])

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dptrain.errors import UserError
-from dptrain.train.sharding import SHUFFLES, batches, derive_seed, epoch_indices, steps_per_epoch
+from dptrain.data.sharding import SHUFFLES, batches, derive_seed, epoch_indices, steps_per_epoch
 
 seeds = st.integers(0, 2**40)
 epochs = st.integers(0, 10_000)

@@ -12,7 +12,7 @@ from torch import nn
 from distributed import run_distributed
 from dptrain.strategies import AllReduce, Sync
 from dptrain.strategies.collectives import average_module, broadcast_module
-from dptrain.train import sharding
+from dptrain.data import sharding
 from dptrain.train.trainer import Trainer
 
 
@@ -100,7 +100,7 @@ def _train_worker(rank, world, strategy, epochs):
     x, y = _data()
     model = _model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5)
-    trainer = Trainer(model, optimizer, "cross-entropy", strategy, batch_size=BATCH, seed=SEED, log=lambda m: None)
+    trainer = Trainer(model, optimizer, "cross-entropy", strategy, batch_size=BATCH, seed=SEED, verbose=False)
     trainer.fit((x, y), epochs=epochs)
     final = strategy.finish()
     return _state(final), strategy.comm_bytes
@@ -246,6 +246,8 @@ def test_outer_nesterov_step_follows_the_formula():
 def test_one_worker_communicates_nothing():
     x, y = _data()
     for strategy in (AllReduce(), Sync()):
-        trainer = Trainer(_model(), None, "cross-entropy", strategy, batch_size=BATCH, log=lambda m: None)
+        model = _model()
+        trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.01), "cross-entropy", strategy,
+                          batch_size=BATCH, verbose=False)
         trainer.fit((x, y), epochs=1)
         assert strategy.comm_bytes == 0

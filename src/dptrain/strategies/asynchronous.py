@@ -13,6 +13,13 @@ The service is a thread in rank 0's process. Remote workers talk to it over torc
 point-to-point messages in a process group of its own; rank 0's worker calls it directly.
 Merges are serialised by a lock, so none is lost. Only parameters and floating buffers are
 merged; integer buffers (BatchNorm's batch counter) stay per worker.
+
+Pre-emption without a barrier: a rank asked to stop tells the service, every reply carries
+the stop request to the others at their next merge, and each rank checkpoints at its own
+epoch end. A rank that is done (finished or stopped) says so; the service answers a finished
+rank only when rank 0 concludes the run, with "finish" (adopt the final global model) or
+"stop" (exit to be continued), so that no rank exits while rank 0 still hosts the store and
+the service for the others.
 """
 
 from __future__ import annotations
@@ -26,7 +33,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dptrain.errors import Preempted
 from dptrain.runtime.distributed import DistContext, PeerFailure
+from dptrain.runtime.guard import gather_objects
 from dptrain.strategies.base import Strategy
 from dptrain.strategies.collectives import broadcast_module, module_state, unflatten_into
 
@@ -35,6 +44,8 @@ MERGES = ("delta", "ema")
 MERGE, VERSION, REFRESH, DONE = 1, 2, 3, 4
 TAG_REQUEST, TAG_PAYLOAD, TAG_REPLY, TAG_GLOBAL = 11, 12, 13, 14
 HEADER_SIZE = 4
+# How rank 0 concludes the run for a rank that is done (the first field of the reply to DONE).
+FINISH, STOP = 1, 2
 # The service waits for requests without a deadline (see MergeService._receive_request).
 SERVICE_GROUP_TIMEOUT = timedelta(days=7)
 
@@ -61,6 +72,7 @@ class GlobalModel:
         self.version = 0
         self.merges = [0] * workers
         self.max_staleness_seen = 0
+        self.stop_requested = False  # some rank was asked to stop: everyone checkpoints and stops
         self.lock = threading.Lock()
 
     def apply(self, rank: int, payload: torch.Tensor, base_version: int) -> tuple[torch.Tensor, int, int]:
@@ -88,6 +100,7 @@ class MergeService:
     def __init__(self, model: GlobalModel, group, ctx: DistContext) -> None:
         self.model, self.group, self.ctx = model, group, ctx
         self.pending = set(range(1, ctx.world_size))
+        self.finished: list[int] = []  # ranks done with training that wait for rank 0's conclusion
         self.error: Optional[str] = None
         self._thread = threading.Thread(target=self._serve, name="dptrain-merge-service", daemon=True)
 
@@ -107,9 +120,14 @@ class MergeService:
         try:
             while self.pending:
                 header = self._receive_request()
-                kind, rank, base_version = (int(v) for v in header[:3])
+                kind, rank, base_version, stopping = (int(v) for v in header)
                 if kind == DONE:
                     self.pending.discard(rank)
+                    if stopping:  # it has checkpointed and leaves now; the others stop at their next merge
+                        self.model.stop_requested = True
+                        self._conclude_for(rank, STOP)
+                    else:
+                        self.finished.append(rank)
                     continue
                 if kind == MERGE:
                     payload = torch.empty_like(self.model.state)
@@ -118,12 +136,21 @@ class MergeService:
                 else:
                     state, version = self.model.snapshot(copy=kind == REFRESH)
                     staleness = version - base_version
-                reply = torch.tensor([version, staleness, 0, 0], dtype=torch.int64)
+                reply = torch.tensor([version, staleness, int(self.model.stop_requested), 0], dtype=torch.int64)
                 dist.send(reply, dst=rank, group=self.group, tag=TAG_REPLY)
                 if kind in (MERGE, REFRESH):
                     dist.send(state, dst=rank, group=self.group, tag=TAG_GLOBAL)
         except Exception as exc:  # noqa: BLE001 - reported by rank 0's training thread
             self.error = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+
+    def _conclude_for(self, rank: int, outcome: int) -> None:
+        dist.send(torch.tensor([outcome, 0, 0, 0], dtype=torch.int64), dst=rank, group=self.group, tag=TAG_REPLY)
+
+    def conclude(self, outcome: int) -> None:
+        """Answer every finished rank (after join): FINISH, or STOP when the run stops to be continued."""
+        for rank in self.finished:
+            self._conclude_for(rank, outcome)
+        self.finished.clear()
 
     def join(self) -> None:
         """Wait until every remote worker is done; fail naming those whose heartbeat stopped."""
@@ -144,7 +171,8 @@ class Async(Strategy):
     """Barrier-free merging into a global model at epoch ends (every `every` epochs)."""
 
     name = "async"
-    barrier_free = True
+    # Other ranks may still merge after rank 0's last epoch, so finish() has a newer global model.
+    final_model_is_last_evaluated = False
 
     def __init__(self, every: int = 1, merge: str = "delta", max_staleness: Optional[int] = None) -> None:
         super().__init__()
@@ -164,6 +192,7 @@ class Async(Strategy):
         self.service: Optional[MergeService] = None
         self.group = None
         self._diverged = False
+        self._stop_seen = False  # a reply said that some rank was asked to stop
         self._final: Optional[dict] = None
 
     @classmethod
@@ -183,21 +212,24 @@ class Async(Strategy):
         return model
 
     # -- talking to the service ----------------------------------------------------------------
-    def _request(self, kind: int, payload: Optional[torch.Tensor] = None) -> tuple[Optional[torch.Tensor], int, int]:
-        """One exchange with the service: returns (global state or None, version, staleness)."""
+    def _request(self, kind: int, payload: Optional[torch.Tensor] = None,
+                 stopping: bool = False) -> tuple[Optional[torch.Tensor], int, int]:
+        """One exchange with the service: returns (global state or None, version, staleness);
+        for DONE, (None, the outcome rank 0 concluded, 0)."""
         if self.ctx.rank == 0:  # the service lives in this process
             if kind == MERGE:
                 return self.global_model.apply(0, payload, self.base_version)
             state, version = self.global_model.snapshot(copy=kind == REFRESH)
             return state, version, version - self.base_version
-        header = torch.tensor([kind, self.ctx.rank, self.base_version, 0], dtype=torch.int64)
+        header = torch.tensor([kind, self.ctx.rank, self.base_version, int(stopping)], dtype=torch.int64)
         self._exchange(dist.isend, header, TAG_REQUEST)
-        if kind == DONE:
-            return None, self.base_version, 0
         if kind == MERGE:
             self._exchange(dist.isend, payload, TAG_PAYLOAD)
         reply = torch.zeros(HEADER_SIZE, dtype=torch.int64)
         self._exchange(dist.irecv, reply, TAG_REPLY)
+        if kind == DONE:
+            return None, int(reply[0]), 0
+        self._stop_seen = self._stop_seen or bool(reply[2])
         state = None
         if kind in (MERGE, REFRESH):
             state = torch.empty_like(self.base)
@@ -257,15 +289,23 @@ class Async(Strategy):
         return snapshot, False
 
     def finish(self) -> nn.Module:
-        """Last merge, then the one barrier of the run: everyone adopts the final global model."""
+        """Last merge, then the one barrier of the run: everyone adopts the final global model.
+
+        If some rank stopped to be continued meanwhile, there is no final model: Preempted,
+        after this rank's last checkpoint, as for a signal of its own."""
         if self._diverged:
             self.merge_now()
         if self.ctx.world_size > 1:
             if self.ctx.rank == 0:
                 self.service.join()
+                outcome = STOP if self.global_model.stop_requested else FINISH
+                self.service.conclude(outcome)
                 load_flat_state(self.model, self.global_model.snapshot()[0])
             else:
-                self._request(DONE)
+                _, outcome, _ = self._request(DONE)
+            if outcome == STOP:
+                raise Preempted(f"rank {self.ctx.rank}: another rank stopped the run before it finished; "
+                                "run the same command again to continue")
             self.comm_bytes += broadcast_module(self.model)
             counts = [None] * self.ctx.world_size
             dist.all_gather_object(counts, (self.merges, self.refreshes, self.max_staleness_seen))
@@ -275,6 +315,37 @@ class Async(Strategy):
         self._final = {"merges": [c[0] for c in counts], "refreshes": [c[1] for c in counts],
                        "max_staleness_seen": max(c[2] for c in counts)}
         return self.model
+
+    # -- agreement without a barrier ------------------------------------------------------------
+    def gather_stats(self, stats):
+        """Only this rank's numbers live (nobody waits); workers_history gathers everyone's at the end."""
+        return [stats]
+
+    def agree_stop(self, requested: Optional[str]) -> Optional[str]:
+        """This rank's own signal, or another rank's as the service last reported it."""
+        if requested and self.global_model is not None:
+            self.global_model.stop_requested = True
+        others = self.global_model.stop_requested if self.global_model is not None else self._stop_seen
+        return requested or ("a signal to another rank" if others else None)
+
+    def stop_together(self) -> None:
+        """Rank 0 keeps the store and the service up until every other rank is done, then stops them all."""
+        if self.ctx.world_size == 1:
+            return
+        if self.ctx.rank == 0:
+            self.service.join()
+            self.service.conclude(STOP)
+        else:
+            self._request(DONE, stopping=True)
+
+    def workers_history(self, history: list[dict]) -> Optional[dict[int, list[dict]]]:
+        """Every worker's numbers of each epoch, gathered once at the end (live records hold only this rank's)."""
+        if self.ctx.world_size == 1:
+            return None
+        mine = {record["epoch"]: record["workers"][0] for record in history}
+        gathered = gather_objects(self.ctx, "metrics", mine)
+        return {record["epoch"]: [theirs[record["epoch"]] for theirs in gathered if record["epoch"] in theirs]
+                for record in history}
 
     def state_dict(self) -> dict:
         # Async checkpoints are approximate: each rank saves at its own epoch end, rank 0 the

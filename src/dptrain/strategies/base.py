@@ -1,15 +1,23 @@
 """The strategy interface: what a data-parallel strategy communicates, and when.
 
-The Trainer's loop is the same for every strategy; it calls these hooks at fixed points.
+The Trainer's loop is the same for every strategy; it calls these hooks at fixed points. A
+strategy owns all of its communication: the model traffic (setup, after_backward, after_step,
+end_epoch, finish) and how ranks agree on bookkeeping (gather_stats, agree_stop,
+stop_together, workers_history). The defaults here are for strategies whose ranks meet at every
+epoch end; a barrier-free strategy (async) overrides the agreement hooks.
 Adding a strategy means adding one file with one subclass and registering its name.
 """
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import nn
 
+from dptrain.data.sampler import EpochPlan, shard_plan
 from dptrain.runtime.distributed import DistContext
+from dptrain.runtime.guard import any_rank, gather_objects
 
 
 class Strategy:
@@ -21,8 +29,9 @@ class Strategy:
     """
 
     name = "local"
-    # True when workers never wait for each other during training (no per-epoch gathering).
-    barrier_free = False
+    # Whether the last epoch's evaluation (when there was one) is of the model finish() returns;
+    # False when the global model can still change after a rank's last epoch (async).
+    final_model_is_last_evaluated = True
 
     def __init__(self) -> None:
         self.comm_bytes = 0
@@ -59,13 +68,38 @@ class Strategy:
         """(module to evaluate on this rank or None, whether all ranks evaluate it together)."""
         return self.model, True
 
-    def partition(self, labels, world: int, seed: int) -> "list | None":
-        """Fixed per-worker sample indices for the whole run, or None for the shared per-epoch sharding."""
-        return None
+    def epoch_plan(self, ctx: DistContext, n_samples: int, labels, batch_size: int, seed: int,
+                   shuffle: str) -> EpochPlan:
+        """Which rows this rank reads per epoch: the shared sharding, unless a strategy keeps its own."""
+        return shard_plan(n_samples, ctx.rank, ctx.world_size, batch_size, seed, shuffle)
 
     def trains_in_epoch(self, epoch: int) -> bool:
         """False when this worker sits out the epoch (e.g. a federated client not sampled this round)."""
         return True
+
+    def communication_failed(self) -> bool:
+        """Whether communication inside the backward pass failed (so an error there is a peer's, not the model's)."""
+        return False
+
+    # -- agreement between ranks -------------------------------------------------------------
+    def gather_stats(self, stats):
+        """Every worker's numbers of this epoch, for the live record (all ranks meet here)."""
+        return gather_objects(self.ctx, "metrics", stats)
+
+    def agree_stop(self, requested: Optional[str]) -> Optional[str]:
+        """The stop signal this run obeys at this epoch end: one rank's is everyone's."""
+        if self.ctx.world_size == 1:
+            return requested
+        return (requested or "a signal to another rank") if any_rank(self.ctx, "stop check", bool(requested)) else None
+
+    def stop_together(self) -> None:
+        """After this rank's checkpoint: return only once every rank's is on disk (under srun
+        --kill-on-bad-exit the first rank to exit with 75 ends the others)."""
+        any_rank(self.ctx, "checkpoint before stopping", True)
+
+    def workers_history(self, history: list[dict]) -> Optional[dict[int, list[dict]]]:
+        """{epoch: every worker's numbers} when the live records lack them (barrier-free), else None."""
+        return None
 
     def state_dict(self) -> dict:
         """What a checkpoint must hold to continue exactly (tensors, numbers, lists, dicts only)."""

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from dptrain.data.partition import PARTITIONERS, partition
+from dptrain.data.sampler import EpochPlan, partition_plan
 from dptrain.runtime.distributed import DistContext
 from dptrain.strategies.base import Strategy
 from dptrain.strategies.collectives import broadcast_module, weighted_average_module
@@ -52,6 +53,11 @@ class FedAvg(Strategy):
         values = np.asarray(labels.to_numpy() if hasattr(labels, "to_numpy") else labels)
         self.parts = partition(self.partition_kind, values, world, seed=seed, alpha=self.alpha)
         return self.parts
+
+    def epoch_plan(self, ctx: DistContext, n_samples: int, labels, batch_size: int, seed: int,
+                   shuffle: str) -> EpochPlan:
+        """This client's partition for the whole run, permuted each epoch (`shuffle` does not apply)."""
+        return partition_plan(self.partition(labels, ctx.world_size, seed)[ctx.rank], ctx.rank, batch_size, seed)
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, ctx: DistContext) -> nn.Module:
         super().setup(model, optimizer, ctx)

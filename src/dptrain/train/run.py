@@ -25,7 +25,9 @@ from dptrain.strategies import build_strategy
 from dptrain.train.optim import build_optimizer, build_schedule
 from dptrain.train import checkpoint
 from dptrain.train.rundir import default_run_dir, open_run_dir
-from dptrain.train.trainer import Trainer, catch_stop_signals_early
+from dptrain.train.preemption import catch_stop_signals_early
+from dptrain.train.recorder import Summary
+from dptrain.train.trainer import Trainer
 
 
 def load_data(config: TrainConfig, check_values: bool = True) -> Dataset:
@@ -133,7 +135,7 @@ def _join_run_dir(config: TrainConfig, env: DistEnv, ctx) -> TrainConfig:
     return config.model_copy(update={"out": decision[0], "workers": ctx.world_size})
 
 
-def run_worker(config: TrainConfig, env: DistEnv) -> dict:
+def run_worker(config: TrainConfig, env: DistEnv) -> Summary:
     """Train as one rank (or alone): the same code under every launcher."""
     if config.checkpoint_every:
         catch_stop_signals_early()
@@ -152,10 +154,10 @@ def run_worker(config: TrainConfig, env: DistEnv) -> dict:
         trainer = Trainer(model, optimizer, loss_name(config, data), build_strategy(config),
                           batch_size=config.batch_size, schedule=schedule, amp=config.amp,
                           grad_clip=config.grad_clip, seed=config.seed, shuffle=config.shuffle,
-                          out=config.out, progress=config.progress, ctx=ctx,
-                          slowdown=config.slow_workers().get(ctx.rank, 1.0),
+                          device=config.device, timeout=config.timeout, out=config.out, progress=config.progress,
                           checkpoint_every=config.checkpoint_every, keep_checkpoints=config.keep_checkpoints,
                           resume=True)
+        trainer.emulate_straggler(config.slow_workers().get(ctx.rank, 1.0))
         return trainer.fit((data.x_train, data.y_train), (data.x_test, data.y_test), epochs=config.epochs)
     finally:
         destroy_process_group()

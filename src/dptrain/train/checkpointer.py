@@ -1,0 +1,68 @@
+"""The checkpointer: when to save, what a rank's state is, and how a run continues from it.
+
+A checkpoint holds every component that changes during training (model, optimizer, LR
+schedule, gradient scaler, strategy), the RNG state and the history, so that a resumed run
+continues bit for bit. The file format, checksums and pruning live in dptrain.train.checkpoint.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable, Optional
+
+from dptrain.errors import UserError
+from dptrain.runtime.distributed import DistContext
+from dptrain.runtime.guard import broadcast_object
+from dptrain.train import checkpoint
+
+
+class Checkpointer:
+    """Saves every `every` epochs into OUT/checkpoints (0: never) and keeps `keep`; restores the newest."""
+
+    def __init__(self, out: Optional[Path], ctx: DistContext, every: int, keep: int,
+                 log: Callable[[str], None]) -> None:
+        self.out, self.ctx, self.every, self.keep, self.log = out, ctx, every, keep, log
+
+    @property
+    def enabled(self) -> bool:
+        """Whether this run checkpoints at all (and so whether it can stop early and continue)."""
+        return bool(self.every)
+
+    def due(self, epoch: int) -> bool:
+        return self.enabled and epoch % self.every == 0
+
+    def save(self, epoch: int, step: int, wall: float, components: dict, history: list[dict]) -> None:
+        """This rank's state after `epoch` (from 1); `components` map a name to an object with state_dict() or None."""
+        if self.out is None:
+            return
+        state = {"epoch": epoch, "step": step, "wall_seconds": wall,
+                 **{name: (part.state_dict() if part is not None else {}) for name, part in components.items()},
+                 "rng": checkpoint.rng_state(), "history": history}
+        checkpoint.save(self.out, epoch, self.ctx.rank, state)
+        if self.ctx.is_main:
+            checkpoint.prune(self.out, self.keep, self.ctx.world_size)
+
+    def restore(self, components: dict) -> Optional[dict]:
+        """Load the newest complete checkpoint into `components` (rank 0 chooses it for all); its state or None."""
+        epoch = None
+        if self.ctx.is_main and self.out:
+            epoch, notes = checkpoint.latest_complete(self.out, self.ctx.world_size)
+            for note in notes:
+                self.log(f"dptrain: {note}")
+        epoch = broadcast_object(self.ctx, "resume", epoch)
+        if epoch is None:
+            return None
+        state = checkpoint.load(self.out, epoch, self.ctx.rank)
+        for name, part in components.items():
+            if part is None or (not state[name] and name != "model"):
+                continue
+            try:
+                part.load_state_dict(state[name])
+            except RuntimeError as exc:
+                if name != "model":
+                    raise
+                raise UserError(f"the checkpoint of epoch {epoch} in '{self.out}' does not fit this model: "
+                                f"{checkpoint.first_mismatch(exc)}") from None
+        checkpoint.set_rng_state(state["rng"])
+        self.log(f"dptrain: resuming after epoch {epoch} from {self.out}")
+        return state

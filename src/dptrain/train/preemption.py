@@ -1,0 +1,52 @@
+"""Pre-emption: SIGTERM/SIGUSR1 (a scheduler's warning before the time limit) ask for a checkpoint and a clean stop.
+
+A signal only sets a flag; the loop looks at it at each epoch end, where the strategy decides
+how ranks agree on it (dptrain.strategies.base.Strategy.agree_stop). A signal that arrives
+while the process still starts up (imports, rendezvous, data) is remembered from the
+earliest moment `catch_stop_signals_early` runs and honoured at the first epoch end.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from typing import Optional
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+_EARLY_STOP: list[str] = []  # stop signals that arrived before a StopSignals watched for them
+
+
+def _on_main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
+
+
+def catch_stop_signals_early() -> None:
+    """From now on SIGTERM/SIGUSR1 are remembered rather than fatal, until a StopSignals takes over."""
+    if not _on_main_thread():
+        return
+
+    def remember(signum, frame):
+        _EARLY_STOP.append(signal.Signals(signum).name)
+
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, remember)
+
+
+class StopSignals:
+    """Watches for stop signals (only on the main thread: Python delivers signals there)."""
+
+    def __init__(self) -> None:
+        self.requested: Optional[str] = None
+
+    def watch(self) -> None:
+        if not _on_main_thread():
+            return
+
+        def request_stop(signum, frame):
+            self.requested = signal.Signals(signum).name
+
+        for signum in STOP_SIGNALS:
+            signal.signal(signum, request_stop)
+        if _EARLY_STOP:  # it came while the process was still starting
+            self.requested = _EARLY_STOP[0]
+            _EARLY_STOP.clear()

@@ -1,0 +1,138 @@
+"""What a run reports: per-epoch records (metrics.jsonl), the console line, the progress bar, the summary.
+
+Only rank 0 writes and prints; every rank keeps the history, because it goes into each rank's
+checkpoint. Files are written atomically (dptrain.io) into the run directory, created on the
+first write.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import torch
+from tqdm import tqdm
+
+from dptrain.io import append_jsonl, save_torch, write_json, write_jsonl
+
+
+@dataclass
+class EpochStats:
+    """What one worker measured in one epoch."""
+
+    rank: int
+    samples: int
+    train_loss: float
+    train_seconds: float
+    comm_bytes: int
+
+
+@dataclass
+class Summary:
+    """The result of Trainer.fit (summary.json holds `to_dict()`)."""
+
+    strategy: str
+    strategy_options: dict
+    workers: int
+    epochs: int
+    test_accuracy: Optional[float]
+    test_loss: Optional[float]
+    wall_seconds: float
+    samples_per_second: float
+    comm_bytes: int  # all workers together
+    comm_bytes_per_worker: list
+    model_parameters: int
+    backend: str
+    device: str
+    launcher: str
+    seed: int
+    strategy_results: dict = field(default_factory=dict)  # e.g. async merges, fedavg rounds
+
+    def to_dict(self) -> dict:
+        record = asdict(self)
+        record.update(record.pop("strategy_results"))
+        return record
+
+
+def aggregate(per_worker: list[EpochStats]) -> dict:
+    """The fields of an epoch record that sum or compare the workers' numbers."""
+    samples = sum(s.samples for s in per_worker)
+    return {
+        "train_loss": sum(s.train_loss * s.samples for s in per_worker) / max(samples, 1),
+        "samples_per_second": sum(s.samples / max(s.train_seconds, 1e-9) for s in per_worker),
+        "comm_bytes": sum(s.comm_bytes for s in per_worker),
+        "epoch_seconds": max(s.train_seconds for s in per_worker),
+        "workers": [vars(s) for s in per_worker],
+    }
+
+
+class Recorder:
+    """Keeps the history; rank 0 writes metrics.jsonl, prints epoch lines and draws the progress bar."""
+
+    def __init__(self, out: Optional[Path], is_main: bool, verbose: bool = True, progress: bool = True) -> None:
+        self.out, self.is_main = out, is_main
+        self.verbose = verbose and is_main
+        self.show_progress = progress and is_main and (sys.stderr.isatty() or os.environ.get("DPTRAIN_TTY") == "1")
+        self.history: list[dict] = []
+
+    def log(self, message: str) -> None:
+        if self.verbose:
+            print(message, flush=True)
+
+    def progress_bar(self, total: int, epoch: int, epochs: int) -> tqdm:
+        return tqdm(total=total, desc=f"epoch {epoch + 1}/{epochs}", leave=False, disable=not self.show_progress,
+                    dynamic_ncols=True)
+
+    def _file(self, name: str) -> Optional[Path]:
+        if not (self.is_main and self.out):
+            return None
+        self.out.mkdir(parents=True, exist_ok=True)
+        return self.out / name
+
+    def record(self, epoch: int, epochs: int, per_worker: list[EpochStats], test: Optional[dict], wall: float,
+               lr: float) -> dict:
+        record = {
+            "epoch": epoch + 1,
+            "test_loss": test["test_loss"] if test else None,
+            "test_accuracy": test["test_accuracy"] if test else None,
+            "evaluated": test is not None,
+            "wall_seconds": wall,
+            "lr": lr,
+            **aggregate(per_worker),
+        }
+        self.history.append(record)
+        if path := self._file("metrics.jsonl"):
+            append_jsonl(path, record)
+        accuracy = f"  test_acc {test['test_accuracy']:.4f}" if test and test["test_accuracy"] is not None else ""
+        test_loss = f"  test_loss {test['test_loss']:.4f}" if test else ""
+        self.log(f"epoch {epoch + 1}/{epochs}  train_loss {record['train_loss']:.4f}{test_loss}{accuracy}  "
+                 f"{record['epoch_seconds']:.2f} s  {record['samples_per_second']:.0f} samples/s  "
+                 f"comm {record['comm_bytes'] / 1e6:.3f} MB")
+        return record
+
+    def replace_history(self, history: list[dict]) -> None:
+        """Adopt `history` (from a checkpoint, or completed with every worker's numbers) and rewrite the file."""
+        self.history = list(history)
+        if path := self._file("metrics.jsonl"):
+            write_jsonl(path, self.history)
+
+    def complete(self, workers: dict[int, list[dict]]) -> None:
+        """Fill in every worker's numbers {epoch: [worker stats]} where the live records held only one rank's."""
+        for record in self.history:
+            record.update(aggregate([EpochStats(**worker) for worker in workers[record["epoch"]]]))
+        self.replace_history(self.history)
+
+    def last_evaluation(self) -> dict:
+        return {key: self.history[-1][key] for key in ("test_loss", "test_accuracy")}
+
+    def samples(self) -> int:
+        return sum(sum(worker["samples"] for worker in record["workers"]) for record in self.history)
+
+    def write_final(self, summary: Summary, model: torch.nn.Module) -> None:
+        """model.pt (the final global state_dict, on the CPU) and summary.json."""
+        if path := self._file("model.pt"):
+            save_torch(path, {k: v.detach().cpu() for k, v in model.state_dict().items()})
+            write_json(self.out / "summary.json", summary.to_dict())
