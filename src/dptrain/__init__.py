@@ -1,8 +1,13 @@
 """dptrain: data-parallel PyTorch training from a laptop to an HPC cluster.
 
     import dptrain
-    trainer = dptrain.Trainer(model, optimizer, "cross-entropy", strategy=dptrain.Sync(every=1))
-    summary = trainer.fit((x_train, y_train), (x_test, y_test), epochs=10)
+
+    def main():
+        trainer = dptrain.Trainer(model, optimizer, "cross-entropy", dptrain.Sync(every=1))
+        summary = trainer.fit((x_train, y_train), (x_test, y_test), epochs=10)
+
+    if __name__ == "__main__":
+        dptrain.run(main)
 """
 
 import importlib
@@ -11,10 +16,12 @@ __version__ = "0.1.0"
 
 # Imported on first use, so that `dptrain --help` or `dptrain launch` do not pay for torch.
 _EXPORTS = {
+    "Trainer": "dptrain.train.trainer", "Summary": "dptrain.train.recorder",
     "AllReduce": "dptrain.strategies", "Async": "dptrain.strategies", "FedAvg": "dptrain.strategies",
-    "Strategy": "dptrain.strategies", "Sync": "dptrain.strategies", "DSTensor": "dptrain.data",
-    "TrainConfig": "dptrain.config", "Trainer": "dptrain.train.trainer",
-    "exit_process": "dptrain.runtime.distributed",
+    "Strategy": "dptrain.strategies", "Sync": "dptrain.strategies",
+    "DSTensor": "dptrain.data", "load_dataset": "dptrain.data",
+    "TrainConfig": "dptrain.config", "train_from_config": "dptrain.train.run",
+    "run": "dptrain.program", "exit_process": "dptrain.runtime.distributed",
 }
 __all__ = [*_EXPORTS, "__version__"]
 

@@ -10,14 +10,15 @@ import argparse
 import importlib
 import os
 import sys
-import traceback
 from typing import Any, Optional, Sequence
 
 import yaml
 
 from dptrain import __version__
 from dptrain.config import FIELDS, flag_of, resolve
-from dptrain.errors import Preempted, UserError, closest
+from dptrain.errors import UserError, closest
+from dptrain.program import report_errors, run as run_program
+from dptrain.train.preemption import catch_stop_signals_early
 
 
 class _Parser(argparse.ArgumentParser):
@@ -134,45 +135,17 @@ def run(argv: Sequence[str]) -> int:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     # --debug may stand anywhere and reaches spawned workers through the environment.
-    debug = "--debug" in argv or os.environ.get("DPTRAIN_DEBUG") == "1"
-    argv = [arg for arg in argv if arg != "--debug"]
-    if debug:
+    if "--debug" in argv:
         os.environ["DPTRAIN_DEBUG"] = "1"
-    try:
-        return run(argv)
-    except UserError as exc:
-        if debug:
-            traceback.print_exc()
-        print(f"dptrain: error: {exc}", file=sys.stderr)
-        return exc.exit_code
-    except Preempted as exc:
-        print(f"dptrain: {exc}", file=sys.stderr)
-        return exc.exit_code
-    except KeyboardInterrupt:
-        print("dptrain: interrupted", file=sys.stderr)
-        return 130
-    except Exception as exc:  # noqa: BLE001 - peer failures get one line; bugs keep their traceback
-        from dptrain.runtime.distributed import PeerFailure
-        if isinstance(exc, PeerFailure) and not debug:
-            print(f"dptrain: error: {exc}", file=sys.stderr)
-            return 1
-        raise
+    argv = [arg for arg in argv if arg != "--debug"]
+    return report_errors(lambda: run(argv))
 
 
 def entry() -> None:
     """The `dptrain` program (console script and `python -m dptrain`): main(), then a safe exit."""
-    try:
-        code = main()
-    except SystemExit as exc:
-        code = exc.code
-    except BaseException:  # noqa: BLE001 - a bug: show it, then exit as Python would
-        traceback.print_exc()
-        code = 1
-    if code is not None and not isinstance(code, int):
-        print(code, file=sys.stderr)
-        code = 1
-    from dptrain.runtime.distributed import exit_process
-    exit_process(code or 0)
+    if sys.argv[1:2] == ["train"]:
+        catch_stop_signals_early()
+    run_program(main)
 
 
 if __name__ == "__main__":

@@ -50,7 +50,7 @@ def save(run_dir: Path, epoch: int, rank: int, state: dict[str, Any]) -> Path:
     return path
 
 
-def prune(run_dir: Path, keep: int, world_size: int) -> None:
+def prune(run_dir: Path, keep: int, world_size: int = 0) -> None:
     """Keep the newest `keep` epoch directories (rank 0 calls this after its save)."""
     epochs = _epochs(Path(run_dir))
     for epoch in epochs[:-keep] if keep > 0 else []:

@@ -8,6 +8,7 @@ earliest moment `catch_stop_signals_early` runs and honoured at the first epoch 
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 from typing import Optional
@@ -30,6 +31,19 @@ def catch_stop_signals_early() -> None:
 
     for signum in STOP_SIGNALS:
         signal.signal(signum, remember)
+
+
+def release_early_stop_signals() -> None:
+    """Give SIGTERM/SIGUSR1 their default action back (a process that will not checkpoint);
+    one that arrived meanwhile takes effect now."""
+    if not _on_main_thread():
+        return
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, signal.SIG_DFL)
+    if _EARLY_STOP:
+        name = _EARLY_STOP[0]
+        _EARLY_STOP.clear()
+        os.kill(os.getpid(), signal.Signals[name])
 
 
 class StopSignals:

@@ -51,6 +51,13 @@ class Summary:
     seed: int
     strategy_results: dict = field(default_factory=dict)  # e.g. async merges, fedavg rounds
 
+    @classmethod
+    def from_dict(cls, record: dict) -> "Summary":
+        """The inverse of to_dict (e.g. of a summary.json)."""
+        known = {name for name in cls.__dataclass_fields__ if name != "strategy_results"}
+        return cls(**{k: v for k, v in record.items() if k in known},
+                   strategy_results={k: v for k, v in record.items() if k not in known})
+
     def to_dict(self) -> dict:
         record = asdict(self)
         record.update(record.pop("strategy_results"))

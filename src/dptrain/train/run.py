@@ -6,15 +6,17 @@ directory) before any worker starts, so bad input fails once, with one line and 
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from functools import partial
 from pathlib import Path
+from typing import Union
 
 import torch
 import torch.distributed as dist
 
-from dptrain.config import TrainConfig, to_yaml
+from dptrain.config import TrainConfig, build_config, to_yaml
 from dptrain.data import Dataset, load_dataset
 from dptrain.errors import Preempted, UserError
 from dptrain.models import build_model, check_output_shape
@@ -25,7 +27,7 @@ from dptrain.strategies import build_strategy
 from dptrain.train.optim import build_optimizer, build_schedule
 from dptrain.train import checkpoint
 from dptrain.train.rundir import default_run_dir, open_run_dir
-from dptrain.train.preemption import catch_stop_signals_early
+from dptrain.train.preemption import catch_stop_signals_early, release_early_stop_signals
 from dptrain.train.recorder import Summary
 from dptrain.train.trainer import Trainer
 
@@ -95,25 +97,54 @@ def prepare_run_dir(config: TrainConfig, out: str, world: int, model: torch.nn.M
 
 
 def train(config: TrainConfig) -> int:
-    """Entry point of `dptrain train`: spawn local workers or run as one rank of a launched job."""
+    """Entry point of `dptrain train`: spawn local workers or run as one rank of a launched job; the exit code."""
     env = detect()
-    if not env.launched:
-        model = validate(config)
-    if not env.launched and config.workers > 1:
-        run_dir, resuming = prepare_run_dir(config, config.out or default_run_dir(config.strategy), config.workers,
-                                            model)
-        config = config.model_copy(update={"out": str(run_dir)})
-        verb = "continuing the run in" if resuming else "run directory"
-        print(f"dptrain: {config.workers} workers on this machine, {verb} {run_dir}", flush=True)
-        argv = ["train", "--config", str(run_dir / "config.yaml")]
-        for attempt in range(config.max_restarts + 1):
-            code = launch_local(config.workers, argv)
-            if code in (0, UserError.exit_code, Preempted.exit_code) or attempt == config.max_restarts:
-                return code
-            print(f"dptrain: restarting the {config.workers} workers from the last checkpoint "
-                  f"(restart {attempt + 1} of {config.max_restarts})", file=sys.stderr, flush=True)
-    run_worker(config, env)
-    return 0
+    if env.launched:
+        run_worker(config, env)
+        return 0
+    if config.workers > 1:
+        release_early_stop_signals()  # this process spawns the workers and passes signals on to them
+    model = validate(config)
+    if config.workers == 1:
+        run_worker(config, env)
+        return 0
+    return spawn_workers(config, model)[0]
+
+
+def train_from_config(config: Union[TrainConfig, dict]) -> Summary:
+    """`dptrain train` from Python: the Summary of the run (raises what the workers reported, in one line).
+
+    `config` is a TrainConfig or a dict of its keys. Outside a launcher this spawns
+    `config.workers` processes on this machine; under torchrun, srun or mpirun it joins the job.
+    """
+    config = config if isinstance(config, TrainConfig) else build_config(dict(config))
+    env = detect()
+    if env.launched:
+        return run_worker(config, env)
+    model = validate(config)
+    if config.workers == 1:
+        return run_worker(config, env)
+    code, run_dir = spawn_workers(config, model)
+    if code == Preempted.exit_code:
+        raise Preempted(f"the workers stopped on a signal after a checkpoint in {run_dir}; call again to continue")
+    if code != 0:
+        raise UserError(f"the workers of the run in '{run_dir}' failed (exit code {code}); their output above says why")
+    return Summary.from_dict(json.loads((run_dir / "summary.json").read_text()))
+
+
+def spawn_workers(config: TrainConfig, model: torch.nn.Module) -> tuple[int, Path]:
+    """Run `config.workers` local ranks (restarting up to --max-restarts times); (exit code, run directory)."""
+    run_dir, resuming = prepare_run_dir(config, config.out or default_run_dir(config.strategy), config.workers, model)
+    verb = "continuing the run in" if resuming else "run directory"
+    print(f"dptrain: {config.workers} workers on this machine, {verb} {run_dir}", flush=True)
+    argv = ["train", "--config", str(run_dir / "config.yaml")]
+    for attempt in range(config.max_restarts + 1):
+        code = launch_local(config.workers, argv)
+        if code in (0, UserError.exit_code, Preempted.exit_code) or attempt == config.max_restarts:
+            return code, run_dir
+        print(f"dptrain: restarting the {config.workers} workers from the last checkpoint "
+              f"(restart {attempt + 1} of {config.max_restarts})", file=sys.stderr, flush=True)
+    raise AssertionError("unreachable: the last attempt returns")
 
 
 def _join_run_dir(config: TrainConfig, env: DistEnv, ctx) -> TrainConfig:
@@ -139,6 +170,8 @@ def run_worker(config: TrainConfig, env: DistEnv) -> Summary:
     """Train as one rank (or alone): the same code under every launcher."""
     if config.checkpoint_every:
         catch_stop_signals_early()
+    else:  # nothing to stop cleanly with: a stop signal stops the process
+        release_early_stop_signals()
     set_cpu_threads()
     ctx = init_process_group(env, device=config.device, timeout=config.timeout)
     try:

@@ -1,0 +1,70 @@
+"""How a dptrain program ends: known failures as one line and an exit code, then an exit without finalization.
+
+Both the `dptrain` command and a user's own script go through here:
+
+    def main():
+        ...
+        trainer.fit(...)
+
+    if __name__ == "__main__":
+        dptrain.run(main)
+
+`run` calls `main`, turns the failures a user can cause or meet into one line and a code
+(bad input 2, a peer that died or froze 1, a stop to be continued 75; bugs keep their
+traceback), and leaves through `exit_process`, which avoids an abort at exit that torch's gloo
+threads otherwise cause now and then (see dptrain.runtime.distributed.exit_process).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from typing import Any, Callable, NoReturn
+
+from dptrain.errors import Preempted, UserError
+
+
+def debugging() -> bool:
+    """--debug anywhere on the command line, or DPTRAIN_DEBUG=1 (which spawned workers inherit)."""
+    return os.environ.get("DPTRAIN_DEBUG") == "1"
+
+
+def report_errors(main: Callable[[], Any]) -> int:
+    """main()'s exit code (an int it returns, else 0), or the code of the known failure it raised, said in one line."""
+    try:
+        result = main()
+        return result if isinstance(result, int) and not isinstance(result, bool) else 0
+    except UserError as exc:
+        if debugging():
+            traceback.print_exc()
+        print(f"dptrain: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except Preempted as exc:
+        print(f"dptrain: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("dptrain: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # noqa: BLE001 - peer failures get one line; bugs keep their traceback
+        from dptrain.runtime.distributed import PeerFailure
+        if isinstance(exc, PeerFailure) and not debugging():
+            print(f"dptrain: error: {exc}", file=sys.stderr)
+            return 1
+        raise
+
+
+def run(main: Callable[..., Any], *args: Any, **kwargs: Any) -> NoReturn:
+    """Run `main(*args, **kwargs)` as a program and exit with its code (see the module's docstring)."""
+    try:
+        code = report_errors(lambda: main(*args, **kwargs))
+    except SystemExit as exc:
+        code = exc.code
+    except BaseException:  # noqa: BLE001 - a bug: show it, then exit as Python would
+        traceback.print_exc()
+        code = 1
+    if code is not None and not isinstance(code, int):
+        print(code, file=sys.stderr)
+        code = 1
+    from dptrain.runtime.distributed import exit_process
+    exit_process(code or 0)
