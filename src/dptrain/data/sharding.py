@@ -26,6 +26,13 @@ def derive_seed(seed: int, *path: int) -> int:
     return int(sequence.generate_state(2, np.uint64)[0] >> np.uint64(1))
 
 
+def check_workers(n_samples: int, world: int) -> None:
+    """Every worker needs at least one sample."""
+    if n_samples < world:
+        raise UserError(f"the training set has {n_samples} samples, fewer than the {world} workers; "
+                        f"use at most {n_samples} workers")
+
+
 def steps_per_epoch(n_samples: int, world: int, batch_size: int) -> int:
     """Steps every worker takes per epoch: the same on all workers, or allreduce would hang.
 
@@ -33,8 +40,7 @@ def steps_per_epoch(n_samples: int, world: int, batch_size: int) -> int:
     no sample is dropped or repeated and no batch exceeds batch_size (except by one sample
     when batch_size is 1 and the shards are unequal).
     """
-    if n_samples < world:
-        raise UserError(f"the training set has {n_samples} samples, fewer than the {world} workers; use at most {n_samples} workers")
+    check_workers(n_samples, world)
     largest, smallest = math.ceil(n_samples / world), n_samples // world
     return max(1, min(math.ceil(largest / batch_size), smallest))
 

@@ -16,6 +16,15 @@ from dptrain.runtime.guard import broadcast_object
 from dptrain.train import checkpoint
 
 
+def load_model_state(model, saved: dict, epoch: int, run_dir: Path) -> None:
+    """Load a checkpoint's model state, or say in one line which key or shape does not fit."""
+    try:
+        model.load_state_dict(saved)
+    except RuntimeError as exc:
+        raise UserError(f"the checkpoint of epoch {epoch} in '{run_dir}' does not fit this model: "
+                        f"{checkpoint.first_mismatch(exc)}") from None
+
+
 class Checkpointer:
     """Saves every `every` epochs into OUT/checkpoints (0: never) and keeps `keep`; restores the newest."""
 
@@ -54,15 +63,10 @@ class Checkpointer:
             return None
         state = checkpoint.load(self.out, epoch, self.ctx.rank)
         for name, part in components.items():
-            if part is None or (not state[name] and name != "model"):
-                continue
-            try:
+            if name == "model":
+                load_model_state(part, state[name], epoch, self.out)
+            elif part is not None and state[name]:
                 part.load_state_dict(state[name])
-            except RuntimeError as exc:
-                if name != "model":
-                    raise
-                raise UserError(f"the checkpoint of epoch {epoch} in '{self.out}' does not fit this model: "
-                                f"{checkpoint.first_mismatch(exc)}") from None
         checkpoint.set_rng_state(state["rng"])
         self.log(f"dptrain: resuming after epoch {epoch} from {self.out}")
         return state

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from dptrain.config import TrainConfig, build_config, to_yaml
-from dptrain.data import Dataset, load_dataset
+from dptrain.data import Dataset, load_dataset, sharding
 from dptrain.errors import Preempted, UserError
 from dptrain.models import build_model, check_output_shape
 from dptrain.runtime.distributed import choose_device, destroy_process_group, init_process_group, set_cpu_threads
@@ -29,7 +29,8 @@ from dptrain.train import checkpoint
 from dptrain.train.rundir import default_run_dir, open_run_dir
 from dptrain.train.preemption import catch_stop_signals_early, release_early_stop_signals
 from dptrain.train.recorder import Summary
-from dptrain.train.trainer import Trainer
+from dptrain.train.checkpointer import load_model_state
+from dptrain.train.trainer import Trainer, check_amp
 
 
 def load_data(config: TrainConfig, check_values: bool = True) -> Dataset:
@@ -56,17 +57,14 @@ def loss_name(config: TrainConfig, data: Dataset) -> str:
 def validate(config: TrainConfig) -> torch.nn.Module:
     """Everything that can be checked before workers start: data, model, loss, worker count."""
     device = choose_device(config.device, 0)
-    if config.amp == "fp16" and device.type != "cuda":
-        raise UserError("--amp fp16 needs a GPU; on the CPU use --amp bf16 or none")
+    check_amp(config.amp, device)
     data = load_data(config)
     model = make_model(config, data)
     loss = loss_name(config, data)
     if (loss == "cross-entropy") != (data.task == "classification"):
         valid = "cross-entropy" if data.task == "classification" else "mse"
         raise UserError(f"--loss {loss} does not fit this {data.task} data set; use {valid} or auto")
-    if len(data.x_train) < config.workers:
-        raise UserError(f"the training set has {len(data.x_train)} samples, fewer than the {config.workers} workers; "
-                        f"use at most {len(data.x_train)} workers")
+    sharding.check_workers(len(data.x_train), config.workers)
     if config.batch_size > len(data.x_train) // config.workers:
         raise UserError(f"--batch-size {config.batch_size} is larger than a worker's shard of "
                         f"{len(data.x_train) // config.workers} samples ({len(data.x_train)} samples over "
@@ -83,12 +81,7 @@ def prepare_run_dir(config: TrainConfig, out: str, world: int, model: torch.nn.M
             raise UserError(f"run directory '{out}' has checkpoints but none is complete and readable ({notes[0]}); "
                             f"remove its {checkpoint.DIRECTORY}/ folder to start the run over")
         if epoch is not None:
-            saved = checkpoint.load(run_dir, epoch, 0)["model"]
-            try:
-                model.load_state_dict(saved)
-            except RuntimeError as exc:
-                raise UserError(f"the checkpoint of epoch {epoch} in '{out}' does not fit this model: "
-                                f"{checkpoint.first_mismatch(exc)}") from None
+            load_model_state(model, checkpoint.load(run_dir, epoch, 0)["model"], epoch, out)
     text = to_yaml(config.model_copy(update={"out": str(run_dir), "resume": False, "workers": world}))
     saved_config = run_dir / "config.yaml"
     if not saved_config.exists() or saved_config.read_text() != text:

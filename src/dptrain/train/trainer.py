@@ -48,6 +48,11 @@ def make_loss(loss: Union[str, LossFn]) -> LossFn:
     raise ValueError(f"unknown loss {loss!r}: use 'cross-entropy', 'mse' or a callable")
 
 
+def check_amp(amp: str, device: torch.device) -> None:
+    if amp == "fp16" and device.type != "cuda":
+        raise UserError("--amp fp16 needs a GPU; on the CPU use --amp bf16 or none")
+
+
 class Trainer:
     """Data-parallel training of `model` with `optimizer` (built by you, on the model's parameters).
 
@@ -95,8 +100,7 @@ class Trainer:
     def _connect(self) -> DistContext:
         """Join the process group the launcher describes (a one-rank group when there is none)."""
         self.ctx = init_process_group(detect(), device=self.device, timeout=self.timeout)
-        if self.amp == "fp16" and self.ctx.device.type != "cuda":
-            raise UserError("--amp fp16 needs a GPU; on the CPU use --amp bf16 or none")
+        check_amp(self.amp, self.ctx.device)
         self.scaler = torch.amp.GradScaler("cuda") if self.amp == "fp16" else None
         self.model = self.model.to(self.ctx.device)
         self.recorder = Recorder(self.out, self.ctx.is_main, self.verbose, self.progress)

@@ -1,0 +1,72 @@
+"""Pre-emption under every strategy: a stop signal, whenever it comes, ends the run with a complete
+checkpoint and exit code 75 on every rank, and the same command continues it."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from dptrain.train import checkpoint
+from test_train_cli import DIGITS
+
+STRATEGIES = ("allreduce", "sync", "async", "fedavg")
+
+
+def _children(pid: int) -> list[int]:
+    found = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
+    return [int(child) for child in found]
+
+
+def _records(run) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_stop_signal_while_the_workers_start_up_ends_the_run_after_epoch_1(tmp_path, strategy):
+    args = [sys.executable, "-m", "dptrain", "train", *DIGITS, "--epochs", "3", "--strategy", strategy,
+            "--out", "run"]
+    proc = subprocess.Popen(args, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while len(_children(proc.pid)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    workers = _children(proc.pid)
+    assert len(workers) == 2
+    time.sleep(0.3)  # past the interpreter's own start: the workers are importing torch or meeting
+    for pid in workers:  # as SLURM signals every task
+        subprocess.run(["kill", "-USR1", str(pid)])
+    _, stderr = proc.communicate(timeout=180)
+    assert proc.returncode == 75, stderr
+    assert stderr.count("stopped by") + stderr.count("another rank stopped") == 2, stderr
+    assert checkpoint.latest_complete(tmp_path / "run", 2)[0] == 1
+
+
+@pytest.mark.slow
+def test_async_stops_every_rank_with_a_checkpoint_before_the_store_goes_and_continues(tmp_path):
+    # Rank 1 is a 3x straggler: when the signal comes, rank 0 is epochs ahead and must keep the
+    # store and the merge service up until rank 1 has checkpointed too.
+    args = [sys.executable, "-m", "dptrain", "train", *DIGITS, "--epochs", "12", "--strategy", "async",
+            "--slow-worker", "1:3", "--out", "run"]
+    proc = subprocess.Popen(args, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while (not metrics.exists() or len(metrics.read_text().splitlines()) < 3) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)  # the launcher passes it on to both ranks
+    _, stderr = proc.communicate(timeout=180)
+    assert proc.returncode == 75, stderr
+    assert "Connection closed" not in stderr and "PeerFailure" not in stderr, stderr
+    assert stderr.count("[rank0] dptrain: rank 0: stopped by SIGTERM") == 1, stderr
+    assert stderr.count("[rank1] dptrain: rank 1: stopped by SIGTERM") == 1, stderr
+    stopped_at = checkpoint.latest_complete(tmp_path / "run", 2)[0]
+    assert stopped_at is not None and stopped_at < 12
+    again = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr
+    assert f"resuming after epoch {stopped_at}" in again.stdout
+    assert [r["epoch"] for r in _records(tmp_path / "run")] == list(range(1, 13))
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["epochs"] == 12 and summary["test_accuracy"] >= 0.85
