@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from dptrain.errors import UserError
+from dptrain.runtime import faults
 from dptrain.runtime.distributed import DistContext
 from dptrain.runtime.guard import broadcast_object
 from dptrain.train import checkpoint
@@ -47,7 +48,10 @@ class Checkpointer:
         state = {"epoch": epoch, "step": step, "wall_seconds": wall,
                  **{name: (part.state_dict() if part is not None else {}) for name, part in components.items()},
                  "rng": checkpoint.rng_state(), "history": history}
+        faults.at(self.ctx.rank, epoch)
+        faults.point("save-begin")
         checkpoint.save(self.out, epoch, self.ctx.rank, state)
+        faults.point("save-end")
         if self.ctx.is_main:
             checkpoint.prune(self.out, self.keep, self.ctx.world_size)
 

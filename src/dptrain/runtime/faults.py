@@ -1,0 +1,48 @@
+"""Fault points: named places where a test (or an operator rehearsing a failure) can kill this rank.
+
+    DPTRAIN_FAULT=save-rename@1:2  DPTRAIN_FAULT_ONCE=/tmp/fired  dptrain train ... --max-restarts 1
+
+kills rank 1 with SIGKILL at the point `save-rename` of its epoch-2 checkpoint, once: the file
+named by DPTRAIN_FAULT_ONCE is created first, and a point whose marker exists does not fire
+again (the restarted world runs through). Without DPTRAIN_FAULT nothing here does anything.
+
+Points: save-begin (before any file of the checkpoint), save-fsync (the data written, not yet
+flushed to disk), save-rename (on disk under the temporary name), save-end (this rank's files
+complete, before rank 0 prunes and before the other ranks have finished theirs).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+from typing import Optional
+
+POINTS = ("save-begin", "save-fsync", "save-rename", "save-end")
+SPEC = re.compile(r"^(?P<point>[a-z-]+)@(?P<rank>\d+):(?P<epoch>\d+)$")
+
+_where: dict[str, Optional[int]] = {"rank": None, "epoch": None}
+
+
+def at(rank: int, epoch: int) -> None:
+    """Say which rank and which checkpoint epoch the next fault points belong to."""
+    _where.update(rank=rank, epoch=epoch)
+
+
+def point(name: str) -> None:
+    """Die here if DPTRAIN_FAULT names this point, rank and epoch (and it has not fired before)."""
+    spec = os.environ.get("DPTRAIN_FAULT")
+    if not spec:
+        return
+    match = SPEC.match(spec)
+    if match is None or match["point"] not in POINTS:
+        raise ValueError(f"DPTRAIN_FAULT={spec!r} is not POINT@RANK:EPOCH with POINT one of {', '.join(POINTS)}")
+    if (match["point"], int(match["rank"]), int(match["epoch"])) != (name, _where["rank"], _where["epoch"]):
+        return
+    marker = os.environ.get("DPTRAIN_FAULT_ONCE")
+    if marker:
+        try:
+            os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return
+    os.kill(os.getpid(), signal.SIGKILL)
