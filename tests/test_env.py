@@ -12,7 +12,7 @@ import pytest
 
 from dptrain.errors import UserError
 from dptrain.runtime.env import DEFAULT_PORT, DistEnv, detect, detect_container, free_port, port_from_job_id
-from dptrain.runtime.launcher import worker_env
+from dptrain.runtime.spawn import worker_env
 
 
 def _where(env: DistEnv) -> tuple:
