@@ -147,3 +147,11 @@ def test_the_registry_and_the_command_line_import_no_torch(module):
            "assert not heavy, heavy"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
+
+
+def test_dptrain_help_imports_no_torch_from_start_to_exit():
+    code = ("import sys\nfrom dptrain.cli import entry\nsys.argv = ['dptrain', '--help']\n"
+            "try:\n    entry()\nfinally:\n    assert 'torch' not in sys.modules, 'torch imported'")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "usage: dptrain" in result.stdout
