@@ -303,6 +303,8 @@ CASES = [
     case("launch-bad-time", lambda s: launch("--scheduler", "slurm", "--time", "2h"), "--time '2h'"),
     case("launch-bad-train-arguments", lambda s: [*launch("--scheduler", "slurm"), "--epochs", "0"],
          "--epochs", "'0'"),
+    case("config-model-option-not-yaml", lambda s: train("--model-option", "hidden=[1,2"),
+         "--model-option 'hidden=[1,2'", "not valid YAML"),
 ]
 
 

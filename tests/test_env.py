@@ -11,8 +11,8 @@ import socket
 import pytest
 
 from dptrain.errors import UserError
-from dptrain.runtime.env import DEFAULT_PORT, DistEnv, detect, free_port, port_from_job_id
-from dptrain.runtime.launcher import worker_env
+from dptrain.runtime.env import DEFAULT_PORT, DistEnv, detect, detect_container, free_port, port_from_job_id
+from dptrain.runtime.spawn import worker_env
 
 
 def _where(env: DistEnv) -> tuple:
@@ -348,3 +348,11 @@ def test_free_port_can_be_bound():
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", port))
         sock.listen(1)
+
+
+def test_container_runtime_is_detected_from_its_marker_variables():
+    assert detect_container({"container_uuid": "x", "container_execmode": "P1"}) == "udocker"
+    assert detect_container({"APPTAINER_CONTAINER": "/x.sif"}) == "apptainer"
+    assert detect_container({"SINGULARITY_CONTAINER": "/x.sif"}) == "apptainer"
+    assert detect_container({"container_uuid": "x"}) is None  # udocker sets both
+    assert detect_container({}) is None

@@ -17,7 +17,6 @@ import pytest
 
 from dptrain.errors import UserError
 from dptrain.launch import local, pbs, slurm, udocker
-from dptrain.launch.containers import detect
 from dptrain.launch.spec import ContainerSpec, JobSpec, bind_paths
 
 GOLDEN = Path(__file__).parent / "golden" / "launch"
@@ -173,12 +172,6 @@ def test_proot_wrapper_drops_the_kernel_release_option(tmp_path):
     result = subprocess.run([str(wrapper), "-r", "/root fs", "-k", "6.1.0", "--kernel-release=5", "-w", "/", "true"],
                             capture_output=True, text=True, timeout=10)
     assert result.stdout.split() == ["-r", "/root", "fs", "-w", "/", "true"]
-
-
-def test_container_runtime_is_detected_from_its_marker_variables():
-    assert detect({"container_uuid": "x", "container_execmode": "P1"}) == "udocker"
-    assert detect({"APPTAINER_CONTAINER": "/x.sif"}) == "apptainer"
-    assert detect({}) is None
 
 
 def dptrain(*args, cwd):

@@ -1,13 +1,19 @@
-"""The local launcher: rank-prefixed output, torchrun-style worker environments, and one line naming a failed worker."""
+"""The local launcher and the one spawner under it: rank-prefixed output or per-rank logs, torchrun-style
+worker environments, forwarded signals, a time limit, and one line naming a failed worker."""
 
 import io
+import os
 import re
+import signal
+import sys
 import threading
+import time
 
 import pytest
 
 from dptrain.runtime.env import detect
-from dptrain.runtime.launcher import _pump, describe_exit, launch_local, worker_env
+from dptrain.runtime.launcher import launch_local
+from dptrain.runtime.spawn import _pump, describe_exit, spawn_ranks, worker_env
 
 
 class ChunkedStream(io.BytesIO):
@@ -151,3 +157,54 @@ def test_launch_local_returns_the_failed_worker_code_and_names_its_rank(capfd):
     failed = re.search(r"^dptrain: worker rank ([01]) exited with code 2; stopping the other workers$", err, re.M)
     assert failed, err
     assert re.search(rf"^\[rank{failed.group(1)}\] dptrain: error: .*/nonexistent\.yaml", err, re.M), err
+
+
+def python(code: str) -> list[str]:
+    """A rank's command: Python running `code`, which sees its RANK in os.environ."""
+    return [sys.executable, "-c", "import os, sys, time, signal\n" + code]
+
+
+def test_spawn_ranks_writes_each_ranks_output_to_its_log_with_its_prefix_and_environment(tmp_path):
+    ended = spawn_ranks(python("print('rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'], "
+                               "os.environ['TAG'], os.environ['OMP_NUM_THREADS'], 'DPTRAIN_TTY' in os.environ)"),
+                        3, port=29111, threads=2, log_dir=tmp_path, prefix=lambda rank: ["env", f"TAG=host{rank}"])
+    assert (ended.code, ended.failed_rank, ended.timed_out, ended.preempted) == (0, None, False, False)
+    assert ended.seconds > 0
+    for rank in range(3):
+        assert (tmp_path / f"rank{rank}.log").read_text() == f"rank {rank} of 3 host{rank} 2 False\n"
+
+
+def test_spawn_ranks_names_the_first_failed_rank_and_stops_the_others(tmp_path):
+    started = time.monotonic()
+    ended = spawn_ranks(python("if os.environ['RANK'] == '1': sys.exit(3)\ntime.sleep(60)"), 3, port=29112,
+                        log_dir=tmp_path)
+    assert (ended.failed_rank, ended.failed_code, ended.code) == (1, 3, 3)
+    assert time.monotonic() - started < 30  # the sleeping ranks were killed, not waited for
+
+
+def test_spawn_ranks_stops_every_rank_after_the_timeout(tmp_path):
+    started = time.monotonic()
+    ended = spawn_ranks(python("print('started', flush=True)\ntime.sleep(60)"), 2, port=29113, log_dir=tmp_path,
+                        timeout=1.0)
+    assert (ended.timed_out, ended.failed_rank, ended.code) == (True, None, 1)
+    assert time.monotonic() - started < 30
+    assert all((tmp_path / f"rank{rank}.log").read_text() == "started\n" for rank in range(2))
+
+
+def test_spawn_ranks_forwards_a_schedulers_warning_to_every_rank(tmp_path):
+    # Each rank exits with 75 (stopped at a checkpoint) on SIGUSR1, after saying it is ready for it.
+    code = ("signal.signal(signal.SIGUSR1, lambda *_: sys.exit(75))\n"
+            "open(os.environ['READY'] + os.environ['RANK'], 'w').close()\n"
+            "time.sleep(60)")
+
+    def warn_when_ready():
+        deadline = time.monotonic() + 30
+        while not all((tmp_path / f"ready{rank}").exists() for rank in range(2)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGUSR1)
+
+    previous = signal.getsignal(signal.SIGUSR1)
+    threading.Thread(target=warn_when_ready, daemon=True).start()
+    ended = spawn_ranks(python(code), 2, port=29114, log_dir=tmp_path, extra_env={"READY": str(tmp_path / "ready")})
+    assert (ended.preempted, ended.failed_rank, ended.code) == (True, None, 75)
+    assert signal.getsignal(signal.SIGUSR1) is previous  # our own handler is back

@@ -73,7 +73,7 @@ def test_block_size_is_passed_on():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(name="digit"), "unknown dataset 'digit' \\(did you mean 'digits'\\?\\); choose one of: digits"),
+        (dict(name="digit"), "unknown dataset 'digit'; did you mean 'digits'\\? choose one of: digits"),
         (dict(name="mnist"), "unknown dataset 'mnist'; choose one of"),
         (dict(name=None), "no dataset given"),
         (dict(name="synthetic-images", samples=0), "samples 0 is invalid"),

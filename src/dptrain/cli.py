@@ -10,58 +10,12 @@ import argparse
 import importlib
 import os
 import sys
-from typing import Any, Optional, Sequence
-
-import yaml
+from typing import Optional, Sequence
 
 from dptrain import __version__
-from dptrain.config import FIELDS, flag_of, resolve
-from dptrain.errors import UserError, closest
+from dptrain.arguments import Parser, add_config_flags, config_from_args
 from dptrain.program import report_errors, run as run_program
 from dptrain.train.preemption import catch_stop_signals_early
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse that reports mistakes as UserError (one line, exit 2)."""
-
-    def error(self, message: str):
-        raise UserError(f"{self.prog}: {message}")
-
-    def reject_unknown(self, unknown: list[str]):
-        """One line for the first unknown option, with the flag this command has that was meant."""
-        first = next((word for word in unknown if word.startswith("-")), unknown[0])
-        flags = [opt for action in self._actions for opt in action.option_strings if opt.startswith("--")]
-        match = closest(first.split("=")[0], flags)
-        hint = f"; did you mean {match}?" if match else f"; see '{self.prog} --help'"
-        raise UserError(f"unknown option {first} for '{self.prog}'{hint}")
-
-
-def add_config_flags(parser: argparse.ArgumentParser) -> None:
-    """One flag per TrainConfig field; values stay strings/None so the config validates them once."""
-    parser.add_argument("--config", metavar="FILE", help="YAML file with the same keys as the flags (flags win)")
-    for name, field in FIELDS.items():
-        default = field.default if field.default_factory is None else field.default_factory()
-        help_text = f"{field.description} (default: {default})"
-        if name == "model_options":
-            parser.add_argument("--model-option", dest=name, action="append", metavar="KEY=VALUE", help=help_text)
-        elif field.annotation is bool:
-            parser.add_argument(flag_of(name), dest=name, action=argparse.BooleanOptionalAction, default=None,
-                                help=help_text)
-        else:
-            parser.add_argument(flag_of(name), dest=name, metavar=name.upper(), default=None, help=help_text)
-
-
-def parse_model_options(items: Optional[list[str]]) -> Optional[dict[str, Any]]:
-    if not items:
-        return None
-    options: dict[str, Any] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise UserError(f"--model-option {item!r} is not KEY=VALUE, e.g. --model-option depth=14")
-        options[key] = yaml.safe_load(value)
-    return options
-
 
 # Commands that live in their own subpackage: name -> (module with add_arguments(parser) and
 # main(args) -> exit code, one-line help).
@@ -73,19 +27,12 @@ COMMAND_MODULES: dict[str, tuple[str, str]] = {
 }
 
 
-def config_from_args(args: argparse.Namespace):
-    """The TrainConfig of parsed `dptrain train` arguments (file, then flags), validated once."""
-    overrides = {name: getattr(args, name) for name in FIELDS}
-    overrides["model_options"] = parse_model_options(args.model_options)
-    return resolve(args.config, overrides)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="dptrain", description="Data-parallel PyTorch training from a laptop to an HPC cluster.",
-                     allow_abbrev=False)
+    parser = Parser(prog="dptrain", description="Data-parallel PyTorch training from a laptop to an HPC cluster.",
+                    allow_abbrev=False)
     parser.add_argument("--version", action="version", version=f"dptrain {__version__}")
     parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
-    commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
 
     train = commands.add_parser("train", help="train a model data-parallel", allow_abbrev=False,
                                 description="Train a model: spawns --workers processes on this machine, or joins "

@@ -13,9 +13,8 @@ from typing import Any, Literal, Optional
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from dptrain.errors import UserError, closest
-
-STRATEGIES = ("allreduce", "sync", "async", "fedavg")
+from dptrain import registry
+from dptrain.errors import UserError, did_you_mean
 
 
 class TrainConfig(BaseModel):
@@ -24,12 +23,11 @@ class TrainConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
     # What to train
-    strategy: Literal["allreduce", "sync", "async", "fedavg"] = Field(
-        "allreduce", description="how workers synchronise: allreduce (gradients every step), sync (weights every few "
-                                 "epochs/steps), async (merges into a global model, no barrier), fedavg (federated)")
-    dataset: Optional[str] = Field("digits", description="built-in data set: digits, synthetic-images, synthetic-regression")
+    strategy: Literal[registry.names("strategy")] = Field(  # type: ignore[valid-type] - the registry's names
+        "allreduce", description=f"how workers synchronise: {registry.help_text('strategy')}")
+    dataset: Optional[str] = Field("digits", description=f"built-in data set: {', '.join(registry.names('dataset'))}")
     data: Optional[str] = Field(None, description="user data file (.npz, .npy, .h5, .zarr) with x, y and optional x_test, y_test; replaces --dataset")
-    model: str = Field("mlp", description="mlp, cnn, resnet, nfnet, mlp-regression, or package.module:factory")
+    model: str = Field("mlp", description=f"{', '.join(registry.names('model'))}, or package.module:factory")
     model_options: dict[str, Any] = Field(default_factory=dict, description="model options as KEY=VALUE (repeatable), e.g. depth=14")
     samples: Optional[int] = Field(None, ge=1, description="number of samples of a synthetic data set")
     image_size: int = Field(32, ge=4, description="side of synthetic-images")
@@ -114,11 +112,6 @@ class TrainConfig(BaseModel):
 FIELDS = TrainConfig.model_fields
 
 
-def _closest(name: str) -> str:
-    match = closest(name, list(FIELDS))
-    return f"; did you mean '{match}'?" if match else f"; valid keys are: {', '.join(FIELDS)}"
-
-
 def flag_of(key: str) -> str:
     """The command-line flag of a config key: batch_size -> --batch-size."""
     return "--" + key.replace("_", "-")
@@ -129,7 +122,8 @@ def _describe(error: dict, origin: str) -> str:
     loc = [str(part) for part in error["loc"] if not isinstance(part, int)]
     field = loc[0] if loc else ""
     if error["type"] == "extra_forbidden":
-        return f"unknown key '{field}' in {origin}{_closest(field)}"
+        hint = did_you_mean(field, list(FIELDS)) or f"valid keys are: {', '.join(FIELDS)}"
+        return f"unknown key '{field}' in {origin}; {hint}"
     if not field:  # cross-field check
         return f"invalid settings in {origin}: {error['msg'].removeprefix('Value error, ')}"
     flag = flag_of(field)

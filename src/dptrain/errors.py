@@ -39,3 +39,14 @@ def closest(name: str, candidates: "list[str] | tuple[str, ...]") -> "str | None
             return candidate
     match = difflib.get_close_matches(name, list(candidates), n=1)
     return match[0] if match else None
+
+
+def did_you_mean(name: str, candidates: "list[str] | tuple[str, ...]") -> str:
+    """The hint phrase for a mistyped `name`: "did you mean 'lr'?", or "" when nothing is close.
+
+    Options are shown bare, as they are typed (`did you mean --lr?`); other names are quoted.
+    """
+    match = closest(name, candidates)
+    if match is None:
+        return ""
+    return f"did you mean {match}?" if match.startswith("-") else f"did you mean '{match}'?"

@@ -10,8 +10,7 @@ import torch
 import torch.distributed as dist
 
 from dptrain import __version__
-from dptrain.launch.containers import detect as detect_container
-from dptrain.runtime.env import detect
+from dptrain.runtime.env import detect, detect_container
 
 
 def runtime_report() -> dict:

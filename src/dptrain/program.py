@@ -66,5 +66,9 @@ def run(main: Callable[..., Any], *args: Any, **kwargs: Any) -> NoReturn:
     if code is not None and not isinstance(code, int):
         print(code, file=sys.stderr)
         code = 1
-    from dptrain.runtime.distributed import exit_process
-    exit_process(code or 0)
+    # A process that never imported the distributed runtime joined no process group: it exits
+    # plainly, without importing torch just to leave (which would double `dptrain --help`'s time).
+    distributed = sys.modules.get("dptrain.runtime.distributed")
+    if distributed is None:
+        sys.exit(code or 0)
+    distributed.exit_process(code or 0)

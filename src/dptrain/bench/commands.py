@@ -7,15 +7,16 @@ import time
 from pathlib import Path
 from typing import Optional
 
-import yaml
 from tqdm import tqdm
 
 from dptrain.bench.matrix import BenchSpec, run_matrix
 from dptrain.bench.netns import namespaces_unavailable, parse_rate
 from dptrain.bench.results import format_table, ratio, write_results
-from dptrain.config import FIELDS, STRATEGIES
-from dptrain.errors import UserError, closest
-from dptrain.io import write_json
+from dptrain import registry
+from dptrain.arguments import parse_key_values
+from dptrain.config import FIELDS
+from dptrain.errors import UserError
+from dptrain.io import timestamped, write_json
 
 SHOWN = ("strategy", "workers", "network", "runs", "final_accuracy", "time_to_target_seconds", "reached_target",
          "wall_seconds", "wall_seconds_ci", "epoch_seconds", "samples_per_second", "comm_bytes", "speedup", "efficiency")
@@ -25,7 +26,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = ("Run every strategy at every worker count (and plain PyTorch baselines) in one go; write "
                           "results.csv, results.json and PNG plots to --out.")
     parser.add_argument("--strategies", default="allreduce,sync",
-                        help=f"comma-separated, from {', '.join(STRATEGIES)}; 'none' runs only --throughput (default: allreduce,sync)")
+                        help=f"comma-separated, from {', '.join(registry.names('strategy'))}; 'none' runs only --throughput (default: allreduce,sync)")
     parser.add_argument("--workers", default="1,2", help="comma-separated worker counts (default: 1,2)")
     parser.add_argument("--model", default="mlp", help="model of every run (default: mlp)")
     parser.add_argument("--dataset", default="digits", help="built-in data set of every run (default: digits)")
@@ -72,25 +73,13 @@ def _counts(text: str) -> list[int]:
     return sorted(set(counts))
 
 
-def _options(items: list[str]) -> dict:
-    options = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        key = key.replace("-", "_")
-        if not sep or key not in FIELDS:
-            match = closest(key, list(FIELDS))
-            hint = f"; did you mean {match}?" if match else "; see `dptrain train --help` for the keys"
-            raise UserError(f"--option {item!r} is not KEY=VALUE with a `dptrain train` key{hint}")
-        options[key] = yaml.safe_load(value)
-    return options
-
-
 def spec_from(args: argparse.Namespace) -> BenchSpec:
     """The validated BenchSpec of the command line (no processes started)."""
     strategies = [] if args.strategies == "none" else _list(args.strategies, "strategies")
     for strategy in strategies:
-        if strategy not in STRATEGIES:
-            raise UserError(f"--strategies names {strategy!r}; valid strategies are {', '.join(STRATEGIES)} (or none)")
+        if strategy not in registry.names("strategy"):
+            raise UserError(f"--strategies names {strategy!r}; valid strategies are "
+                            f"{', '.join(registry.names('strategy'))} (or none)")
     if args.repeat < 1:
         raise UserError(f"--repeat {args.repeat} must be at least 1")
     if args.threads is not None and args.threads < 1:
@@ -101,7 +90,8 @@ def spec_from(args: argparse.Namespace) -> BenchSpec:
         if reason:
             raise UserError(reason)
     train = {"model": args.model, "dataset": args.dataset, "epochs": args.epochs, "batch_size": args.batch_size,
-             "lr": args.lr, "seed": args.seed, **_options(args.option)}
+             "lr": args.lr, "seed": args.seed,
+             **parse_key_values(args.option, flag="--option", example="samples=4096", keys=FIELDS)}
     return BenchSpec(strategies=strategies, workers=_counts(args.workers), train=train,
                      target_accuracy=args.target_accuracy, bandwidth=args.bandwidth, slow_worker=args.slow_worker,
                      repeat=args.repeat, baselines=args.baselines, timeout=args.timeout,
@@ -130,12 +120,11 @@ def main(args: argparse.Namespace) -> int:
     # matplotlib and torch load only when a command runs, not for `dptrain --help`
     from dptrain.bench import plots
     from dptrain.bench.throughput import run_throughput
-    from dptrain.models import MODEL_NAMES
 
     spec = spec_from(args)
     models = _list(args.throughput, "throughput") if args.throughput else []
     for model in models:
-        if model not in MODEL_NAMES or model in ("mlp", "mlp-regression"):
+        if model not in registry.names("model") or model in ("mlp", "mlp-regression"):
             raise UserError(f"--throughput names {model!r}; the synthetic benchmark takes image models: cnn, resnet, nfnet")
     if not spec.strategies and not models:
         raise UserError("--strategies none and no --throughput: nothing to run")

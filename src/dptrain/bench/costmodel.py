@@ -1,15 +1,16 @@
 """The alpha-beta cost model: time per epoch of each strategy on N workers, calibrated from measured runs.
 
 All pure functions. A message of b bytes costs `latency + b / bandwidth` (alpha + b·beta).
+A strategy is timed by the communication pattern its registry entry names (COMMUNICATION):
 
-- allreduce: one ring all-reduce of the gradients per step,
+- step-allreduce (allreduce): one ring all-reduce of the gradients per step,
   2(N-1)/N · M/B + 2(N-1)·alpha, with no overlap of communication and computation assumed;
-- sync: one ring all-reduce of the weights every `every` epochs;
-- async: each worker sends its delta and receives the global model once per epoch (2 messages
-  of M bytes), and every merge passes through one service, so per epoch the service handles
-  N-1 remote merges in sequence: the epoch takes the longer of a worker's own time and the
-  service's;
-- fedavg: as sync (one weighted average per round).
+- periodic-allreduce (sync; fedavg, one weighted average per round): one ring all-reduce of
+  the weights every `every` epochs;
+- merge-service (async): each worker sends its delta and receives the global model once per
+  epoch (2 messages of M bytes), and every merge passes through one service, so per epoch the
+  service handles N-1 remote merges in sequence: the epoch takes the longer of a worker's own
+  time and the service's.
 
 Compute is `seconds_per_sample` times the samples of one worker's shard (ceil(S/N)), so a
 projection to many workers shrinks each worker's share of a fixed data set (strong scaling).
@@ -22,7 +23,9 @@ import statistics
 from dataclasses import asdict, dataclass
 from typing import Iterable, Optional
 
-STRATEGIES = ("allreduce", "sync", "async", "fedavg")
+from dptrain import registry
+
+STRATEGIES = registry.names("strategy")
 FLOAT32_BYTES = 4
 
 
@@ -56,23 +59,40 @@ def steps_per_epoch(samples: int, workers: int, batch_size: int) -> int:
     return max(1, math.ceil(shard_samples(samples, workers) / batch_size))
 
 
+def _step_allreduce(workers: int, cal: Calibration, every: int, compute: float) -> float:
+    """One ring all-reduce of the gradients per step (`every` does not apply)."""
+    steps = steps_per_epoch(cal.samples, workers, cal.batch_size)
+    return steps * ring_allreduce_seconds(workers, cal.model_bytes, cal.bandwidth, cal.latency)
+
+
+def _periodic_allreduce(workers: int, cal: Calibration, every: int, compute: float) -> float:
+    """One ring all-reduce of the weights every `every` epochs."""
+    return ring_allreduce_seconds(workers, cal.model_bytes, cal.bandwidth, cal.latency) / every
+
+
+def _merge_service(workers: int, cal: Calibration, every: int, compute: float) -> float:
+    """The worker's own round trip to the merge service, unless the one service is the bottleneck."""
+    message = cal.latency + cal.model_bytes / cal.bandwidth
+    own = 2 * message / every
+    service = (workers - 1) * 2 * message / every
+    return max(own, service - compute)
+
+
+# Seconds of communication per epoch, by the `communication` a strategy's registry entry names.
+COMMUNICATION = {
+    "step-allreduce": _step_allreduce,
+    "periodic-allreduce": _periodic_allreduce,
+    "merge-service": _merge_service,
+}
+
+
 def epoch_seconds(strategy: str, workers: int, cal: Calibration, every: int = 1) -> dict:
     """{'compute', 'communication', 'total'} seconds of one epoch of `strategy` on `workers`."""
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, not {strategy!r}")
     compute = shard_samples(cal.samples, workers) * cal.seconds_per_sample
-    message = cal.latency + cal.model_bytes / cal.bandwidth
-    if workers <= 1:
-        communication = 0.0
-    elif strategy == "allreduce":
-        steps = steps_per_epoch(cal.samples, workers, cal.batch_size)
-        communication = steps * ring_allreduce_seconds(workers, cal.model_bytes, cal.bandwidth, cal.latency)
-    elif strategy in ("sync", "fedavg"):
-        communication = ring_allreduce_seconds(workers, cal.model_bytes, cal.bandwidth, cal.latency) / every
-    else:  # async: the worker's own round trip, unless the one service is the bottleneck
-        own = 2 * message / every
-        service = (workers - 1) * 2 * message / every
-        communication = max(own, service - compute)
+    communicate = COMMUNICATION[registry.STRATEGIES[strategy].communication]
+    communication = 0.0 if workers <= 1 else communicate(workers, cal, every, compute)
     return {"compute": compute, "communication": communication, "total": compute + communication}
 
 

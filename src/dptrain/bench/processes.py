@@ -1,21 +1,17 @@
 """Start the ranks of one benchmark run (any command: dptrain, a baseline script), each possibly in its own namespace.
 
-dptrain's local launcher always runs `python -m dptrain` on 127.0.0.1; a benchmark also runs
-baseline scripts and places ranks in emulated hosts, so it starts its processes here, with
-the same torchrun-style environment (dptrain.runtime.launcher.worker_env), and keeps each
-rank's output in a log file of the run directory.
+A benchmark also runs baseline scripts and places ranks in emulated hosts, so it gives the one
+spawner (dptrain.runtime.spawn) its own command and per-rank prefix, and keeps each rank's
+output in a log file of the run directory.
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
-import time
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 from dptrain.errors import UserError
-from dptrain.runtime.launcher import describe_exit, worker_env
+from dptrain.runtime.spawn import describe_exit, spawn_ranks
 
 
 class RunFailed(UserError):
@@ -33,36 +29,13 @@ def run_ranks(command: Sequence[str], world: int, log_dir: Path, *, port: int, m
     the others are killed and RunFailed names the rank and its log. `threads` is each rank's
     OMP_NUM_THREADS (default: the cores divided by the ranks, as dptrain's launcher does).
     """
-    threads = threads or max(1, (os.cpu_count() or 1) // world)
-    procs: list[subprocess.Popen] = []
-    logs = []
-    begun = time.perf_counter()
-    try:
-        for rank in range(world):
-            env = worker_env(rank, world, port, threads, {**os.environ, **(extra_env or {})},
-                             master_addr=master_addr, tty=False)
-            log = open(log_dir / f"rank{rank}.log", "wb")
-            logs.append(log)
-            full = (prefix(rank) if prefix else []) + list(command)
-            procs.append(subprocess.Popen(full, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
-        deadline = begun + timeout
-        pending = set(range(world))
-        while pending:
-            for rank in sorted(pending):
-                code = procs[rank].poll()
-                if code is None:
-                    continue
-                pending.discard(rank)
-                if code != 0:
-                    raise RunFailed(f"rank {rank} {describe_exit(code)}; see {log_dir / f'rank{rank}.log'}")
-            if time.perf_counter() > deadline:
-                raise RunFailed(f"the run took longer than {timeout:g} s; see the logs in {log_dir}")
-            time.sleep(0.05)
-        return time.perf_counter() - begun
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait()
-        for log in logs:
-            log.close()
+    ended = spawn_ranks(command, world, port=port, master_addr=master_addr, threads=threads, extra_env=extra_env,
+                        prefix=prefix, log_dir=log_dir, timeout=timeout)
+    if ended.failed_rank is not None:
+        rank = ended.failed_rank
+        raise RunFailed(f"rank {rank} {describe_exit(ended.failed_code)}; see {log_dir / f'rank{rank}.log'}")
+    if ended.timed_out:
+        raise RunFailed(f"the run took longer than {timeout:g} s; see the logs in {log_dir}")
+    if ended.preempted:
+        raise RunFailed(f"the ranks were stopped on request (exit code {ended.code}); see the logs in {log_dir}")
+    return ended.seconds

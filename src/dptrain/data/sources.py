@@ -36,10 +36,11 @@ from pathlib import Path
 
 import numpy as np
 
+from dptrain import registry
 from dptrain.data.dstensor import DSTensor, list_arrays
-from dptrain.errors import UserError, closest
+from dptrain.errors import UserError, did_you_mean
 
-DATASET_NAMES = ("digits", "synthetic-images", "synthetic-regression")
+DATASET_NAMES = registry.names("dataset")
 ARRAY_NAMES = ("x", "y", "x_test", "y_test")
 
 
@@ -92,42 +93,38 @@ def load_dataset(
     if name is None:
         raise UserError(f"no dataset given; name one of: {', '.join(DATASET_NAMES)}, or give data_path.")
     if name not in DATASET_NAMES:
-        close = closest(name, DATASET_NAMES)
-        hint = f" (did you mean '{close}'?)" if close else ""
-        raise UserError(f"unknown dataset '{name}'{hint}; choose one of: {', '.join(DATASET_NAMES)}.")
-    if name == "digits":
-        if samples is not None:
-            raise UserError(f"samples={samples} applies only to synthetic datasets, not to 'digits'.")
-        return _digits(block_size)
-    _check_positive(samples=samples, image_size=image_size, channels=channels, features=features)
-    if isinstance(classes, bool) or not isinstance(classes, int) or classes < 2:
-        raise UserError(f"classes {classes!r} is invalid; use an integer of at least 2.")
-    rng = np.random.default_rng(seed)
-    if name == "synthetic-images":
-        x, y = _synthetic_images(rng, samples or 2048, classes, channels, image_size)
-        task, num_classes = "classification", classes
-    else:
-        x, y = _synthetic_regression(rng, samples or 4096, features)
-        task, num_classes = "regression", None
-    x_train, y_train, x_test, y_test = _split(
-        DSTensor.from_array(x, block_size), DSTensor.from_array(y, block_size), test_fraction, seed, name
-    )
-    return Dataset(x_train, y_train, x_test, y_test, task, num_classes, x.shape[1:], name)
-
-
-def _check_positive(**values: int | None) -> None:
-    for key, value in values.items():
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise UserError(f"{key} {value!r} is invalid; use a positive integer.")
+        hint = did_you_mean(name, DATASET_NAMES)
+        raise UserError(
+            f"unknown dataset '{name}'; {hint + ' ' if hint else ''}choose one of: {', '.join(DATASET_NAMES)}."
+        )
+    settings = BuiltinSettings(seed, block_size, samples, image_size, channels, classes, features, test_fraction)
+    return registry.load("dataset", name)(settings)
 
 
 # ------------------------------------------------------------------------- built-in
 
 
-def _digits(block_size: int | None) -> Dataset:
+@dataclass(frozen=True)
+class BuiltinSettings:
+    """What a built-in data set may be asked for; each uses the fields that apply to it."""
+
+    seed: int
+    block_size: int | None
+    samples: int | None
+    image_size: int
+    channels: int
+    classes: int
+    features: int
+    test_fraction: float
+
+
+def digits(settings: BuiltinSettings) -> Dataset:
+    if settings.samples is not None:
+        raise UserError(f"samples={settings.samples} applies only to synthetic datasets, not to 'digits'.")
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
 
+    block_size = settings.block_size
     bunch = load_digits()
     x = (bunch.data / 16.0).astype(np.float32).reshape(-1, 1, 8, 8)
     y = bunch.target.astype(np.int64)
@@ -142,6 +139,37 @@ def _digits(block_size: int | None) -> Dataset:
         input_shape=(1, 8, 8),
         name="digits",
     )
+
+
+def synthetic_images(settings: BuiltinSettings) -> Dataset:
+    rng = _synthetic_rng(settings)
+    x, y = _synthetic_images(rng, settings.samples or 2048, settings.classes, settings.channels, settings.image_size)
+    return _synthetic("synthetic-images", x, y, "classification", settings.classes, settings)
+
+
+def synthetic_regression(settings: BuiltinSettings) -> Dataset:
+    x, y = _synthetic_regression(_synthetic_rng(settings), settings.samples or 4096, settings.features)
+    return _synthetic("synthetic-regression", x, y, "regression", None, settings)
+
+
+def _synthetic_rng(settings: BuiltinSettings) -> np.random.Generator:
+    """The generator of a synthetic data set, after checking the sizes it is asked for."""
+    for key in ("samples", "image_size", "channels", "features"):
+        value = getattr(settings, key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise UserError(f"{key} {value!r} is invalid; use a positive integer.")
+    classes = settings.classes
+    if isinstance(classes, bool) or not isinstance(classes, int) or classes < 2:
+        raise UserError(f"classes {classes!r} is invalid; use an integer of at least 2.")
+    return np.random.default_rng(settings.seed)
+
+
+def _synthetic(name: str, x: np.ndarray, y: np.ndarray, task: str, num_classes: int | None,
+               settings: BuiltinSettings) -> Dataset:
+    x_train, y_train, x_test, y_test = _split(DSTensor.from_array(x, settings.block_size),
+                                              DSTensor.from_array(y, settings.block_size),
+                                              settings.test_fraction, settings.seed, name)
+    return Dataset(x_train, y_train, x_test, y_test, task, num_classes, x.shape[1:], name)
 
 
 def _synthetic_images(

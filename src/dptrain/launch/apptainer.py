@@ -14,6 +14,7 @@ from typing import Mapping, Sequence
 from dptrain.launch.spec import JobSpec, bind_paths, quote, train_command
 
 DEFAULT_BASE = "python:3.11-slim"
+IMAGE = "IMAGE.sif"  # what follows "apptainer:" in --container
 
 
 def running_inside(env: Mapping[str, str]) -> bool:
@@ -62,13 +63,13 @@ def executable() -> str | None:
     return shutil.which("apptainer") or shutil.which("singularity")
 
 
-def check(image: str, command: Sequence[str], *, binds: Sequence[str] = ()) -> list[tuple[str, bool, str]]:
-    """(what, ok, detail) for: apptainer installed, the image runs the command."""
+def check(name: str, command: Sequence[str], *, binds: Sequence[str] = ()) -> list[tuple[str, bool, str]]:
+    """(what, ok, detail) for: apptainer installed, the image `name` (a .sif file) runs the command."""
     found = executable()
     results = [("apptainer", found is not None, found or "neither apptainer nor singularity is on the PATH")]
     if found:
         bind = ["--bind", ",".join(binds)] if binds else []
-        result = subprocess.run([found, "exec", *bind, image, *command], capture_output=True, text=True,
+        result = subprocess.run([found, "exec", *bind, name, *command], capture_output=True, text=True,
                                 timeout=300, stdin=subprocess.DEVNULL)
         lines = (result.stdout + result.stderr).strip().splitlines() or ["no output"]
         results.append((f"runs {' '.join(command)}", result.returncode == 0, lines[-1]))

@@ -12,21 +12,20 @@ import argparse
 import os
 import sys
 from pathlib import Path
-from types import ModuleType
 
+from dptrain import registry
+from dptrain.arguments import train_config
 from dptrain.errors import UserError
-from dptrain.launch import local, pbs, slurm
-from dptrain.launch.spec import SCHEDULERS, ContainerSpec, JobSpec
+from dptrain.launch.spec import ContainerSpec, JobSpec, container_forms
 from dptrain.launch.submit import follow
-
-SCHEDULER_MODULES: dict[str, ModuleType] = {"slurm": slurm, "pbs": pbs, "local": local}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = ("Write a job script that runs 'dptrain train' on every rank (one container per rank with "
                           "--container) into the run directory, and submit it with --submit. Put the train "
                           "arguments after '--'.")
-    parser.add_argument("--scheduler", choices=SCHEDULERS, required=True, help="slurm (sbatch), pbs (qsub) or local")
+    parser.add_argument("--scheduler", choices=registry.names("scheduler"), required=True,
+                        help=registry.help_text("scheduler"))
     parser.add_argument("--nodes", type=int, default=1, help="nodes (default: 1)")
     parser.add_argument("--tasks-per-node", type=int, default=1, help="ranks per node, usually one per GPU (default: 1)")
     parser.add_argument("--gpus-per-node", type=int, default=0, help="GPUs to request per node (default: 0)")
@@ -35,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--partition", help="SLURM partition or PBS queue")
     parser.add_argument("--account", help="account to charge")
     parser.add_argument("--job-name", default="dptrain", help="job name (default: dptrain)")
-    parser.add_argument("--container", metavar="RUNTIME:IMAGE", help="udocker:NAME or apptainer:IMAGE.sif")
+    parser.add_argument("--container", metavar="RUNTIME:IMAGE", help=container_forms())
     parser.add_argument("--bind", action="append", default=[], metavar="PATH[:DEST]",
                         help="extra path to bind into the container (repeatable); the project and run "
                              "directories and --data are bound anyway")
@@ -52,13 +51,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--wait-timeout", type=float, default=None, metavar="SECONDS",
                         help="with --wait: give up following after this many seconds (default: no limit)")
     parser.add_argument("train_args", nargs=argparse.REMAINDER, help="arguments of 'dptrain train', after '--'")
-
-
-def train_config(train_args: list[str]):
-    """Validate the train arguments exactly as 'dptrain train' would; returns the TrainConfig."""
-    from dptrain.cli import config_from_args, parse_args
-
-    return config_from_args(parse_args(["train", *train_args]))
 
 
 def without_out(train_args: list[str]) -> list[str]:
@@ -97,7 +89,7 @@ def main(args: argparse.Namespace) -> int:
     if args.wait and not args.submit:
         raise UserError("--wait follows a submitted job; add --submit")
     spec = build_spec(args, Path(os.getcwd()).resolve())
-    scheduler = SCHEDULER_MODULES[spec.scheduler]
+    scheduler = registry.load("scheduler", spec.scheduler)
     text = scheduler.render(spec)
     if args.dry_run:
         sys.stdout.write(text)

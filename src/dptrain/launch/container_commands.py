@@ -6,9 +6,9 @@ import argparse
 import shlex
 from pathlib import Path
 
+from dptrain import registry
 from dptrain.errors import UserError
 from dptrain.launch import apptainer, udocker
-from dptrain.launch.containers import RUNTIMES
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -32,7 +32,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     recipe.add_argument("--torch", default="torch", help="PyTorch requirement to install (default: torch)")
 
     check = actions.add_parser("check", help="check that a container runs dptrain", allow_abbrev=False)
-    check.add_argument("--runtime", choices=list(RUNTIMES), default="udocker", help="udocker (default) or apptainer")
+    check.add_argument("--runtime", choices=registry.names("container runtime"), default="udocker",
+                       help=f"{', '.join(registry.names('container runtime'))} (default: udocker)")
     check.add_argument("--name", required=True, metavar="NAME_OR_IMAGE", help="udocker container or .sif image")
     check.add_argument("--dptrain", default="dptrain", metavar="COMMAND",
                        help="how dptrain is run inside (default: dptrain)")
@@ -55,10 +56,7 @@ def main(args: argparse.Namespace) -> int:
         return 0
     if args.container_action == "check":
         command = [*shlex.split(args.dptrain), "--version"]
-        if args.runtime == "udocker":
-            results = udocker.check(args.name, command, binds=args.bind)
-        else:
-            results = apptainer.check(args.name, command, binds=args.bind)
+        results = registry.load("container runtime", args.runtime).check(args.name, command, binds=args.bind)
         for what, ok, detail in results:
             print(f"{'ok  ' if ok else 'FAIL'} {what}: {detail}")
         return 0 if all(ok for _, ok, _ in results) else 1

@@ -11,11 +11,16 @@ import shlex
 from dataclasses import dataclass, field
 from typing import Optional
 
+from dptrain import registry
 from dptrain.errors import UserError
 
-SCHEDULERS = ("slurm", "pbs", "local")
-CONTAINER_RUNTIMES = ("udocker", "apptainer")
 TIME_PATTERN = re.compile(r"(\d+-)?\d{1,3}:\d{2}:\d{2}")
+
+
+def container_forms() -> str:
+    """How --container names each registered runtime's image: `udocker:NAME or apptainer:IMAGE.sif`."""
+    runtimes = registry.names("container runtime")
+    return " or ".join(f"{name}:{registry.load('container runtime', name).IMAGE}" for name in runtimes)
 
 
 @dataclass(frozen=True)
@@ -28,8 +33,8 @@ class ContainerSpec:
     @classmethod
     def parse(cls, text: str) -> "ContainerSpec":
         runtime, sep, image = text.partition(":")
-        if not sep or runtime not in CONTAINER_RUNTIMES or not image:
-            raise UserError(f"--container {text!r} is not RUNTIME:IMAGE; use udocker:NAME or apptainer:IMAGE.sif")
+        if not sep or runtime not in registry.names("container runtime") or not image:
+            raise UserError(f"--container {text!r} is not RUNTIME:IMAGE; use {container_forms()}")
         return cls(runtime, image)
 
 
@@ -55,8 +60,9 @@ class JobSpec:
     stop_before: int = 300  # seconds before the time limit that the ranks are told to checkpoint and stop
 
     def __post_init__(self):
-        if self.scheduler not in SCHEDULERS:
-            raise UserError(f"--scheduler {self.scheduler!r} is not known; use one of {', '.join(SCHEDULERS)}")
+        if self.scheduler not in registry.names("scheduler"):
+            raise UserError(f"--scheduler {self.scheduler!r} is not known; "
+                            f"use one of {', '.join(registry.names('scheduler'))}")
         for name in ("nodes", "tasks_per_node", "cpus_per_task"):
             if getattr(self, name) < 1:
                 raise UserError(f"--{name.replace('_', '-')} {getattr(self, name)} must be at least 1")

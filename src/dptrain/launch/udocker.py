@@ -25,6 +25,7 @@ from dptrain.launch.spec import JobSpec, bind_paths, quote, train_command
 CONFIG_NAME = "udocker.conf"
 WRAPPER_NAME = "proot-no-kernel"
 DEFAULT_BASE = "python:3.11-slim"
+IMAGE = "NAME"  # what follows "udocker:" in --container
 
 
 def running_inside(env: Mapping[str, str]) -> bool:

@@ -14,18 +14,11 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from dptrain.errors import UserError, closest
-from dptrain.models import nfnet, resnet, user, zoo
+from dptrain import registry
+from dptrain.errors import UserError, did_you_mean
+from dptrain.models import user
 
-MODEL_NAMES = ("mlp", "cnn", "resnet", "nfnet", "mlp-regression")
-
-_BUILDERS: dict[str, Callable[..., nn.Module]] = {
-    "mlp": zoo.mlp,
-    "cnn": zoo.cnn,
-    "resnet": resnet.resnet,
-    "nfnet": nfnet.nfnet,
-    "mlp-regression": zoo.mlp_regression,
-}
+MODEL_NAMES = registry.names("model")
 _IMAGE_MODELS = {"cnn", "resnet", "nfnet"}
 
 
@@ -39,9 +32,9 @@ def build_model(
     options = dict(options or {})
     if user.is_user_model(name):
         return user.build_user_model(name, input_shape, num_outputs, options)
-    if name not in _BUILDERS:
-        close = closest(name, MODEL_NAMES)
-        hint = f"did you mean '{close}'? " if close else ""
+    if name not in MODEL_NAMES:
+        hint = did_you_mean(name, MODEL_NAMES)
+        hint = f"{hint} " if hint else ""
         raise UserError(
             f"unknown model '{name}'; {hint}valid names are {', '.join(MODEL_NAMES)}, "
             "or a user model as package.module:factory"
@@ -51,7 +44,7 @@ def build_model(
             f"model '{name}' needs samples shaped (C, H, W), but the data's samples have shape {input_shape}; "
             "use --model mlp for flat features"
         )
-    builder = _BUILDERS[name]
+    builder = registry.load("model", name)
     return builder(input_shape, num_outputs, **_check_options(name, builder, options))
 
 

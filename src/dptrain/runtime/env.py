@@ -20,6 +20,7 @@ from typing import Mapping, Optional
 
 import hostlist
 
+from dptrain import registry
 from dptrain.errors import UserError
 
 DEFAULT_PORT = 29500
@@ -159,6 +160,17 @@ def detect(env: Optional[Mapping[str, str]] = None) -> DistEnv:
     return DistEnv(launcher=launcher, rank=rank, world_size=world, local_rank=local_rank,
                    local_world_size=local_world, master_addr=addr, master_port=port,
                    scheduler=scheduler, job_id=job_id, nodes=nodes)
+
+
+def detect_container(env: Optional[Mapping[str, str]] = None) -> Optional[str]:
+    """The registered container runtime whose marker variables are set, or None outside containers.
+
+    Each runtime's backend module knows its own markers (`running_inside`); it is loaded by name
+    here, so asking needs neither the job-script package nor every backend at import time.
+    """
+    env = os.environ if env is None else env
+    names = registry.names("container runtime")
+    return next((name for name in names if registry.load("container runtime", name).running_inside(env)), None)
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -1,18 +1,16 @@
-"""Data-parallel strategies, one file each, all behind dptrain.strategies.base.Strategy."""
+"""Data-parallel strategies, one file each, all behind dptrain.strategies.base.Strategy, found by name in dptrain.registry."""
 
+from dptrain import registry
 from dptrain.strategies.allreduce import AllReduce
 from dptrain.strategies.asynchronous import Async
-from dptrain.strategies.fedavg import FedAvg
 from dptrain.strategies.base import Strategy
+from dptrain.strategies.fedavg import FedAvg
 from dptrain.strategies.sync import Sync
 
 
 def build_strategy(config) -> Strategy:
-    """The strategy a TrainConfig asks for."""
-    classes = {"allreduce": AllReduce, "sync": Sync, "async": Async, "fedavg": FedAvg}
-    if config.strategy in classes:
-        return classes[config.strategy].from_config(config)
-    raise ValueError(f"unknown strategy {config.strategy!r}")
+    """The strategy a TrainConfig asks for, built by its registered class."""
+    return registry.load("strategy", config.strategy).from_config(config)
 
 
 __all__ = ["AllReduce", "Async", "FedAvg", "Strategy", "Sync", "build_strategy"]

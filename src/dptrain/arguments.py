@@ -1,0 +1,85 @@
+"""Command-line pieces that more than one command needs: a parser whose mistakes are one-line
+UserErrors, the `dptrain train` flags (one per TrainConfig field), and KEY=VALUE options.
+
+It sits below cli.py so that `dptrain launch` validates its train arguments exactly as
+`dptrain train` would without importing the command line that imports it.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any, Iterable, Optional, Sequence
+
+import yaml
+
+from dptrain.config import FIELDS, TrainConfig, flag_of, resolve
+from dptrain.errors import UserError, did_you_mean
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse that reports mistakes as UserError (one line, exit 2)."""
+
+    def error(self, message: str):
+        raise UserError(f"{self.prog}: {message}")
+
+    def reject_unknown(self, unknown: list[str]):
+        """One line for the first unknown option, with the flag this command has that was meant."""
+        first = next((word for word in unknown if word.startswith("-")), unknown[0])
+        flags = [opt for action in self._actions for opt in action.option_strings if opt.startswith("--")]
+        hint = did_you_mean(first.split("=")[0], flags) or f"see '{self.prog} --help'"
+        raise UserError(f"unknown option {first} for '{self.prog}'; {hint}")
+
+
+def add_config_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per TrainConfig field; values stay strings/None so the config validates them once."""
+    parser.add_argument("--config", metavar="FILE", help="YAML file with the same keys as the flags (flags win)")
+    for name, field in FIELDS.items():
+        default = field.default if field.default_factory is None else field.default_factory()
+        help_text = f"{field.description} (default: {default})"
+        if name == "model_options":
+            parser.add_argument("--model-option", dest=name, action="append", metavar="KEY=VALUE", help=help_text)
+        elif field.annotation is bool:
+            parser.add_argument(flag_of(name), dest=name, action=argparse.BooleanOptionalAction, default=None,
+                                help=help_text)
+        else:
+            parser.add_argument(flag_of(name), dest=name, metavar=name.upper(), default=None, help=help_text)
+
+
+def parse_key_values(items: Iterable[str], *, flag: str, example: str,
+                     keys: Optional[Iterable[str]] = None) -> dict[str, Any]:
+    """`KEY=VALUE` words as {KEY: VALUE read as YAML}. With `keys`, only those keys are allowed ('-' reads as '_')."""
+    allowed = None if keys is None else list(keys)
+    options: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if allowed is not None:
+            key = key.replace("-", "_")
+        if not sep or not key:
+            raise UserError(f"{flag} {item!r} is not KEY=VALUE, e.g. {flag} {example}")
+        if allowed is not None and key not in allowed:
+            hint = did_you_mean(key, allowed) or f"valid keys are: {', '.join(allowed)}"
+            raise UserError(f"{flag} {item!r} has unknown key '{key}'; {hint}")
+        try:
+            options[key] = yaml.safe_load(value)
+        except yaml.YAMLError:
+            raise UserError(f"{flag} {item!r}: the value {value!r} is not valid YAML, e.g. {flag} {example}") from None
+    return options
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    """The TrainConfig of parsed `dptrain train` arguments (file, then flags), validated once."""
+    overrides = {name: getattr(args, name) for name in FIELDS}
+    # None, not {}, without the flag: an empty mapping would replace the config file's model_options.
+    overrides["model_options"] = (parse_key_values(args.model_options, flag="--model-option", example="depth=14")
+                                  if args.model_options else None)
+    return resolve(args.config, overrides)
+
+
+def train_config(train_args: Sequence[str]) -> TrainConfig:
+    """Validate `dptrain train` arguments exactly as that command does; returns the TrainConfig."""
+    parser = Parser(prog="dptrain train", allow_abbrev=False)
+    add_config_flags(parser)
+    args, unknown = parser.parse_known_args(list(train_args))
+    if unknown:
+        parser.reject_unknown(unknown)
+    return config_from_args(args)

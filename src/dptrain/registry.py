@@ -1,0 +1,96 @@
+"""Every extension point's entries by name: where each lives ("package.module:Object") and one line of help.
+
+Config validation, command-line choices and help, did-you-mean hints and the cost model all
+derive from these tables, so adding a strategy (scheduler, container runtime, model, data set)
+is its own file plus one line here. Entries are loaded only when used: this module imports
+nothing heavy, so `dptrain --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any
+
+from dptrain.errors import UserError, did_you_mean
+
+
+@dataclass(frozen=True)
+class Entry:
+    target: str  # "package.module:Object", or "package.module" for a backend that is a whole module
+    help: str  # one line, shown after the name in --help
+
+
+@dataclass(frozen=True)
+class StrategyEntry(Entry):
+    # How the cost model times its communication (dptrain.bench.costmodel.COMMUNICATION): a new
+    # strategy that communicates like an existing one is projected without touching the model.
+    communication: str
+
+
+STRATEGIES: dict[str, StrategyEntry] = {
+    "allreduce": StrategyEntry("dptrain.strategies.allreduce:AllReduce", "gradients every step", "step-allreduce"),
+    "sync": StrategyEntry("dptrain.strategies.sync:Sync", "weights every few epochs/steps", "periodic-allreduce"),
+    "async": StrategyEntry("dptrain.strategies.asynchronous:Async", "merges into a global model, no barrier",
+                           "merge-service"),
+    "fedavg": StrategyEntry("dptrain.strategies.fedavg:FedAvg", "federated", "periodic-allreduce"),
+}
+
+# Each a module satisfying dptrain.launch.base.Scheduler.
+SCHEDULERS: dict[str, Entry] = {
+    "slurm": Entry("dptrain.launch.slurm", "sbatch"),
+    "pbs": Entry("dptrain.launch.pbs", "qsub"),
+    "local": Entry("dptrain.launch.local", "this machine"),
+}
+
+# Each a module satisfying dptrain.launch.base.ContainerRuntime.
+CONTAINER_RUNTIMES: dict[str, Entry] = {
+    "udocker": Entry("dptrain.launch.udocker", "rootless through PRoot, a container made by 'dptrain container setup'"),
+    "apptainer": Entry("dptrain.launch.apptainer", "Apptainer or Singularity, one .sif image file"),
+}
+
+# Builders `(input_shape, num_outputs, **options) -> nn.Module`; their keyword-only parameters are the options.
+MODELS: dict[str, Entry] = {
+    "mlp": Entry("dptrain.models.zoo:mlp", "fully connected classifier of flat (or flattened) samples"),
+    "cnn": Entry("dptrain.models.zoo:cnn", "small convolutional classifier of (C, H, W) images"),
+    "resnet": Entry("dptrain.models.resnet:resnet", "CIFAR-style ResNet of (C, H, W) images"),
+    "nfnet": Entry("dptrain.models.nfnet:nfnet", "normaliser-free ResNet of (C, H, W) images (no BatchNorm)"),
+    "mlp-regression": Entry("dptrain.models.zoo:mlp_regression", "fully connected regressor with a sigmoid output"),
+}
+
+# Loaders `(settings: dptrain.data.sources.BuiltinSettings) -> Dataset`.
+DATASETS: dict[str, Entry] = {
+    "digits": Entry("dptrain.data.sources:digits", "scikit-learn's bundled 8x8 handwritten digits, 10 classes"),
+    "synthetic-images": Entry("dptrain.data.sources:synthetic_images", "class-conditional images from the seed"),
+    "synthetic-regression": Entry("dptrain.data.sources:synthetic_regression",
+                                  "a nonlinear target in (0, 1) of standard-normal inputs"),
+}
+
+TABLES: dict[str, dict[str, Entry]] = {
+    "strategy": STRATEGIES,
+    "scheduler": SCHEDULERS,
+    "container runtime": CONTAINER_RUNTIMES,
+    "model": MODELS,
+    "dataset": DATASETS,
+}
+
+
+def names(kind: str) -> tuple[str, ...]:
+    """The registered names of `kind` ('strategy', 'scheduler', 'container runtime', 'model', 'dataset')."""
+    return tuple(TABLES[kind])
+
+
+def help_text(kind: str) -> str:
+    """`name (help), name (help), ...`: what --help says about the choices of `kind`."""
+    return ", ".join(f"{name} ({entry.help})" for name, entry in TABLES[kind].items())
+
+
+def load(kind: str, name: str) -> Any:
+    """Import the object (or backend module) registered as `name`. An unknown name is one line with a hint."""
+    table = TABLES[kind]
+    if name not in table:
+        hint = did_you_mean(name, names(kind))
+        raise UserError(f"unknown {kind} '{name}'; {hint + ' ' if hint else ''}valid names are {', '.join(table)}")
+    module_name, _, attribute = table[name].target.partition(":")
+    module = importlib.import_module(module_name)
+    return getattr(module, attribute) if attribute else module
