@@ -52,6 +52,7 @@ class Checkpointer:
         faults.point("save-begin")
         checkpoint.save(self.out, epoch, self.ctx.rank, state)
         faults.point("save-end")
+        faults.at(self.ctx.rank, None)  # other files written later are not part of a save
         if self.ctx.is_main:
             checkpoint.prune(self.out, self.keep, self.ctx.world_size)
 

@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Union
 
 import torch
-import torch.distributed as dist
 
 from dptrain.config import TrainConfig, build_config, to_yaml
 from dptrain.data import Dataset, load_dataset, sharding
@@ -22,6 +21,7 @@ from dptrain.errors import Preempted, UserError
 from dptrain.models import build_model, check_output_shape
 from dptrain.runtime.distributed import choose_device, destroy_process_group, init_process_group, set_cpu_threads
 from dptrain.runtime.env import DistEnv, detect
+from dptrain.runtime.guard import broadcast_object
 from dptrain.runtime.launcher import launch_local
 from dptrain.strategies import build_strategy
 from dptrain.train.optim import build_optimizer, build_schedule
@@ -152,8 +152,7 @@ def _join_run_dir(config: TrainConfig, env: DistEnv, ctx) -> TrainConfig:
             decision = [str(run_dir), None]
         except UserError as exc:
             decision = [None, str(exc)]
-    if ctx.world_size > 1:
-        dist.broadcast_object_list(decision, src=0)
+    decision = broadcast_object(ctx, "opening the run directory", decision)
     if decision[1]:
         raise UserError(decision[1])
     return config.model_copy(update={"out": decision[0], "workers": ctx.world_size})
