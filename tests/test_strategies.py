@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from distributed import run_distributed
-from dptrain.strategies import AllReduce, Sync
+from dptrain.strategies import AllReduce, Async, FedAvg, Sync
 from dptrain.strategies.collectives import average_module, broadcast_module
 from dptrain.data import sharding
 from dptrain.train.trainer import Trainer
@@ -251,3 +251,41 @@ def test_one_worker_communicates_nothing():
                           batch_size=BATCH, verbose=False)
         trainer.fit((x, y), epochs=1)
         assert strategy.comm_bytes == 0
+
+
+class _Flagged(nn.Module):
+    """A layer with a bool buffer that only rank 1's replica sets while it trains."""
+
+    def __init__(self, rank):
+        super().__init__()
+        self.linear = nn.Linear(8, 3)
+        self.rank = rank
+        self.register_buffer("flag", torch.tensor([rank == 1, False]))  # unequal before the start
+
+    def forward(self, x):
+        if self.training and self.rank == 1:
+            self.flag[1] = True
+        return self.linear(x)
+
+
+def _bool_buffer_worker(rank, world, name):
+    torch.manual_seed(0)
+    model = _Flagged(rank)
+    strategy = {"sync": Sync, "fedavg": FedAvg, "async": Async}[name]()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "cross-entropy", strategy, batch_size=8,
+                      verbose=False)
+    x, y = torch.randn(64, 8), torch.randint(0, 3, (64,))
+    started = []
+    strategy_setup = strategy.setup
+    strategy.setup = lambda *a: (result := strategy_setup(*a), started.append(model.flag.clone()))[0]
+    trainer.fit((x, y), epochs=1)
+    return started[0], model.flag.clone()
+
+
+@pytest.mark.parametrize("name", ["sync", "fedavg", "async"])
+def test_bool_buffers_start_equal_and_end_as_the_logical_or_of_the_replicas(name):
+    (start0, end0), (start1, end1) = run_distributed(_bool_buffer_worker, 2, name)
+    assert start0.tolist() == start1.tolist() == [False, False]  # rank 0's, broadcast at the start
+    assert torch.equal(end0, end1)
+    if name != "async":  # averaged strategies: OR; async adopts rank 0's at the end, like integer buffers
+        assert end0.tolist() == [False, True]

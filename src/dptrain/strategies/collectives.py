@@ -19,14 +19,16 @@ def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
 
 
 def module_state(module: nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """(floating tensors to average, integer tensors to max): all parameters and buffers."""
+    """(floating tensors to average, integer and bool tensors to max): all parameters and buffers.
+
+    The max of bool buffers (masks, flags) is their logical OR across replicas."""
     floating: list[torch.Tensor] = list(module.parameters())
     integer: list[torch.Tensor] = []
     for buffer in module.buffers():
         if buffer.is_floating_point() or buffer.is_complex():
             floating.append(buffer)
-        elif buffer.dtype != torch.bool:
-            integer.append(buffer)  # e.g. BatchNorm's num_batches_tracked
+        else:
+            integer.append(buffer)  # e.g. BatchNorm's num_batches_tracked, a bool mask
     return floating, integer
 
 
@@ -43,6 +45,8 @@ def _apply_flat(tensors: list[torch.Tensor], collective) -> int:
     for same_dtype in _by_dtype(tensors).values():
         with torch.no_grad():
             flat = torch.cat([t.detach().reshape(-1) for t in same_dtype])
+            if flat.dtype == torch.bool:  # not every backend reduces bool: as bytes, 0 and 1
+                flat = flat.to(torch.uint8)
             collective(flat)
             sent += flat.numel() * flat.element_size()
             unflatten_into(same_dtype, flat)
