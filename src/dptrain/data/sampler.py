@@ -1,23 +1,27 @@
 """Which rows a rank reads in each epoch, in which order, and the batches they make.
 
 An EpochPlan is the whole answer for one rank: the number of steps per epoch (the same on
-every rank, or a per-step collective would hang), the rows of each epoch in visiting order,
-and, when a rank keeps the same rows for the whole run (local shuffle, fixed partitions), those
-rows, so they are read once. Every strategy takes its plan from `Strategy.epoch_plan`: the
+every rank, or a per-step collective would hang) and the rows of each epoch in visiting order.
+Every strategy takes its plan from `Strategy.epoch_plan`: the
 shared sharding by default (dptrain.data.sharding), fixed partitions for fedavg.
 
-BatchReader turns a plan and the (x, y) DSTensors into tensors, one batch per step.
+A DataLoader driven by the plan (`PlanBatches`) streams the batches: no layer reads a
+worker's whole shard at once. Arrays and DSTensors enter as `ArrayPairs`, which reads a batch's
+rows in one call; a user's own map-style Dataset of (x, y) items enters as it is, with
+DataLoader's worker processes, pinned memory and prefetching when asked for.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterator, Optional, Union
+from typing import Callable, Iterator, Union
 
 import numpy as np
 import torch
+from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
 from dptrain.data.dstensor import DSTensor
+from dptrain.errors import UserError
 from dptrain.data import sharding
 
 ArrayLike = Union[DSTensor, np.ndarray, torch.Tensor]
@@ -25,11 +29,10 @@ ArrayLike = Union[DSTensor, np.ndarray, torch.Tensor]
 
 @dataclass
 class EpochPlan:
-    """One rank's reading plan: `steps` per epoch, `rows(epoch)` in order, `fixed_rows` read once or None."""
+    """One rank's reading plan: `steps` per epoch and `rows(epoch)`, the rows of an epoch in visiting order."""
 
     steps: int
     rows: Callable[[int], np.ndarray]
-    fixed_rows: Optional[np.ndarray] = None
 
 
 def shard_plan(n_samples: int, rank: int, world: int, batch_size: int, seed: int, shuffle: str) -> EpochPlan:
@@ -37,8 +40,7 @@ def shard_plan(n_samples: int, rank: int, world: int, batch_size: int, seed: int
     def rows(epoch: int) -> np.ndarray:
         return sharding.epoch_indices(n_samples, rank, world, epoch, seed, shuffle)
 
-    fixed = None if shuffle == "global" else np.sort(rows(0))
-    return EpochPlan(sharding.steps_per_epoch(n_samples, world, batch_size), rows, fixed)
+    return EpochPlan(sharding.steps_per_epoch(n_samples, world, batch_size), rows)
 
 
 def partition_plan(partition: np.ndarray, rank: int, batch_size: int, seed: int) -> EpochPlan:
@@ -48,7 +50,7 @@ def partition_plan(partition: np.ndarray, rank: int, batch_size: int, seed: int)
     def rows(epoch: int) -> np.ndarray:
         return fixed[np.random.default_rng(sharding.derive_seed(seed, epoch, rank)).permutation(len(fixed))]
 
-    return EpochPlan(max(1, -(-len(fixed) // batch_size)), rows, fixed)
+    return EpochPlan(max(1, -(-len(fixed) // batch_size)), rows)
 
 
 def as_dstensor(data: ArrayLike) -> DSTensor:
@@ -64,22 +66,106 @@ def to_tensor(array: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(array))
 
 
-class BatchReader:
-    """The batches of one rank's plan as (x, y) tensors; fixed rows are read from the source once."""
+def _cast(tensor: torch.Tensor) -> torch.Tensor:
+    """A user Dataset's batch as the loop wants it: float64 -> float32, integer labels -> int64."""
+    if tensor.dtype == torch.float64:
+        return tensor.float()
+    if not tensor.is_floating_point() and not tensor.is_complex() and tensor.dtype not in (torch.int64, torch.bool):
+        return tensor.long()
+    return tensor
 
-    def __init__(self, x: DSTensor, y: DSTensor, plan: EpochPlan) -> None:
-        self.x, self.y, self.plan = x, y, plan
-        if plan.fixed_rows is not None:
-            self._xs, self._ys = to_tensor(x.take(plan.fixed_rows)), to_tensor(y.take(plan.fixed_rows))
 
-    def epoch(self, epoch: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        order = self.plan.rows(epoch)
-        if self.plan.fixed_rows is None:
-            xs, ys = to_tensor(self.x.take(order)), to_tensor(self.y.take(order))
-            positions = np.arange(len(order))
-        else:
-            xs, ys = self._xs, self._ys
-            positions = np.searchsorted(self.plan.fixed_rows, order)
-        for batch in sharding.batches(positions, self.plan.steps):
-            batch = torch.from_numpy(batch)
-            yield xs[batch], ys[batch]
+class ArrayPairs(Dataset):
+    """(x, y) DSTensors as a map-style Dataset that reads a whole batch of rows at once."""
+
+    def __init__(self, x: DSTensor, y: DSTensor) -> None:
+        if len(x) != len(y):
+            raise UserError(f"x has {len(x)} samples but y has {len(y)}; they must match")
+        self.x, self.y = x, y
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, row: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = self.__getitems__([row])
+        return x[0], y[0]
+
+    def __getitems__(self, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        return to_tensor(self.x.take(rows)), to_tensor(self.y.take(rows))
+
+    def labels(self) -> np.ndarray:
+        return self.y.to_numpy()
+
+
+TrainData = Union[tuple, list, Dataset]
+
+
+def as_dataset(data: TrainData) -> Dataset:
+    """A (x, y) pair of arrays, tensors or DSTensors, or any map-style Dataset of (x, y) items."""
+    if isinstance(data, Dataset):
+        return data
+    if isinstance(data, (tuple, list)) and len(data) == 2:
+        return ArrayPairs(as_dstensor(data[0]), as_dstensor(data[1]))
+    raise TypeError(f"training and test data must be an (x, y) pair or a torch Dataset, not {type(data).__name__}")
+
+
+def labels_of(dataset: Dataset, log: Callable[[str], None] = print) -> np.ndarray:
+    """Every sample's label (for partitioners): from the data, a `targets`/`labels` attribute, or one pass."""
+    if isinstance(dataset, ArrayPairs):
+        return dataset.labels()
+    for name in ("targets", "labels"):
+        if hasattr(dataset, name) and not callable(getattr(dataset, name)):
+            return np.asarray(getattr(dataset, name))
+    log(f"dptrain: reading the labels of all {len(dataset)} samples once (the Dataset has no `targets` attribute)")
+    return np.asarray([np.asarray(dataset[i][1]) for i in range(len(dataset))])
+
+
+class PlanBatches(Sampler):
+    """The rows of each step of one epoch of a plan, as a DataLoader batch sampler (call set_epoch first)."""
+
+    def __init__(self, plan: EpochPlan) -> None:
+        self.plan, self.epoch = plan, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return self.plan.steps
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for batch in sharding.batches(self.plan.rows(self.epoch), self.plan.steps):
+            yield batch.tolist()
+
+
+class _Rows(Sampler):
+    """Fixed batches of rows (evaluation: a rank's contiguous slice, in order)."""
+
+    def __init__(self, batches: list[list[int]]) -> None:
+        self.batches = batches
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return iter(self.batches)
+
+
+def _collate(batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """ArrayPairs hands over a ready (x, y); a user Dataset a list of (x, y) items."""
+    x, y = batch if isinstance(batch, tuple) else default_collate(batch)
+    return _cast(x), _cast(y)
+
+
+def loader(dataset: Dataset, batch_sampler: Sampler, workers: int = 0, pin_memory: bool = False) -> DataLoader:
+    """A DataLoader over `dataset` whose batches are exactly the sampler's rows, in its order."""
+    return DataLoader(dataset, batch_sampler=batch_sampler, collate_fn=_collate, num_workers=workers,
+                      pin_memory=pin_memory, persistent_workers=workers > 0)
+
+
+def evaluation_loader(dataset: Dataset, rank: int, world: int, batch_size: int, workers: int = 0,
+                      pin_memory: bool = False) -> DataLoader:
+    """This rank's contiguous slice of `dataset` (all of it when world is 1), in order, `batch_size` rows a batch."""
+    n = len(dataset)
+    start, stop = rank * n // world, (rank + 1) * n // world
+    batches = [list(range(first, min(first + batch_size, stop))) for first in range(start, stop, batch_size)]
+    return loader(dataset, _Rows(batches), workers, pin_memory)

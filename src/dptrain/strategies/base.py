@@ -10,8 +10,9 @@ Adding a strategy means adding one file with one subclass and registering its na
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -68,9 +69,10 @@ class Strategy:
         """(module to evaluate on this rank or None, whether all ranks evaluate it together)."""
         return self.model, True
 
-    def epoch_plan(self, ctx: DistContext, n_samples: int, labels, batch_size: int, seed: int,
-                   shuffle: str) -> EpochPlan:
-        """Which rows this rank reads per epoch: the shared sharding, unless a strategy keeps its own."""
+    def epoch_plan(self, ctx: DistContext, n_samples: int, labels: Callable[[], np.ndarray], batch_size: int,
+                   seed: int, shuffle: str) -> EpochPlan:
+        """Which rows this rank reads per epoch: the shared sharding, unless a strategy keeps its own
+        (`labels()` reads every sample's label, for partitions by class)."""
         return shard_plan(n_samples, ctx.rank, ctx.world_size, batch_size, seed, shuffle)
 
     def trains_in_epoch(self, epoch: int) -> bool:

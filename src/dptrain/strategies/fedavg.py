@@ -57,7 +57,7 @@ class FedAvg(Strategy):
     def epoch_plan(self, ctx: DistContext, n_samples: int, labels, batch_size: int, seed: int,
                    shuffle: str) -> EpochPlan:
         """This client's partition for the whole run, permuted each epoch (`shuffle` does not apply)."""
-        return partition_plan(self.partition(labels, ctx.world_size, seed)[ctx.rank], ctx.rank, batch_size, seed)
+        return partition_plan(self.partition(labels(), ctx.world_size, seed)[ctx.rank], ctx.rank, batch_size, seed)
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, ctx: DistContext) -> nn.Module:
         super().setup(model, optimizer, ctx)

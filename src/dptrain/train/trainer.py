@@ -16,11 +16,11 @@ import time
 from pathlib import Path
 from typing import Callable, Optional, Union
 
-import numpy as np
 import torch
 from torch import nn
+from torch.utils.data import DataLoader, Dataset
 
-from dptrain.data.sampler import ArrayLike, BatchReader, as_dstensor, to_tensor
+from dptrain.data.sampler import PlanBatches, TrainData, as_dataset, evaluation_loader, labels_of, loader
 from dptrain.errors import Preempted, UserError
 from dptrain.runtime.distributed import DistContext, init_process_group
 from dptrain.runtime.env import detect
@@ -30,7 +30,6 @@ from dptrain.train.checkpointer import Checkpointer
 from dptrain.train.preemption import StopSignals
 from dptrain.train.recorder import EpochStats, Recorder, Summary
 
-Split = tuple[ArrayLike, ArrayLike]
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 Schedule = Callable[[torch.optim.Optimizer, int, int], object]
 EVAL_BATCH = 1024
@@ -67,8 +66,8 @@ class Trainer:
                  strategy: Optional[Strategy] = None, *, batch_size: int = 32, schedule: Optional[Schedule] = None,
                  amp: str = "none", grad_clip: Optional[float] = None, seed: int = 0, shuffle: str = "global",
                  device: str = "auto", timeout: float = 300.0, out: Optional[str] = None, progress: bool = True,
-                 verbose: bool = True, checkpoint_every: int = 0, keep_checkpoints: int = 2,
-                 resume: bool = False) -> None:
+                 verbose: bool = True, loader_workers: int = 0, checkpoint_every: int = 0,
+                 keep_checkpoints: int = 2, resume: bool = False) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer over the model's parameters, "
                             f"not {type(optimizer).__name__}")
@@ -81,11 +80,12 @@ class Trainer:
         self.batch_size, self.schedule, self.amp, self.grad_clip = batch_size, schedule, amp, grad_clip
         self.seed, self.shuffle, self.device, self.timeout = seed, shuffle, device, timeout
         self.out = Path(out) if out else None
-        self.progress, self.verbose = progress, verbose
+        self.progress, self.verbose, self.loader_workers = progress, verbose, loader_workers
         self.checkpoint_every, self.keep_checkpoints, self.resume = checkpoint_every, keep_checkpoints, resume
         self.scaler: Optional[torch.amp.GradScaler] = None
         self.stop_signals = StopSignals()
         self._slowdown = 1.0
+        self._evaluation_loaders: dict = {}
 
     def emulate_straggler(self, factor: float) -> "Trainer":
         """Make this rank's steps take `factor` times as long (benchmarks of unequal workers)."""
@@ -109,14 +109,15 @@ class Trainer:
         return self.ctx
 
     # -- the loop -----------------------------------------------------------------------
-    def fit(self, train: Split, test: Optional[Split] = None, epochs: int = 1) -> Summary:
-        """Train for `epochs`; return the Summary (also written to OUT/summary.json)."""
+    def fit(self, train: TrainData, test: Optional[TrainData] = None, epochs: int = 1) -> Summary:
+        """Train for `epochs` on `train` ((x, y) arrays, tensors or DSTensors, or a torch Dataset of (x, y)
+        items); evaluate on `test` after each epoch; return the Summary (also written to OUT/summary.json)."""
         ctx, strategy = self._connect(), self.strategy
-        x_train, y_train = (as_dstensor(a) for a in train)
-        if len(x_train) != len(y_train):
-            raise UserError(f"x has {len(x_train)} samples but y has {len(y_train)}; they must match")
-        plan = strategy.epoch_plan(ctx, len(x_train), y_train, self.batch_size, self.seed, self.shuffle)
-        reader = BatchReader(x_train, y_train, plan)
+        train, test = as_dataset(train), (as_dataset(test) if test is not None else None)
+        plan = strategy.epoch_plan(ctx, len(train), lambda: labels_of(train, self.recorder.log), self.batch_size,
+                                   self.seed, self.shuffle)
+        batches = PlanBatches(plan)
+        reader = loader(train, batches, self.loader_workers, pin_memory=ctx.device.type == "cuda")
         scheduler = self.schedule(self.optimizer, plan.steps, epochs) if self.schedule else None
         torch.manual_seed(self.seed + ctx.rank)  # dropout and friends differ per worker, reproducibly
         train_model = guard(ctx, "setup", lambda: strategy.setup(self.model, self.optimizer, ctx))
@@ -128,6 +129,7 @@ class Trainer:
         evaluated = False  # whether the last epoch evaluated the global model
         for epoch in range(start_epoch, epochs):
             epoch_start = time.perf_counter()
+            batches.set_epoch(epoch)
             samples, loss_sum, step = self._train_epoch(train_model, reader, epoch, epochs, step, scheduler)
             is_global = guard(ctx, "end_epoch", lambda: strategy.end_epoch(epoch))
             stats = EpochStats(ctx.rank, samples, float(loss_sum) / max(samples, 1),
@@ -153,14 +155,14 @@ class Trainer:
             final_metrics = self.recorder.last_evaluation() if reuse else self.evaluate(final, test)
         return self._summarise(final, epochs, wall, final_metrics)
 
-    def _train_epoch(self, model: nn.Module, reader: BatchReader, epoch: int, epochs: int, step: int,
+    def _train_epoch(self, model: nn.Module, reader: DataLoader, epoch: int, epochs: int, step: int,
                      scheduler) -> tuple[int, Union[float, torch.Tensor], int]:
         """One epoch of steps with the strategy's per-step hooks: (samples, loss sum, step count)."""
         training = self.strategy.trains_in_epoch(epoch)
         model.train()
         loss_sum, seen = 0.0, 0
-        bar = self.recorder.progress_bar(reader.plan.steps if training else 0, epoch, epochs)
-        for x, y in (reader.epoch(epoch) if training else []):
+        bar = self.recorder.progress_bar(len(reader) if training else 0, epoch, epochs)
+        for x, y in (reader if training else []):
             step_start = time.perf_counter()
             loss = self._train_step(model, x, y)
             if self._slowdown > 1:  # straggler emulation: this rank computes `slowdown` times slower
@@ -208,42 +210,47 @@ class Trainer:
         return state["epoch"], state["step"], state["wall_seconds"]
 
     # -- evaluation and the summary ------------------------------------------------------------
-    def _evaluate_global(self, test: Split) -> Optional[dict]:
+    def _evaluate_global(self, test: Dataset) -> Optional[dict]:
         module, collective = self.strategy.evaluation_target()
         if module is None:
             return None
         return self.evaluate(module, test, collective=collective)
 
     @torch.no_grad()
-    def evaluate(self, model: nn.Module, test: Split, collective: bool = True) -> dict:
-        """Loss and accuracy of `model` over the whole test split.
+    def evaluate(self, model: nn.Module, test: TrainData, collective: bool = True) -> dict:
+        """Loss and accuracy of `model` over the whole test split (accuracy None for float targets).
 
         Collectively (the model is the same on every rank): each rank evaluates its slice and
         three numbers are summed across ranks (metric traffic, not counted in comm_bytes).
         Otherwise this rank evaluates all of it alone.
         """
-        x_test, y_test = (as_dstensor(a) for a in test)
         rank, world = (self.ctx.rank, self.ctx.world_size) if collective else (0, 1)
-        x_part, y_part = x_test.shard(rank, world), y_test.shard(rank, world)
         was_training = model.training
         model.eval()
         totals = torch.zeros(3, dtype=torch.float64)  # loss sum, correct, count
-        classify = np.dtype(y_test.dtype).kind in "iu"
-        for start in range(0, len(x_part), EVAL_BATCH):
-            rows = np.arange(start, min(start + EVAL_BATCH, len(x_part)))
-            x = to_tensor(x_part.take(rows)).to(self.ctx.device)
-            y = to_tensor(y_part.take(rows)).to(self.ctx.device)
+        classify = True
+        for x, y in self._evaluation_batches(test, rank, world):
+            x, y = x.to(self.ctx.device), y.to(self.ctx.device)
             output = model(x).float()
-            totals[0] += self.loss_fn(output, y).item() * len(rows)
+            totals[0] += self.loss_fn(output, y).item() * len(y)
+            classify = not y.is_floating_point()
             if classify:
                 totals[1] += (output.argmax(dim=1) == y).sum().item()
-            totals[2] += len(rows)
+            totals[2] += len(y)
         model.train(was_training)
         if world > 1:
             totals = sum_tensor(self.ctx, "evaluate", totals)
         count = max(totals[2].item(), 1.0)
         return {"test_loss": totals[0].item() / count,
                 "test_accuracy": totals[1].item() / count if classify else None}
+
+    def _evaluation_batches(self, test: TrainData, rank: int, world: int) -> DataLoader:
+        """The DataLoader of this rank's part of `test`, made once (its worker processes persist)."""
+        key = (id(test), rank, world)
+        if key not in self._evaluation_loaders:
+            self._evaluation_loaders[key] = evaluation_loader(as_dataset(test), rank, world, EVAL_BATCH,
+                                                              self.loader_workers)
+        return self._evaluation_loaders[key]
 
     def _summarise(self, final: nn.Module, epochs: int, wall: float, test: Optional[dict]) -> Summary:
         workers = self.strategy.workers_history(self.recorder.history)
