@@ -11,7 +11,6 @@ import textwrap
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import dptrain
 from dptrain.runtime.env import free_port
@@ -87,8 +86,13 @@ def test_the_trainer_needs_an_optimizer_and_joins_no_process_group_before_fit():
     model = torch.nn.Linear(4, 2)
     with pytest.raises(TypeError, match="optimizer must be a torch.optim.Optimizer"):
         dptrain.Trainer(model, None)
-    dptrain.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    assert not dist.is_initialized()
+    fresh = subprocess.run([sys.executable, "-c", textwrap.dedent("""
+        import torch, torch.distributed as dist, dptrain
+        model = torch.nn.Linear(4, 2)
+        dptrain.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        print(dist.is_initialized())
+    """)], env=_env(), capture_output=True, text=True, timeout=60)
+    assert fresh.stdout.strip() == "False", fresh.stderr
 
 
 def test_summary_round_trips_through_its_dict_with_strategy_results_flattened():

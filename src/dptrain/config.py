@@ -26,7 +26,8 @@ class TrainConfig(BaseModel):
     strategy: Literal[registry.names("strategy")] = Field(  # type: ignore[valid-type] - the registry's names
         "allreduce", description=f"how workers synchronise: {registry.help_text('strategy')}")
     dataset: Optional[str] = Field("digits", description=f"built-in data set: {', '.join(registry.names('dataset'))}")
-    data: Optional[str] = Field(None, description="user data file (.npz, .npy, .h5, .zarr) with x, y and optional x_test, y_test; replaces --dataset")
+    data: Optional[str] = Field(None, description="user data: a file (.npz, .npy, .h5, .zarr) with x, y and optional x_test, y_test, or "
+                                                  "package.module:factory returning (train, test) torch Datasets; replaces --dataset")
     model: str = Field("mlp", description=f"{', '.join(registry.names('model'))}, or package.module:factory")
     model_options: dict[str, Any] = Field(default_factory=dict, description="model options as KEY=VALUE (repeatable), e.g. depth=14")
     samples: Optional[int] = Field(None, ge=1, description="number of samples of a synthetic data set")
@@ -58,6 +59,8 @@ class TrainConfig(BaseModel):
     seed: int = Field(0, ge=0, description="seed for model initialisation and data order")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto uses cuda:LOCAL_RANK when GPUs exist")
     timeout: float = Field(300.0, gt=0, description="seconds any wait on another worker may take before failing")
+    loader_workers: Optional[int] = Field(None, ge=0, description="DataLoader worker processes per rank; default 0 "
+                                                                  "on the CPU, up to 4 per GPU rank")
 
     # Strategy options
     slow_worker: Optional[str] = Field(None, pattern=r"^\d+:\d+(\.\d+)?(,\d+:\d+(\.\d+)?)*$",

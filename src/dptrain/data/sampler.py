@@ -18,7 +18,7 @@ from typing import Callable, Iterator, Union
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
+from torch.utils.data import DataLoader, Dataset, Sampler, Subset, default_collate
 
 from dptrain.data.dstensor import DSTensor
 from dptrain.errors import UserError
@@ -116,6 +116,10 @@ def labels_of(dataset: Dataset, log: Callable[[str], None] = print) -> np.ndarra
     for name in ("targets", "labels"):
         if hasattr(dataset, name) and not callable(getattr(dataset, name)):
             return np.asarray(getattr(dataset, name))
+    if isinstance(dataset, Subset):  # a held-out split: its parent's labels where it has them
+        parent = dataset.dataset
+        if isinstance(parent, ArrayPairs) or any(hasattr(parent, n) for n in ("targets", "labels")):
+            return labels_of(parent, log)[np.asarray(dataset.indices)]
     log(f"dptrain: reading the labels of all {len(dataset)} samples once (the Dataset has no `targets` attribute)")
     return np.asarray([np.asarray(dataset[i][1]) for i in range(len(dataset))])
 

@@ -38,6 +38,7 @@ import numpy as np
 
 from dptrain import registry
 from dptrain.data.dstensor import DSTensor, list_arrays
+from dptrain.data.sampler import ArrayPairs
 from dptrain.errors import UserError, did_you_mean
 
 DATASET_NAMES = registry.names("dataset")
@@ -56,6 +57,12 @@ class Dataset:
     num_classes: int | None  # None for regression
     input_shape: tuple[int, ...]  # per-sample shape of x
     name: str
+
+    def train_set(self) -> ArrayPairs:
+        return ArrayPairs(self.x_train, self.y_train)
+
+    def test_set(self) -> ArrayPairs:
+        return ArrayPairs(self.x_test, self.y_test)
 
     @property
     def num_outputs(self) -> int:

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from typing import Any, Callable
 
 from torch import nn
 
 from dptrain.errors import UserError
+from dptrain.imports import load_callable
 
 
 def is_user_model(name: str) -> bool:
@@ -34,25 +34,7 @@ def build_user_model(
 
 
 def load_factory(spec: str) -> Callable[..., Any]:
-    module_name, _, attribute = spec.partition(":")
-    if not module_name or not attribute or ":" in attribute:
-        raise UserError(f"model '{spec}' is not of the form package.module:factory, e.g. mypkg.nets:build")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as error:
-        raise UserError(
-            f"cannot import module '{module_name}' for --model {spec}: {type(error).__name__}: {error}"
-        ) from error
-    factory = getattr(module, attribute, None)
-    if factory is None:
-        available = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
-        raise UserError(
-            f"module '{module_name}' has no attribute '{attribute}' for --model {spec}; "
-            f"its public callables are: {', '.join(available) or 'none'}"
-        )
-    if not callable(factory):
-        raise UserError(f"'{spec}' is a {type(factory).__name__}, but it must be a callable that builds the model")
-    return factory
+    return load_callable(spec, "--model", "model", "builds the model")
 
 
 def _data_keywords(

@@ -11,12 +11,14 @@ import os
 import sys
 from functools import partial
 from pathlib import Path
-from typing import Union
+from typing import Optional, Union
 
 import torch
 
 from dptrain.config import TrainConfig, build_config, to_yaml
 from dptrain.data import Dataset, load_dataset, sharding
+from dptrain.data.user import DataSplits, load_user_data
+from dptrain.imports import looks_like_spec
 from dptrain.errors import Preempted, UserError
 from dptrain.models import build_model, check_output_shape
 from dptrain.runtime.distributed import choose_device, destroy_process_group, init_process_group, set_cpu_threads
@@ -33,7 +35,10 @@ from dptrain.train.checkpointer import load_model_state
 from dptrain.train.trainer import Trainer, check_amp
 
 
-def load_data(config: TrainConfig, check_values: bool = True) -> Dataset:
+def load_data(config: TrainConfig, check_values: bool = True, log=print) -> Union[Dataset, DataSplits]:
+    """The data a config names: a built-in data set, a file, or a user's factory (package.module:function)."""
+    if config.data is not None and looks_like_spec(config.data) and not os.path.exists(config.data):
+        return load_user_data(config.data, config.seed, log=log)
     return load_dataset(config.dataset if config.data is None else None, data_path=config.data, seed=config.seed,
                         block_size=config.block_size, samples=config.samples, image_size=config.image_size,
                         channels=config.channels, classes=config.classes, features=config.features,
@@ -64,11 +69,12 @@ def validate(config: TrainConfig) -> torch.nn.Module:
     if (loss == "cross-entropy") != (data.task == "classification"):
         valid = "cross-entropy" if data.task == "classification" else "mse"
         raise UserError(f"--loss {loss} does not fit this {data.task} data set; use {valid} or auto")
-    sharding.check_workers(len(data.x_train), config.workers)
-    if config.batch_size > len(data.x_train) // config.workers:
+    samples = len(data.train_set())
+    sharding.check_workers(samples, config.workers)
+    if config.batch_size > samples // config.workers:
         raise UserError(f"--batch-size {config.batch_size} is larger than a worker's shard of "
-                        f"{len(data.x_train) // config.workers} samples ({len(data.x_train)} samples over "
-                        f"{config.workers} workers); use at most {len(data.x_train) // config.workers}")
+                        f"{samples // config.workers} samples ({samples} samples over "
+                        f"{config.workers} workers); use at most {samples // config.workers}")
     return model
 
 
@@ -147,7 +153,7 @@ def _join_run_dir(config: TrainConfig, env: DistEnv, ctx) -> TrainConfig:
         config = config.model_copy(update={"workers": ctx.world_size})
         out = config.out or default_run_dir(config.strategy, env.job_id or os.environ.get("TORCHELASTIC_RUN_ID"))
         try:
-            model = make_model(config, load_data(config, check_values=False))
+            model = make_model(config, load_data(config, check_values=False, log=lambda message: None))
             run_dir, _ = prepare_run_dir(config, out, ctx.world_size, model)
             decision = [str(run_dir), None]
         except UserError as exc:
@@ -170,7 +176,9 @@ def run_worker(config: TrainConfig, env: DistEnv) -> Summary:
         if env.launcher != "local":
             config = _join_run_dir(config, env, ctx)
         # validate() checked the data before spawning (or running alone); under other launchers rank 0 does.
-        data = load_data(config, check_values=env.launched and env.launcher != "local" and ctx.is_main)
+        said_by_launcher = not env.launched or env.launcher == "local"
+        data = load_data(config, check_values=not said_by_launcher and ctx.is_main,
+                         log=print if ctx.is_main and not said_by_launcher else (lambda message: None))
         model = make_model(config, data)
         lr = config.lr * (ctx.world_size if config.scale_lr else 1)
         optimizer = build_optimizer(config.optimizer, model.parameters(), lr=lr, momentum=config.momentum,
@@ -180,12 +188,24 @@ def run_worker(config: TrainConfig, env: DistEnv) -> Summary:
                           batch_size=config.batch_size, schedule=schedule, amp=config.amp,
                           grad_clip=config.grad_clip, seed=config.seed, shuffle=config.shuffle,
                           device=config.device, timeout=config.timeout, out=config.out, progress=config.progress,
+                          loader_workers=loader_workers(config.loader_workers, ctx),
                           checkpoint_every=config.checkpoint_every, keep_checkpoints=config.keep_checkpoints,
                           resume=True)
         trainer.emulate_straggler(config.slow_workers().get(ctx.rank, 1.0))
-        return trainer.fit((data.x_train, data.y_train), (data.x_test, data.y_test), epochs=config.epochs)
+        return trainer.fit(data.train_set(), data.test_set(), epochs=config.epochs)
     finally:
         destroy_process_group()
+
+
+def loader_workers(asked: Optional[int], ctx) -> int:
+    """DataLoader processes per rank: as asked, else none on the CPU (the ranks already use every
+    core) and up to 4 per GPU rank, to keep it fed."""
+    if asked is not None:
+        return asked
+    if ctx.device.type != "cuda":
+        return 0
+    ranks_here = max(1, torch.cuda.device_count())
+    return max(0, min(4, (os.cpu_count() or 1) // ranks_here - 1))
 
 
 def _schedule(config: TrainConfig, optimizer, steps_per_epoch: int, epochs: int):

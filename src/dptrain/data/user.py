@@ -1,0 +1,91 @@
+"""A user's own data: `--data package.module:factory`, a function returning torch Datasets.
+
+The factory returns `(train, test)`, or `train` alone (or `(train, None)`): then 20 % of it,
+chosen by the seed, is held out for testing, and that is said. Items are `(x, y)` pairs; integer
+labels make a classification task (classes = the largest label + 1), float targets a
+regression. Every rank calls the factory itself, so it should be cheap (open files lazily).
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset, Subset
+
+from dptrain.data.sampler import labels_of
+from dptrain.errors import UserError
+from dptrain.imports import load_callable
+
+
+@dataclass
+class DataSplits:
+    """Train and test Datasets with what a model needs to know about them."""
+
+    train: Dataset
+    test: Dataset
+    task: str  # "classification" | "regression"
+    num_classes: Optional[int]
+    input_shape: tuple[int, ...]
+    num_outputs: int
+    name: str
+
+    def train_set(self) -> Dataset:
+        return self.train
+
+    def test_set(self) -> Dataset:
+        return self.test
+
+
+def _item(dataset: Dataset, spec: str, which: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Item 0 as tensors, or one line saying what is wrong with it."""
+    try:
+        item = dataset[0]
+    except Exception as error:
+        raise UserError(f"--data {spec}: reading item 0 of the {which} Dataset raised "
+                        f"{type(error).__name__}: {error}") from error
+    if not isinstance(item, (tuple, list)) or len(item) != 2:
+        raise UserError(f"--data {spec}: item 0 of the {which} Dataset is of type {type(item).__name__}; "
+                        "each item must be an (x, y) pair")
+    try:
+        return torch.as_tensor(np.asarray(item[0])), torch.as_tensor(np.asarray(item[1]))
+    except (TypeError, ValueError, RuntimeError) as error:
+        raise UserError(f"--data {spec}: item 0 of the {which} Dataset holds a {type(item[0]).__name__} and a "
+                        f"{type(item[1]).__name__}, which are not arrays or numbers: {error}") from None
+
+
+def _is_dataset(value: Any) -> bool:
+    return hasattr(value, "__getitem__") and hasattr(value, "__len__") and not isinstance(value, (tuple, list))
+
+
+def load_user_data(spec: str, seed: int, test_fraction: float = 0.2,
+                   log: Callable[[str], None] = print) -> DataSplits:
+    """Call the factory `spec` names and describe what it returned."""
+    factory = load_callable(spec, "--data", "data", "returns (train, test) Datasets")
+    try:
+        returned = factory(seed=seed) if "seed" in inspect.signature(factory).parameters else factory()
+    except Exception as error:
+        raise UserError(f"data factory {spec} raised {type(error).__name__}: {error}") from error
+    train, test = (returned if isinstance(returned, (tuple, list)) and len(returned) == 2 else (returned, None))
+    for which, value in (("train", train), ("test", test)):
+        if value is not None and not _is_dataset(value):
+            raise UserError(f"data factory {spec} returned a value of type {type(value).__name__} as its {which} set; "
+                            "return (train, test) map-style Datasets (test may be None)")
+    if len(train) < 2:
+        raise UserError(f"data factory {spec} returned a training set of {len(train)} samples; it needs at least 2")
+    if test is None:
+        held_out = max(1, round(test_fraction * len(train)))
+        order = np.random.default_rng(seed).permutation(len(train)).tolist()
+        log(f"dptrain: {spec} gave no test set: holding out {held_out} of its {len(train)} samples "
+            f"({test_fraction:.0%}, chosen by the seed) for testing")
+        train, test = Subset(train, order[held_out:]), Subset(train, order[:held_out])
+    x, y = _item(train, spec, "train")
+    if y.is_floating_point():
+        task, classes, outputs = "regression", None, max(1, y.numel())
+    else:
+        task = "classification"
+        classes = outputs = int(np.max(labels_of(train, log))) + 1
+    return DataSplits(train, test, task, classes, tuple(x.shape), outputs, spec)

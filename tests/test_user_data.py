@@ -1,0 +1,98 @@
+"""`--data package.module:factory`: a user's own torch Datasets through the CLI, under every strategy."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+MODULE = textwrap.dedent("""
+    import numpy as np
+    import torch
+    from sklearn.datasets import load_digits
+
+
+    class Digits(torch.utils.data.Dataset):
+        def __init__(self, x, y):
+            self.x, self.y = x, y
+
+        def __len__(self):
+            return len(self.x)
+
+        def __getitem__(self, index):
+            return torch.from_numpy(self.x[index]), int(self.y[index])
+
+
+    def _arrays():
+        digits = load_digits()
+        return (digits.images / 16.0).astype(np.float32), digits.target
+
+
+    def make():
+        x, y = _arrays()
+        return Digits(x[:1400], y[:1400]), Digits(x[1400:], y[1400:])
+
+
+    def train_only():
+        return Digits(*_arrays())
+
+
+    def not_datasets():
+        return 3, None
+
+
+    class Singles(Digits):
+        def __getitem__(self, index):
+            return self.x[index]
+
+
+    def single_items():
+        return Singles(*_arrays()), None
+""")
+ARGS = ["train", "--model", "mlp", "--epochs", "3", "--workers", "2", "--no-progress"]
+
+
+def _dptrain(tmp_path, *args):
+    (tmp_path / "mydata.py").write_text(MODULE)
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    return subprocess.run([sys.executable, "-m", "dptrain", *args], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=240)
+
+
+@pytest.mark.parametrize("strategy", ["allreduce", "sync", "async", "fedavg"])
+def test_a_user_data_factory_trains_under_every_strategy(tmp_path, strategy):
+    done = _dptrain(tmp_path, *ARGS, "--data", "mydata:make", "--strategy", strategy, "--out", "run")
+    assert done.returncode == 0, done.stderr
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["workers"] == 2 and summary["test_accuracy"] >= 0.75
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert sum(w["samples"] for w in records[0]["workers"]) == 1400  # every training sample, once
+
+
+def test_a_factory_without_a_test_set_gets_a_held_out_split_said_once(tmp_path):
+    done = _dptrain(tmp_path, *ARGS, "--data", "mydata:train_only", "--out", "run")
+    assert done.returncode == 0, done.stderr
+    said = [line for line in done.stdout.splitlines() if "holding out" in line]
+    assert said == ["dptrain: mydata:train_only gave no test set: holding out 359 of its 1797 samples "
+                    "(20%, chosen by the seed) for testing"]
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert sum(w["samples"] for w in records[0]["workers"]) == 1797 - 359
+
+
+@pytest.mark.parametrize("factory, message", [
+    ("mydata:nothing", "module 'mydata' has no attribute 'nothing' for --data mydata:nothing; its public "
+                       "callables are: Digits, Singles, load_digits, make, not_datasets, single_items, train_only"),
+    ("mydata:not_datasets", "data factory mydata:not_datasets returned a value of type int as its train set; return (train, "
+                            "test) map-style Datasets (test may be None)"),
+    ("mydata:single_items", "--data mydata:single_items: item 0 of the train Dataset is of type ndarray; each item "
+                            "must be an (x, y) pair"),
+])
+def test_a_bad_data_factory_is_one_line_and_exit_2(tmp_path, factory, message):
+    done = _dptrain(tmp_path, *ARGS, "--data", factory, "--out", "run")
+    assert done.returncode == 2
+    assert done.stderr.strip() == f"dptrain: error: {message}"
+    assert not (tmp_path / "run").exists()
