@@ -36,6 +36,7 @@ def check_consistent(t):
 operation = st.one_of(
     st.tuples(st.just("shuffle"), st.integers(0, 2**32 - 1)),
     st.tuples(st.just("local_shuffle"), st.integers(0, 2**32 - 1)),
+    st.tuples(st.just("block_shuffle"), st.integers(0, 2**32 - 1)),
     st.tuples(st.just("rechunk"), st.integers(1, 40)),
     st.tuples(st.just("shard"), st.integers(1, 7), st.integers(0, 6)),
 )
@@ -98,6 +99,20 @@ def test_shuffle_is_reproducible_from_the_seed():
     assert not np.array_equal(t.shuffle(7).to_numpy(), t.shuffle(8).to_numpy())
     assert np.array_equal(t.shuffle(7).to_numpy(), np.random.default_rng(7).permutation(500))
     assert t.shuffle(7).block_lengths == t.block_lengths
+
+
+def test_block_shuffle_reorders_whole_blocks_and_the_samples_inside_each():
+    t = DSTensor.from_array(labelled(100), block_size=10)
+    shuffled = t.block_shuffle(3)
+    rows = rows_in(shuffled.to_numpy())
+    assert sorted(rows.tolist()) == list(range(100))
+    runs = rows.reshape(10, 10) // 10  # consecutive tens come from one source block
+    assert all(len(set(run)) == 1 for run in runs.tolist())
+    assert sorted(run[0] for run in runs.tolist()) == list(range(10))
+    assert runs[:, 0].tolist() != list(range(10))  # the blocks are reordered
+    assert not np.array_equal(rows.reshape(10, 10).min(axis=1), rows.reshape(10, 10)[:, 0])  # and shuffled inside
+    assert np.array_equal(rows, rows_in(t.block_shuffle(3).to_numpy()))
+    assert not np.array_equal(rows, rows_in(t.block_shuffle(4).to_numpy()))
 
 
 def test_local_shuffle_keeps_block_membership_and_is_reproducible():

@@ -36,8 +36,10 @@ class TrainConfig(BaseModel):
     classes: int = Field(10, ge=2, description="classes of synthetic-images")
     features: int = Field(8, ge=1, description="inputs of synthetic-regression")
     block_size: Optional[int] = Field(None, ge=1, description="DSTensor block size (samples per block)")
-    shuffle: Literal["global", "local", "none"] = Field(
-        "global", description="global: new permutation of all samples each epoch; local: fixed shard per worker, reshuffled within it; none")
+    shuffle: Literal["global", "block", "local", "none"] = Field(
+        "global", description="global: new permutation of all samples each epoch; block: new order of the data's "
+                              "blocks and within each (reads files block by block); local: fixed shard per worker, "
+                              "reshuffled within it; none")
 
     # How long and how
     workers: int = Field(2, ge=1, description="worker processes to spawn on this machine (ignored under torchrun, srun, mpirun)")

@@ -221,6 +221,16 @@ class DSTensor:
         order = np.lexsort((keys, block_of_sample))
         return self._derive(self._logical_rows()[order], self._lengths)
 
+    def block_shuffle(self, seed: int) -> DSTensor:
+        """A random order of the blocks and a random order inside each: every sample once, and
+        consecutive samples come from one block (a contiguous range of the source), so a file
+        is read block by block rather than row by row. Reproducible from ``seed`` and the block lengths."""
+        rng = np.random.default_rng(seed)
+        order = rng.permutation(self.n_blocks)
+        rows = [self._offsets[b] + rng.permutation(self._lengths[b]) for b in order]
+        picked = np.concatenate(rows) if rows else np.arange(0)
+        return self._derive(self._logical_rows()[picked], tuple(self._lengths[b] for b in order))
+
     def rechunk(self, block_size: int) -> DSTensor:
         """Same samples in the same order, cut into blocks of ``block_size``."""
         size = _check_block_size(block_size)

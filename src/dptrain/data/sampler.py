@@ -14,7 +14,7 @@ DataLoader's worker processes, pinned memory and prefetching when asked for.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterator, Union
+from typing import Callable, Iterator, Optional, Union
 
 import numpy as np
 import torch
@@ -35,10 +35,11 @@ class EpochPlan:
     rows: Callable[[int], np.ndarray]
 
 
-def shard_plan(n_samples: int, rank: int, world: int, batch_size: int, seed: int, shuffle: str) -> EpochPlan:
+def shard_plan(n_samples: int, rank: int, world: int, batch_size: int, seed: int, shuffle: str,
+               block_size: Optional[int] = None) -> EpochPlan:
     """The shared per-epoch sharding: every rank a slice of one permutation (or its fixed shard)."""
     def rows(epoch: int) -> np.ndarray:
-        return sharding.epoch_indices(n_samples, rank, world, epoch, seed, shuffle)
+        return sharding.epoch_indices(n_samples, rank, world, epoch, seed, shuffle, block_size)
 
     return EpochPlan(sharding.steps_per_epoch(n_samples, world, batch_size), rows)
 
@@ -92,6 +93,10 @@ class ArrayPairs(Dataset):
 
     def __getitems__(self, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         return to_tensor(self.x.take(rows)), to_tensor(self.y.take(rows))
+
+    @property
+    def block_size(self) -> int:
+        return self.x.block_size
 
     def labels(self) -> np.ndarray:
         return self.y.to_numpy()

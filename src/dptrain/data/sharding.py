@@ -7,13 +7,14 @@ the same shard and order for a given seed, and tests can rebuild any worker's ba
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import numpy as np
 
 from dptrain.data.dstensor import DSTensor
 from dptrain.errors import UserError
 
-SHUFFLES = ("global", "local", "none")
+SHUFFLES = ("global", "block", "local", "none")
 
 
 def derive_seed(seed: int, *path: int) -> int:
@@ -45,18 +46,23 @@ def steps_per_epoch(n_samples: int, world: int, batch_size: int) -> int:
     return max(1, min(math.ceil(largest / batch_size), smallest))
 
 
-def epoch_indices(n_samples: int, rank: int, world: int, epoch: int, seed: int, shuffle: str = "global") -> np.ndarray:
+def epoch_indices(n_samples: int, rank: int, world: int, epoch: int, seed: int, shuffle: str = "global",
+                  block_size: Optional[int] = None) -> np.ndarray:
     """Sample indices worker `rank` visits in `epoch`, in visiting order.
 
     global: a fresh permutation of all samples each epoch (DSTensor.shuffle), then the
-    worker's contiguous slice of it; local: the worker keeps the same shard for the whole run
-    and permutes it each epoch; none: the same shard in file order.
+    worker's contiguous slice of it; block: a fresh order of the data's blocks of `block_size`
+    samples (DSTensor's default when None) and a permutation inside each (DSTensor.block_shuffle),
+    then the worker's slice; local: the worker keeps the same shard for the whole run and
+    permutes it each epoch; none: the same shard in file order.
     """
     if shuffle not in SHUFFLES:
         raise ValueError(f"shuffle must be one of {SHUFFLES}, not {shuffle!r}")
-    order = DSTensor.from_array(np.arange(n_samples))
+    order = DSTensor.from_array(np.arange(n_samples), block_size=block_size if shuffle == "block" else None)
     if shuffle == "global":
         order = order.shuffle(derive_seed(seed, epoch))
+    elif shuffle == "block":
+        order = order.block_shuffle(derive_seed(seed, epoch))
     shard = order.shard(rank, world).to_numpy()
     if shuffle == "local":
         shard = shard[np.random.default_rng(derive_seed(seed, epoch, rank)).permutation(len(shard))]

@@ -70,10 +70,10 @@ class Strategy:
         return self.model, True
 
     def epoch_plan(self, ctx: DistContext, n_samples: int, labels: Callable[[], np.ndarray], batch_size: int,
-                   seed: int, shuffle: str) -> EpochPlan:
+                   seed: int, shuffle: str, block_size: Optional[int] = None) -> EpochPlan:
         """Which rows this rank reads per epoch: the shared sharding, unless a strategy keeps its own
-        (`labels()` reads every sample's label, for partitions by class)."""
-        return shard_plan(n_samples, ctx.rank, ctx.world_size, batch_size, seed, shuffle)
+        (`labels()` reads every sample's label, for partitions by class; `block_size` is the data's)."""
+        return shard_plan(n_samples, ctx.rank, ctx.world_size, batch_size, seed, shuffle, block_size)
 
     def trains_in_epoch(self, epoch: int) -> bool:
         """False when this worker sits out the epoch (e.g. a federated client not sampled this round)."""

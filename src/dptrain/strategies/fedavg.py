@@ -55,7 +55,7 @@ class FedAvg(Strategy):
         return self.parts
 
     def epoch_plan(self, ctx: DistContext, n_samples: int, labels, batch_size: int, seed: int,
-                   shuffle: str) -> EpochPlan:
+                   shuffle: str, block_size=None) -> EpochPlan:
         """This client's partition for the whole run, permuted each epoch (`shuffle` does not apply)."""
         return partition_plan(self.partition(labels(), ctx.world_size, seed)[ctx.rank], ctx.rank, batch_size, seed)
 

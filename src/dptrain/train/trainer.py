@@ -115,7 +115,7 @@ class Trainer:
         ctx, strategy = self._connect(), self.strategy
         train, test = as_dataset(train), (as_dataset(test) if test is not None else None)
         plan = strategy.epoch_plan(ctx, len(train), lambda: labels_of(train, self.recorder.log), self.batch_size,
-                                   self.seed, self.shuffle)
+                                   self.seed, self.shuffle, getattr(train, "block_size", None))
         batches = PlanBatches(plan)
         reader = loader(train, batches, self.loader_workers, pin_memory=ctx.device.type == "cuda")
         scheduler = self.schedule(self.optimizer, plan.steps, epochs) if self.schedule else None
