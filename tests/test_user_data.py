@@ -52,6 +52,27 @@ MODULE = textwrap.dedent("""
 
     def single_items():
         return Singles(*_arrays()), None
+
+
+    class Corrupt(Digits):
+        def __init__(self, x, y, targets):
+            super().__init__(x, y)
+            if targets:
+                self.targets = y
+
+        def __getitem__(self, index):
+            if index == 700:
+                raise ValueError("cannot decode image 700.png")
+            return super().__getitem__(index)
+
+
+    def corrupt_item(targets=True):
+        x, y = _arrays()
+        return Corrupt(x[:1400], y[:1400], targets), Digits(x[1400:], y[1400:])
+
+
+    def corrupt_unlabelled():
+        return corrupt_item(targets=False)
 """)
 ARGS = ["train", "--model", "mlp", "--epochs", "3", "--workers", "2", "--no-progress"]
 
@@ -85,14 +106,24 @@ def test_a_factory_without_a_test_set_gets_a_held_out_split_said_once(tmp_path):
 
 @pytest.mark.parametrize("factory, message", [
     ("mydata:nothing", "module 'mydata' has no attribute 'nothing' for --data mydata:nothing; its public "
-                       "callables are: Digits, Singles, load_digits, make, not_datasets, single_items, train_only"),
+                       "callables are: Corrupt, Digits, Singles, corrupt_item, corrupt_unlabelled, load_digits, make, "
+                       "not_datasets, single_items, train_only"),
     ("mydata:not_datasets", "data factory mydata:not_datasets returned a value of type int as its train set; return (train, "
                             "test) map-style Datasets (test may be None)"),
-    ("mydata:single_items", "--data mydata:single_items: item 0 of the train Dataset is of type ndarray; each item "
-                            "must be an (x, y) pair"),
+    ("mydata:single_items", "item 209 of the training Dataset is of type ndarray; each item must be an (x, y) pair"),
+    ("mydata:corrupt_unlabelled", "item 700 of the training Dataset raised ValueError: cannot decode image 700.png"),
 ])
 def test_a_bad_data_factory_is_one_line_and_exit_2(tmp_path, factory, message):
     done = _dptrain(tmp_path, *ARGS, "--data", factory, "--out", "run")
     assert done.returncode == 2
     assert done.stderr.strip() == f"dptrain: error: {message}"
     assert not (tmp_path / "run").exists()
+
+
+def test_an_item_that_fails_during_training_is_named_in_one_line_by_its_rank(tmp_path):
+    done = _dptrain(tmp_path, *ARGS, "--data", "mydata:corrupt_item", "--out", "run")
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    assert "] dptrain: error: item 700 of the training Dataset raised ValueError: cannot decode image 700.png" \
+        in done.stderr
+    assert (tmp_path / "run" / "config.yaml").exists()  # the run directory is kept as it was

@@ -105,26 +105,58 @@ class ArrayPairs(Dataset):
 TrainData = Union[tuple, list, Dataset]
 
 
-def as_dataset(data: TrainData) -> Dataset:
+class CheckedItems(Dataset):
+    """A user's Dataset whose failures name the item: one that raises, or is not an (x, y) pair."""
+
+    def __init__(self, dataset: Dataset, role: str) -> None:
+        self.dataset, self.role = dataset, role
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int):
+        try:
+            item = self.dataset[index]
+        except Exception as error:
+            raise UserError(f"item {index} of the {self.role} Dataset raised {type(error).__name__}: "
+                            f"{str(error).splitlines()[0] if str(error) else ''}") from error
+        if not isinstance(item, (tuple, list)) or len(item) != 2:
+            raise UserError(f"item {index} of the {self.role} Dataset is of type {type(item).__name__}; "
+                            "each item must be an (x, y) pair")
+        return item
+
+
+def as_dataset(data: TrainData, role: str = "training") -> Dataset:
     """A (x, y) pair of arrays, tensors or DSTensors, or any map-style Dataset of (x, y) items."""
-    if isinstance(data, Dataset):
+    if isinstance(data, (ArrayPairs, CheckedItems)):
         return data
+    if isinstance(data, Dataset):
+        return CheckedItems(data, role)
     if isinstance(data, (tuple, list)) and len(data) == 2:
         return ArrayPairs(as_dstensor(data[0]), as_dstensor(data[1]))
     raise TypeError(f"training and test data must be an (x, y) pair or a torch Dataset, not {type(data).__name__}")
 
 
-def labels_of(dataset: Dataset, log: Callable[[str], None] = print) -> np.ndarray:
-    """Every sample's label (for partitioners): from the data, a `targets`/`labels` attribute, or one pass."""
+def _known_labels(dataset: Dataset) -> "np.ndarray | None":
+    """Labels a dataset states without reading its items: arrays, a `targets`/`labels` attribute."""
     if isinstance(dataset, ArrayPairs):
         return dataset.labels()
+    if isinstance(dataset, CheckedItems):
+        return _known_labels(dataset.dataset)
     for name in ("targets", "labels"):
         if hasattr(dataset, name) and not callable(getattr(dataset, name)):
             return np.asarray(getattr(dataset, name))
-    if isinstance(dataset, Subset):  # a held-out split: its parent's labels where it has them
-        parent = dataset.dataset
-        if isinstance(parent, ArrayPairs) or any(hasattr(parent, n) for n in ("targets", "labels")):
-            return labels_of(parent, log)[np.asarray(dataset.indices)]
+    if isinstance(dataset, Subset):  # a held-out split: its parent's labels where it states them
+        parent = _known_labels(dataset.dataset)
+        return None if parent is None else parent[np.asarray(dataset.indices)]
+    return None
+
+
+def labels_of(dataset: Dataset, log: Callable[[str], None] = print) -> np.ndarray:
+    """Every sample's label (for partitioners): from the data, a `targets`/`labels` attribute, or one pass."""
+    known = _known_labels(dataset)
+    if known is not None:
+        return known
     log(f"dptrain: reading the labels of all {len(dataset)} samples once (the Dataset has no `targets` attribute)")
     return np.asarray([np.asarray(dataset[i][1]) for i in range(len(dataset))])
 
@@ -161,7 +193,14 @@ class _Rows(Sampler):
 
 def _collate(batch) -> tuple[torch.Tensor, torch.Tensor]:
     """ArrayPairs hands over a ready (x, y); a user Dataset a list of (x, y) items."""
-    x, y = batch if isinstance(batch, tuple) else default_collate(batch)
+    if isinstance(batch, tuple):
+        x, y = batch
+    else:
+        try:
+            x, y = default_collate(batch)
+        except (RuntimeError, TypeError) as error:  # items of different shapes or types
+            raise UserError(f"the Dataset's items cannot form one batch (each x must have the same shape and "
+                            f"each y the same type): {str(error).splitlines()[0]}") from error
     return _cast(x), _cast(y)
 
 

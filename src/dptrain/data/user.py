@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, Subset
 
-from dptrain.data.sampler import labels_of
+from dptrain.data.sampler import CheckedItems, labels_of
 from dptrain.errors import UserError
 from dptrain.imports import load_callable
 
@@ -41,15 +41,8 @@ class DataSplits:
 
 
 def _item(dataset: Dataset, spec: str, which: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Item 0 as tensors, or one line saying what is wrong with it."""
-    try:
-        item = dataset[0]
-    except Exception as error:
-        raise UserError(f"--data {spec}: reading item 0 of the {which} Dataset raised "
-                        f"{type(error).__name__}: {error}") from error
-    if not isinstance(item, (tuple, list)) or len(item) != 2:
-        raise UserError(f"--data {spec}: item 0 of the {which} Dataset is of type {type(item).__name__}; "
-                        "each item must be an (x, y) pair")
+    """Item 0 as tensors, or one line saying what is wrong with it (reading it is checked by CheckedItems)."""
+    item = dataset[0]
     try:
         return torch.as_tensor(np.asarray(item[0])), torch.as_tensor(np.asarray(item[1]))
     except (TypeError, ValueError, RuntimeError) as error:
@@ -74,6 +67,8 @@ def load_user_data(spec: str, seed: int, test_fraction: float = 0.2,
         if value is not None and not _is_dataset(value):
             raise UserError(f"data factory {spec} returned a value of type {type(value).__name__} as its {which} set; "
                             "return (train, test) map-style Datasets (test may be None)")
+    train = CheckedItems(train, "training")
+    test = CheckedItems(test, "test") if test is not None else None
     if len(train) < 2:
         raise UserError(f"data factory {spec} returned a training set of {len(train)} samples; it needs at least 2")
     if test is None:
@@ -82,7 +77,7 @@ def load_user_data(spec: str, seed: int, test_fraction: float = 0.2,
         log(f"dptrain: {spec} gave no test set: holding out {held_out} of its {len(train)} samples "
             f"({test_fraction:.0%}, chosen by the seed) for testing")
         train, test = Subset(train, order[held_out:]), Subset(train, order[:held_out])
-    x, y = _item(train, spec, "train")
+    x, y = _item(train, spec, "training")
     if y.is_floating_point():
         task, classes, outputs = "regression", None, max(1, y.numel())
     else:

@@ -113,7 +113,7 @@ class Trainer:
         """Train for `epochs` on `train` ((x, y) arrays, tensors or DSTensors, or a torch Dataset of (x, y)
         items); evaluate on `test` after each epoch; return the Summary (also written to OUT/summary.json)."""
         ctx, strategy = self._connect(), self.strategy
-        train, test = as_dataset(train), (as_dataset(test) if test is not None else None)
+        train, test = as_dataset(train), (as_dataset(test, "test") if test is not None else None)
         plan = strategy.epoch_plan(ctx, len(train), lambda: labels_of(train, self.recorder.log), self.batch_size,
                                    self.seed, self.shuffle, getattr(train, "block_size", None))
         batches = PlanBatches(plan)
@@ -248,7 +248,7 @@ class Trainer:
         """The DataLoader of this rank's part of `test`, made once (its worker processes persist)."""
         key = (id(test), rank, world)
         if key not in self._evaluation_loaders:
-            self._evaluation_loaders[key] = evaluation_loader(as_dataset(test), rank, world, EVAL_BATCH,
+            self._evaluation_loaders[key] = evaluation_loader(as_dataset(test, "test"), rank, world, EVAL_BATCH,
                                                               self.loader_workers)
         return self._evaluation_loaders[key]
 
