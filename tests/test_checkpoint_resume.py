@@ -46,7 +46,7 @@ def test_missing_rank_file_makes_a_checkpoint_incomplete(tmp_path):
 def test_prune_keeps_the_newest(tmp_path):
     for epoch in range(1, 6):
         checkpoint.save(tmp_path, epoch, 0, _state(epoch))
-    checkpoint.prune(tmp_path, keep=2)
+    checkpoint.prune(tmp_path, keep=2, world_size=1)
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["epoch-000004", "epoch-000005"]
 
 

@@ -38,23 +38,50 @@ def _rank_file(directory: Path, rank: int) -> Path:
 
 def save(run_dir: Path, epoch: int, rank: int, state: dict[str, Any]) -> Path:
     """Write this rank's state for `epoch` (counted from 1) atomically, with its checksum."""
-    directory = Path(run_dir) / DIRECTORY / f"epoch-{epoch:06d}"
+    directory = _epoch_dir(run_dir, epoch)
     directory.mkdir(parents=True, exist_ok=True)
     buffer = io.BytesIO()
     torch.save(state, buffer)
     data = buffer.getvalue()
     path = _rank_file(directory, rank)
     # Checksum first: a file without a valid checksum beside it is never trusted.
-    atomic_write_bytes(path.with_name(path.name + ".sha256"), hashlib.sha256(data).hexdigest().encode())
+    atomic_write_bytes(_checksum_file(path), hashlib.sha256(data).hexdigest().encode())
     atomic_write_bytes(path, data)
     return path
 
 
-def prune(run_dir: Path, keep: int) -> None:
-    """Keep the newest `keep` epoch directories (rank 0 calls this after its save)."""
+def prune(run_dir: Path, keep: int, world_size: int) -> None:
+    """Keep the newest `keep` complete checkpoints and every epoch directory newer than them.
+
+    Rank 0 calls this right after its own save, when other ranks may still be writing that
+    epoch (or, under async, an older one): a directory is counted only once every rank's file
+    and checksum are in it, and nothing newer than the oldest kept checkpoint is touched, so
+    a rank killed mid-write or a slow worker never costs the last complete checkpoint.
+    Presence is enough: both files are renamed into place whole, and load() verifies them.
+    """
+    if keep <= 0:
+        return
     epochs = _epochs(Path(run_dir))
-    for epoch in epochs[:-keep] if keep > 0 else []:
-        shutil.rmtree(Path(run_dir) / DIRECTORY / f"epoch-{epoch:06d}", ignore_errors=True)
+    complete = [epoch for epoch in epochs if _has_every_rank(_epoch_dir(run_dir, epoch), world_size)]
+    if len(complete) < keep:
+        return  # fewer complete checkpoints than asked for: every one, and all newer partial ones, stay
+    oldest_kept = complete[-keep]
+    for epoch in epochs:
+        if epoch < oldest_kept:
+            shutil.rmtree(_epoch_dir(run_dir, epoch), ignore_errors=True)
+
+
+def _epoch_dir(run_dir: Path, epoch: int) -> Path:
+    return Path(run_dir) / DIRECTORY / f"epoch-{epoch:06d}"
+
+
+def _has_every_rank(directory: Path, world_size: int) -> bool:
+    return all(_rank_file(directory, rank).is_file() and _checksum_file(_rank_file(directory, rank)).is_file()
+               for rank in range(world_size))
+
+
+def _checksum_file(path: Path) -> Path:
+    return path.with_name(path.name + ".sha256")
 
 
 def _epochs(run_dir: Path) -> list[int]:
@@ -65,7 +92,7 @@ def _epochs(run_dir: Path) -> list[int]:
 
 
 def _verified_bytes(path: Path) -> Optional[bytes]:
-    checksum = path.with_name(path.name + ".sha256")
+    checksum = _checksum_file(path)
     if not path.is_file() or not checksum.is_file():
         return None
     data = path.read_bytes()
@@ -76,7 +103,7 @@ def latest_complete(run_dir: Path, world_size: int) -> tuple[Optional[int], list
     """(newest epoch whose files all verify, or None; a note for each newer epoch skipped)."""
     skipped = []
     for epoch in reversed(_epochs(Path(run_dir))):
-        directory = Path(run_dir) / DIRECTORY / f"epoch-{epoch:06d}"
+        directory = _epoch_dir(run_dir, epoch)
         bad = [rank for rank in range(world_size) if _verified_bytes(_rank_file(directory, rank)) is None]
         if not bad:
             return epoch, skipped
@@ -87,7 +114,7 @@ def latest_complete(run_dir: Path, world_size: int) -> tuple[Optional[int], list
 
 def load(run_dir: Path, epoch: int, rank: int) -> dict[str, Any]:
     """This rank's verified state of `epoch`, loaded without unpickling arbitrary objects."""
-    path = _rank_file(Path(run_dir) / DIRECTORY / f"epoch-{epoch:06d}", rank)
+    path = _rank_file(_epoch_dir(run_dir, epoch), rank)
     data = _verified_bytes(path)
     if data is None:
         raise UserError(f"checkpoint '{path}' is missing or does not match its checksum")

@@ -239,7 +239,7 @@ class Trainer:
         }
         checkpoint.save(self.out, epoch, self.ctx.rank, state)
         if self.ctx.is_main:
-            checkpoint.prune(self.out, self.keep_checkpoints)
+            checkpoint.prune(self.out, self.keep_checkpoints, self.ctx.world_size)
 
     def _restore(self, scheduler) -> tuple[int, int, float]:
         """Load the newest complete checkpoint (rank 0 chooses it for everyone); (epoch, step, wall)."""
