@@ -20,7 +20,10 @@ from test_train_cli import DIGITS, dptrain
 
 
 def _state(value: float) -> dict:
-    return {"model": {"w": torch.full((3,), value)}, "epoch": 1, "history": [{"loss": value}]}
+    """A rank file's state with every entry load() validates."""
+    return {"epoch": 1, "step": 4, "wall_seconds": 0.5, "model": {"w": torch.full((3,), value)},
+            "optimizer": {"state": {}, "param_groups": []}, "scheduler": {}, "scaler": {}, "strategy": {},
+            "rng": {"torch": torch.get_rng_state()}, "history": [{"loss": value}]}
 
 
 def test_latest_complete_skips_a_truncated_checkpoint_and_falls_back(tmp_path):

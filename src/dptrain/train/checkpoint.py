@@ -119,9 +119,45 @@ def load(run_dir: Path, epoch: int, rank: int) -> dict[str, Any]:
     if data is None:
         raise UserError(f"checkpoint '{path}' is missing or does not match its checksum")
     try:
-        return torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+        state = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
     except Exception as exc:  # noqa: BLE001 - any unpickling failure is a bad file
         raise UserError(f"checkpoint '{path}' cannot be read: {str(exc).splitlines()[0]}") from None
+    validate(state, path)
+    return state
+
+
+# What a rank file must hold, as Trainer._checkpoint writes it (the type each entry must have).
+STRUCTURE: dict[str, tuple[type, ...]] = {
+    "epoch": (int,), "step": (int,), "wall_seconds": (int, float), "model": (dict,), "optimizer": (dict,),
+    "scheduler": (dict,), "scaler": (dict,), "strategy": (dict,), "rng": (dict,), "history": (list,),
+}
+
+
+def validate(state: Any, path: Path) -> None:
+    """Refuse a checkpoint with the right checksum but the wrong content, in one sentence.
+
+    The checksum only proves the file is the one written; a file copied in from elsewhere, or
+    written by a diverged run, could still lack entries (a KeyError deep in the restore) or
+    carry NaN/inf weights, which would load silently and train on garbage.
+    """
+    if not isinstance(state, dict):
+        raise UserError(f"checkpoint '{path}' holds a {type(state).__name__}, not a dptrain checkpoint "
+                        f"(a dict with {', '.join(STRUCTURE)})")
+    missing = [key for key in STRUCTURE if key not in state]
+    if missing:
+        raise UserError(f"checkpoint '{path}' is not a dptrain checkpoint: it lacks {', '.join(map(repr, missing))} "
+                        f"(a dptrain checkpoint holds {', '.join(STRUCTURE)})")
+    for key, types in STRUCTURE.items():
+        if not isinstance(state[key], types) or isinstance(state[key], bool):
+            raise UserError(f"checkpoint '{path}' is not a dptrain checkpoint: its {key!r} is a "
+                            f"{type(state[key]).__name__}, not a {' or '.join(t.__name__ for t in types)}")
+    for name, value in state["model"].items():
+        if not isinstance(value, torch.Tensor):
+            raise UserError(f"checkpoint '{path}' is not a dptrain checkpoint: model entry {name!r} is a "
+                            f"{type(value).__name__}, not a tensor")
+        if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+            raise UserError(f"checkpoint '{path}' holds non-finite weights (NaN or inf in {name!r}); "
+                            "remove that epoch's directory to resume from an earlier checkpoint")
 
 
 def first_mismatch(exc: Exception) -> str:
