@@ -26,7 +26,7 @@ from typing import Any, Optional
 import torch
 
 from dptrain.errors import UserError
-from dptrain.io import atomic_write_bytes
+from dptrain.io import atomic_write_bytes, make_dirs
 
 DIRECTORY = "checkpoints"
 EPOCH_DIR = re.compile(r"^epoch-(\d{6})$")
@@ -39,7 +39,7 @@ def _rank_file(directory: Path, rank: int) -> Path:
 def save(run_dir: Path, epoch: int, rank: int, state: dict[str, Any]) -> Path:
     """Write this rank's state for `epoch` (counted from 1) atomically, with its checksum."""
     directory = _epoch_dir(run_dir, epoch)
-    directory.mkdir(parents=True, exist_ok=True)
+    make_dirs(directory)
     buffer = io.BytesIO()
     torch.save(state, buffer)
     data = buffer.getvalue()

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from dptrain.config import TrainConfig, to_yaml
 from dptrain.data import Dataset, load_dataset
 from dptrain.errors import Preempted, UserError
+from dptrain.io import write_text
 from dptrain.models import build_model, check_output_shape
 from dptrain.runtime.distributed import choose_device, destroy_process_group, init_process_group, set_cpu_threads
 from dptrain.runtime.env import DistEnv, detect
@@ -88,7 +89,7 @@ def prepare_run_dir(config: TrainConfig, out: str, world: int, model: torch.nn.M
     text = to_yaml(config.model_copy(update={"out": str(run_dir), "resume": False, "workers": world}))
     saved_config = run_dir / "config.yaml"
     if not saved_config.exists() or saved_config.read_text() != text:
-        saved_config.write_text(text)
+        write_text(saved_config, text)
     return run_dir, resuming
 
 

@@ -8,7 +8,7 @@ from typing import Any, Optional
 import yaml
 
 from dptrain.errors import UserError
-from dptrain.io import timestamped
+from dptrain.io import make_dirs, timestamped
 
 RUN_FILES = ("config.yaml", "metrics.jsonl", "summary.json", "model.pt")
 
@@ -32,7 +32,7 @@ def claim_run_dir(path: str) -> Path:
     if held:
         raise UserError(f"run directory '{path}' already holds a run ({', '.join(held)}); give --out a new directory")
     try:
-        directory.mkdir(parents=True, exist_ok=True)
+        make_dirs(directory)
     except OSError as exc:
         raise UserError(f"cannot create run directory '{path}': {exc.strerror}") from None
     return directory
