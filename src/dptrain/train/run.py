@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
+from contextlib import ExitStack
 from functools import partial
 from pathlib import Path
 
@@ -25,7 +26,7 @@ from dptrain.runtime.launcher import launch_local
 from dptrain.strategies import build_strategy
 from dptrain.train.optim import build_optimizer, build_schedule
 from dptrain.train import checkpoint
-from dptrain.train.rundir import default_run_dir, open_run_dir
+from dptrain.train.rundir import default_run_dir, lock_run_dir, open_run_dir
 from dptrain.train.trainer import Trainer, catch_stop_signals_early
 
 
@@ -99,29 +100,34 @@ def train(config: TrainConfig) -> int:
     if not env.launched:
         model = validate(config)
     if not env.launched and config.workers > 1:
-        run_dir, resuming = prepare_run_dir(config, config.out or default_run_dir(config.strategy), config.workers,
-                                            model)
-        config = config.model_copy(update={"out": str(run_dir)})
-        verb = "continuing the run in" if resuming else "run directory"
-        print(f"dptrain: {config.workers} workers on this machine, {verb} {run_dir}", flush=True)
-        argv = ["train", "--config", str(run_dir / "config.yaml")]
-        for attempt in range(config.max_restarts + 1):
-            code = launch_local(config.workers, argv)
-            if code in (0, UserError.exit_code, Preempted.exit_code) or attempt == config.max_restarts:
-                return code
-            print(f"dptrain: restarting the {config.workers} workers from the last checkpoint "
-                  f"(restart {attempt + 1} of {config.max_restarts})", file=sys.stderr, flush=True)
+        out = config.out or default_run_dir(config.strategy)
+        with lock_run_dir(out):  # the launcher holds the run directory while its workers run
+            run_dir, resuming = prepare_run_dir(config, out, config.workers, model)
+            config = config.model_copy(update={"out": str(run_dir)})
+            verb = "continuing the run in" if resuming else "run directory"
+            print(f"dptrain: {config.workers} workers on this machine, {verb} {run_dir}", flush=True)
+            argv = ["train", "--config", str(run_dir / "config.yaml")]
+            for attempt in range(config.max_restarts + 1):
+                code = launch_local(config.workers, argv)
+                if code in (0, UserError.exit_code, Preempted.exit_code) or attempt == config.max_restarts:
+                    return code
+                print(f"dptrain: restarting the {config.workers} workers from the last checkpoint "
+                      f"(restart {attempt + 1} of {config.max_restarts})", file=sys.stderr, flush=True)
     run_worker(config, env)
     return 0
 
 
-def _join_run_dir(config: TrainConfig, env: DistEnv, ctx) -> TrainConfig:
-    """Under an outside launcher rank 0 opens the run directory and tells the others (or its error)."""
+def _join_run_dir(config: TrainConfig, env: DistEnv, ctx, held: ExitStack) -> TrainConfig:
+    """Under an outside launcher rank 0 opens the run directory and tells the others (or its error).
+
+    Rank 0 locks the directory into `held`, which the caller keeps open for the whole run.
+    """
     decision: list = [None, None]
     if ctx.is_main:
         config = config.model_copy(update={"workers": ctx.world_size})
         out = config.out or default_run_dir(config.strategy, env.job_id or os.environ.get("TORCHELASTIC_RUN_ID"))
         try:
+            held.enter_context(lock_run_dir(out))
             model = make_model(config, load_data(config, check_values=False))
             run_dir, _ = prepare_run_dir(config, out, ctx.world_size, model)
             decision = [str(run_dir), None]
@@ -140,9 +146,10 @@ def run_worker(config: TrainConfig, env: DistEnv) -> dict:
         catch_stop_signals_early()
     set_cpu_threads()
     ctx = init_process_group(env, device=config.device, timeout=config.timeout)
+    held = ExitStack()  # the run directory's lock, when this rank holds it
     try:
         if env.launcher != "local":
-            config = _join_run_dir(config, env, ctx)
+            config = _join_run_dir(config, env, ctx, held)
         # validate() checked the data before spawning (or running alone); under other launchers rank 0 does.
         data = load_data(config, check_values=env.launched and env.launcher != "local" and ctx.is_main)
         model = make_model(config, data)
@@ -160,6 +167,7 @@ def run_worker(config: TrainConfig, env: DistEnv) -> dict:
         return trainer.fit((data.x_train, data.y_train), (data.x_test, data.y_test), epochs=config.epochs)
     finally:
         destroy_process_group()
+        held.close()
 
 
 def _schedule(config: TrainConfig, optimizer, steps_per_epoch: int, epochs: int):
