@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from dptrain.errors import UserError
 from dptrain.runtime.env import DistEnv
-from dptrain.runtime.heartbeat import Heartbeat, default_store
+from dptrain.runtime.heartbeat import Heartbeat, default_store, store_abandoned
 
 
 @dataclass
@@ -117,6 +117,11 @@ atexit.register(stop_heartbeats)
 
 def destroy_process_group() -> None:
     stop_heartbeats()
+    if store_abandoned():
+        # A thread is still blocked inside a call to a frozen store host; destroying the store
+        # under it aborts the process. The caller is failing anyway: exit_process ends it
+        # without tearing the group down.
+        return
     if dist.is_initialized():
         dist.destroy_process_group()
         # Let gloo's worker threads take the GIL and release the last collective's tensors now,
