@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -69,3 +71,49 @@ def test_a_frozen_rank_0_is_named_within_the_timeout_although_it_hosts_the_store
     assert "rank 0 (the rendezvous store's host) does not answer" in rank1[0], stderr
     assert "Traceback" not in stderr
     print(f"frozen rank 0 named after {took:.1f} s (timeout {timeout} s)")
+
+
+class ForeignServer:
+    """A plain TCP server on 127.0.0.1 that is not a torch.distributed store: it accepts and stays
+    silent, or answers every connection with a line of HTTP."""
+
+    def __init__(self, answer: bool) -> None:
+        self.socket = socket.create_server(("127.0.0.1", 0))
+        self.port = self.socket.getsockname()[1]
+        self.answer, self.connections = answer, []
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                connection, _ = self.socket.accept()
+            except OSError:
+                return
+            self.connections.append(connection)
+            if self.answer:
+                connection.sendall(b"HTTP/1.0 200 OK\r\n\r\nhello\n")
+
+    def close(self) -> None:
+        for connection in self.connections:
+            connection.close()
+        self.socket.close()
+
+
+@pytest.mark.parametrize("answer", [False, True], ids=["silent", "answers-http"])
+def test_a_foreign_server_on_master_port_fails_the_rendezvous_in_time_naming_the_address(tmp_path, answer):
+    server = ForeignServer(answer)
+    timeout = 6
+    try:
+        begun = time.monotonic()
+        result = dptrain("train", "--dataset", "digits", "--epochs", "1", "--timeout", str(timeout),
+                         "--out", str(tmp_path / "run"), cwd=tmp_path, timeout=timeout + 60,
+                         env={"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                              "MASTER_PORT": str(server.port), "DPTRAIN_DEBUG": "0"})
+        took = time.monotonic() - begun
+    finally:
+        server.close()
+    lines = result.stderr.splitlines()
+    assert result.returncode != 0
+    assert len(lines) == 1 and lines[0].startswith("dptrain: error: "), result.stderr
+    assert f"127.0.0.1:{server.port}" in lines[0] and "not a torch.distributed store" in lines[0], result.stderr
+    assert took < timeout + 20, f"took {took:.1f} s"
