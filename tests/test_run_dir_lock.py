@@ -15,6 +15,7 @@ import pytest
 
 from dptrain.runtime.env import free_port
 from dptrain.train.rundir import LOCK_FILE
+from test_store_deadlines import wait_for
 from test_train_cli import dptrain
 
 pytestmark = pytest.mark.slow
@@ -39,13 +40,6 @@ def stop(proc: subprocess.Popen) -> None:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-
-
-def wait_for(condition, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"no {what} within {timeout} s"
-        time.sleep(0.1)
 
 
 def test_two_runs_started_together_one_is_refused_naming_the_other(tmp_path):

@@ -93,7 +93,7 @@ def lock_run_dir(path: str) -> Iterator[Path]:
 def _acquire(lock: Path, path: str):
     while True:
         try:
-            handle = open(lock, "a+")
+            handle = open(lock, "a+b", buffering=0)  # unbuffered: a full disk fails the write, not close()
         except OSError as exc:
             raise disk_error(exc, f"cannot create the lock file '{lock}'") from None
         try:
@@ -127,8 +127,7 @@ def _acquire(lock: Path, path: str):
     try:
         handle.seek(0)
         handle.truncate()
-        handle.write(f"{os.getpid()} {socket.gethostname()}\n")
-        handle.flush()
+        handle.write(f"{os.getpid()} {socket.gethostname()}\n".encode())
         os.fsync(handle.fileno())
     except OSError as exc:
         handle.close()
@@ -139,7 +138,7 @@ def _acquire(lock: Path, path: str):
 
 def _holder_fields(handle) -> Optional[tuple[int, str]]:
     handle.seek(0)
-    fields = handle.read().split()
+    fields = handle.read().decode(errors="replace").split()
     if len(fields) == 2 and fields[0].isdigit():
         return int(fields[0]), fields[1]
     return None
