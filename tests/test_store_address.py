@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import socket
 import subprocess
@@ -13,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from dptrain.runtime import distributed
+from dptrain.runtime.env import free_port
 
 
 def local_address() -> str:
@@ -90,3 +90,24 @@ def test_a_local_run_binds_its_store_to_127_0_0_1_only(tmp_path):
     assert addresses == {"127.0.0.1"}
     # Workers start with torch's C++ log quieted (a survivor of rank 0 would print 20-line stacks).
     assert environ.get("TORCH_CPP_LOG_LEVEL") == "ERROR"
+
+
+@pytest.mark.parametrize("master_addr, bound", [("127.0.0.1", {"127.0.0.1"}), ("203.0.113.7", {"::", "0.0.0.0"})])
+def test_rank_0_listens_where_listen_address_says(master_addr, bound):
+    listener = distributed._listen(master_addr, free_port(), "rank 0: rendezvous")
+    with listener:
+        assert listener.getsockname()[0] in bound
+
+
+def test_rank_0_listens_on_the_interface_of_a_local_address():
+    address = local_address()
+    with distributed._listen(address, free_port(), "rank 0: rendezvous") as listener:
+        assert listener.getsockname()[0] == address
+
+
+def test_a_taken_master_port_on_rank_0_is_named():
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        with pytest.raises(distributed.PeerFailure, match=f"cannot serve the store on 127.0.0.1:{port}: "
+                                                          "address already in use"):
+            distributed._listen("127.0.0.1", port, "rank 0: rendezvous")

@@ -147,12 +147,12 @@ def listen_address(master_addr: str) -> str:
     Debian's 127.0.1.1 hostname entry does; an address this host does not have, e.g. behind
     NAT) -> every interface, as torch does by default ("").
     """
+    if master_addr == "localhost":
+        return "127.0.0.1"
     try:
         literal = ipaddress.ip_address(master_addr)
     except ValueError:
         literal = None
-    if master_addr == "localhost":
-        return "127.0.0.1"
     try:
         resolved = ipaddress.ip_address(socket.getaddrinfo(master_addr, None, type=socket.SOCK_STREAM)[0][4][0])
     except (OSError, ValueError):
@@ -175,19 +175,16 @@ def _is_local(address: "ipaddress.IPv4Address | ipaddress.IPv6Address") -> bool:
 
 def _listen(master_addr: str, port: int, where: str) -> socket.socket:
     host = listen_address(master_addr)
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    listener = socket.socket(family, socket.SOCK_STREAM)
-    # A restarted world may reuse the port while the previous one's connections sit in TIME_WAIT.
-    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        listener.bind((host, port))
-        listener.listen(socket.SOMAXCONN)
+        # create_server sets SO_REUSEADDR (a restarted world may reuse the port while the last
+        # one's connections sit in TIME_WAIT); "" means every interface, IPv6 too, as torch binds.
+        if host == "" and socket.has_dualstack_ipv6():
+            return socket.create_server(("", port), family=socket.AF_INET6, dualstack_ipv6=True)
+        return socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
     except OSError as exc:
-        listener.close()
         raise PeerFailure(f"{where} failed: rank 0 cannot serve the store on {host or '*'}:{port}: "
                           f"{exc.strerror.lower() if exc.strerror else exc} (another program holds MASTER_PORT "
                           f"{port}?); choose a free port") from None
-    return listener
 
 
 def debugging() -> bool:
@@ -218,13 +215,14 @@ def _cpp_log_hidden():
 
 
 def quiet_cpp_logs_of_children() -> None:
-    """Keep torch's C++ warnings with stacks (a survivor's store connection to a dead rank 0)
-    out of processes this one starts; read at their torch import, so set before spawning."""
-    if not debugging() and "--debug" not in sys.argv:
+    """Keep torch's C++ warnings with stacks out of the workers this process is about to start.
+
+    When rank 0 dies, a survivor's store connection logs a 20-line C++ stack before dptrain's
+    one line. torch reads TORCH_CPP_LOG_LEVEL once, at import, so it is set in the environment
+    the workers inherit, not in a running rank; a value the user set is kept.
+    """
+    if not debugging():
         os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-
-
-quiet_cpp_logs_of_children()
 
 
 _HEARTBEATS: list[Heartbeat] = []  # at most one: this process's, until the group is destroyed

@@ -20,7 +20,8 @@ from dptrain.data import Dataset, load_dataset
 from dptrain.errors import Preempted, UserError
 from dptrain.io import write_text
 from dptrain.models import build_model, check_output_shape
-from dptrain.runtime.distributed import choose_device, destroy_process_group, init_process_group, set_cpu_threads
+from dptrain.runtime.distributed import (choose_device, destroy_process_group, init_process_group,
+                                         quiet_cpp_logs_of_children, set_cpu_threads)
 from dptrain.runtime.env import DistEnv, detect
 from dptrain.runtime.launcher import launch_local
 from dptrain.strategies import build_strategy
@@ -107,6 +108,7 @@ def train(config: TrainConfig) -> int:
             verb = "continuing the run in" if resuming else "run directory"
             print(f"dptrain: {config.workers} workers on this machine, {verb} {run_dir}", flush=True)
             argv = ["train", "--config", str(run_dir / "config.yaml")]
+            quiet_cpp_logs_of_children()
             for attempt in range(config.max_restarts + 1):
                 code = launch_local(config.workers, argv)
                 if code in (0, UserError.exit_code, Preempted.exit_code) or attempt == config.max_restarts:
