@@ -11,6 +11,7 @@ runs in-process too, so only the case that needs spawned workers uses a subproce
 from __future__ import annotations
 
 import hashlib
+import io
 import os
 import shutil
 import signal
@@ -185,6 +186,31 @@ def interrupted_run_with_other_lr(s: Sandbox) -> list[str]:
     return train("--lr", "0.1", workers="1", out="run")
 
 
+def rewrite_checkpoint_states(run: Path, change: Callable[[dict], None]) -> None:
+    """Load each rank file of `run`, `change` its state, save it back with a matching checksum."""
+    import torch
+
+    for rank_file in run.glob("checkpoints/*/rank-*.pt"):
+        state = torch.load(rank_file, weights_only=True)
+        change(state)
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        write_checkpoint_file(rank_file, buffer.getvalue())
+
+
+def checkpoint_without_optimizer(s: Sandbox) -> list[str]:
+    rewrite_checkpoint_states(s.interrupted_run(), lambda state: state.pop("optimizer"))
+    return train("--resume", workers="1", out="run")
+
+
+def checkpoint_with_nan_weights(s: Sandbox) -> list[str]:
+    def poison(state: dict) -> None:
+        next(iter(state["model"].values())).view(-1)[0] = float("nan")
+
+    rewrite_checkpoint_states(s.interrupted_run(), poison)
+    return train(workers="1", out="run")  # no --resume: continuing an unfinished run loads it too
+
+
 # ------------------------------------------------------------------------ the catalogue
 
 
@@ -284,6 +310,8 @@ CASES = [
          "rank-00000.pt' cannot be read"),
     case("checkpoint-of-another-model-two-workers", two_worker_checkpoint_of_another_model,
          "does not fit this model", subprocess=True),
+    case("checkpoint-without-optimizer", checkpoint_without_optimizer, "rank-00000.pt'", "lacks 'optimizer'"),
+    case("checkpoint-with-nan-weights", checkpoint_with_nan_weights, "rank-00000.pt'", "non-finite weights"),
     # run directory
     case("rundir-finished-run", lambda s: train(out=s.finished_run().name), "'run' holds a finished run"),
     case("rundir-other-settings", interrupted_run_with_other_lr, "'run'", "lr: 0.05 there, 0.1 now"),

@@ -20,7 +20,10 @@ from test_train_cli import DIGITS, dptrain
 
 
 def _state(value: float) -> dict:
-    return {"model": {"w": torch.full((3,), value)}, "epoch": 1, "history": [{"loss": value}]}
+    """A rank file's state with every entry load() validates."""
+    return {"epoch": 1, "step": 4, "wall_seconds": 0.5, "model": {"w": torch.full((3,), value)},
+            "optimizer": {"state": {}, "param_groups": []}, "scheduler": {}, "scaler": {}, "strategy": {},
+            "rng": {"torch": torch.get_rng_state()}, "history": [{"loss": value}]}
 
 
 def test_latest_complete_skips_a_truncated_checkpoint_and_falls_back(tmp_path):
@@ -46,7 +49,7 @@ def test_missing_rank_file_makes_a_checkpoint_incomplete(tmp_path):
 def test_prune_keeps_the_newest(tmp_path):
     for epoch in range(1, 6):
         checkpoint.save(tmp_path, epoch, 0, _state(epoch))
-    checkpoint.prune(tmp_path, keep=2)
+    checkpoint.prune(tmp_path, keep=2, world_size=1)
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["epoch-000004", "epoch-000005"]
 
 

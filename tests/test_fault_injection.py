@@ -9,7 +9,7 @@ rendezvous store and, under async, the merge service):
 
 - kill: SIGKILL after a random number of epochs (0: during start-up or the first epoch, before
   any checkpoint) plus a random fraction of an epoch;
-- save: SIGKILL at a random point of a random epoch's checkpoint save (dptrain.runtime.faults);
+- save: SIGKILL at a random point of a random epoch's checkpoint save (dptrain.faults);
 - freeze: SIGSTOP after a random number of epochs; the other rank must name the frozen one
   within the timeout and exit, so the launcher can restart the world.
 
@@ -34,7 +34,7 @@ from pathlib import Path
 
 import pytest
 
-from dptrain.runtime.faults import POINTS
+from dptrain.faults import POINTS
 from test_train_cli import DIGITS
 
 pytestmark = [pytest.mark.slow]

@@ -19,7 +19,7 @@ import sys
 import pytest
 import torch
 
-from dptrain.runtime.faults import POINTS
+from dptrain.faults import POINTS
 
 pytestmark = [pytest.mark.slow]
 EPOCHS, FAULT_EPOCH = 3, 2

@@ -1,11 +1,14 @@
 """Files dptrain writes: every one atomically (temporary file, fsync, rename), and run-directory names.
 
 A reader never sees half a file under its real name, and a crash leaves either the old file or
-the new one. JSON, JSON lines and torch-saved files all go through `atomic_write_bytes`.
+the new one. JSON, JSON lines and torch-saved files all go through `atomic_write_bytes`. A disk
+that is full or refuses writes is the user's to fix, not a bug: it becomes one line (DiskError,
+exit code 2) naming the file and the cause, and the temporary file is removed again.
 """
 
 from __future__ import annotations
 
+import errno
 import io
 import json
 import os
@@ -13,16 +16,58 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dptrain import faults
+from dptrain.errors import UserError
+
+# Causes a user can fix (free space, raise the quota, choose a writable --out), in their words.
+DISK_CAUSES = {
+    errno.ENOSPC: "no space left on device",
+    errno.EDQUOT: "disk quota exceeded",
+    errno.EROFS: "read-only file system",
+    errno.EACCES: "permission denied",
+    errno.EPERM: "operation not permitted",
+}
+
+
+class DiskError(UserError):
+    """A file or directory could not be written because of the disk, not because of dptrain."""
+
+
+def disk_error(exc: OSError, what: str) -> Exception:
+    """`exc` as a DiskError naming `what` (e.g. "cannot write 'run/config.yaml'"), or `exc` itself."""
+    cause = DISK_CAUSES.get(exc.errno)
+    if cause is None:
+        return exc
+    return DiskError(f"{what}: {cause}; free space (or give --out a writable directory) and run the same command again")
+
+
+def make_dirs(path: Path) -> None:
+    """mkdir -p, with a full or read-only disk reported as a DiskError."""
+    try:
+        Path(path).mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise disk_error(exc, f"cannot create directory '{path}'") from None
+
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Replace `path` by `data`: written to PATH.tmp, flushed to disk, renamed over PATH."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            faults.point("save-fsync")
+            os.fsync(handle.fileno())
+        faults.point("save-rename")
+        os.replace(tmp, path)
+    except OSError as exc:
+        # A half-written temporary file would hold the very space the user must free.
+        try:
+            tmp.unlink()
+        except OSError:
+            pass
+        raise disk_error(exc, f"cannot write '{path}'") from None
 
 
 def write_text(path: Path, text: str) -> None:

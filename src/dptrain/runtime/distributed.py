@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import ipaddress
 import os
+import socket
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Optional
 
@@ -20,7 +23,7 @@ import torch.distributed as dist
 
 from dptrain.errors import UserError
 from dptrain.runtime.env import DistEnv
-from dptrain.runtime.heartbeat import Heartbeat, default_store
+from dptrain.runtime.heartbeat import Heartbeat, StoreUnanswered, bounded, default_store, store_abandoned
 
 
 @dataclass
@@ -75,22 +78,151 @@ def init_process_group(env: DistEnv, *, device: str = "auto", timeout: float = 3
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=wait)
         else:
             options = {"device_id": dev} if backend == "nccl" else {}
-            # env:// rather than tcp://: under torchrun the agent already serves the store on
-            # MASTER_PORT (TORCHELASTIC_USE_AGENT_STORE), and user code sees the same variables.
+            # User code sees the same variables as under torchrun.
             os.environ.update(MASTER_ADDR=env.master_addr, MASTER_PORT=str(env.master_port),
                               RANK=str(env.rank), WORLD_SIZE=str(env.world_size), LOCAL_RANK=str(env.local_rank))
+            where = f"rank {env.rank}: rendezvous at {env.master_addr}:{env.master_port}"
             try:
-                dist.init_process_group(backend, init_method="env://", rank=env.rank, world_size=env.world_size,
-                                        timeout=wait, **options)
+                if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+                    # Under torchrun the agent already serves the store on MASTER_PORT; env:// joins it.
+                    dist.init_process_group(backend, init_method="env://", rank=env.rank,
+                                            world_size=env.world_size, timeout=wait, **options)
+                else:
+                    # The same PrefixStore over a TCPStore that env:// would build, but with rank 0's
+                    # listening address chosen here and every rank's wait bounded.
+                    store = dist.PrefixStore("default_pg", rendezvous_store(env, timeout, where))
+                    dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size,
+                                            timeout=wait, **options)
+            except PeerFailure:
+                raise
             except (RuntimeError, TimeoutError) as exc:
                 raise PeerFailure(
-                    f"rank {env.rank}: rendezvous at {env.master_addr}:{env.master_port} failed within {timeout:g} s "
+                    f"{where} failed within {timeout:g} s "
                     f"({env.world_size} ranks expected, launcher {env.launcher}): {str(exc).splitlines()[0]}") from None
     world = dist.get_world_size()
     store = default_store() if world > 1 else None
     return DistContext(rank=dist.get_rank(), world_size=world, local_rank=env.local_rank,
                        device=dev, backend=dist.get_backend(), timeout=timeout, launcher=env.launcher,
                        heartbeat=_heartbeat(store, dist.get_rank(), world))
+
+
+def rendezvous_store(env: DistEnv, timeout: float, where: str) -> dist.TCPStore:
+    """Rank 0 serves the TCPStore on the address `listen_address` picks; the others join it.
+
+    Joining is bounded by `timeout`: torch retries a refused connection until then, but once
+    connected it waits for the store's handshake with no deadline at all, so a program that is
+    not a store (or a frozen rank 0) on MASTER_PORT would hang the rank forever. torch logs a
+    failed handshake with a C++ stack on stderr before raising; the raised error says the same
+    in one line, so the log is kept out of sight unless debugging.
+    """
+    wait = datetime.timedelta(seconds=timeout)
+    if env.rank == 0:
+        listener = _listen(env.master_addr, env.master_port, where)
+        with _cpp_log_hidden():
+            # torch takes over the listening socket (detach: its fd is torch's to close).
+            return dist.TCPStore(env.master_addr, env.master_port, env.world_size, True, wait,
+                                 master_listen_fd=listener.detach())
+    try:
+        with _cpp_log_hidden():
+            return bounded(lambda: dist.TCPStore(env.master_addr, env.master_port, env.world_size, False, wait),
+                           timeout + 2)  # torch's own timeout (rank 0 not up yet) should win the race
+    except StoreUnanswered:
+        raise PeerFailure(f"{where} failed: the server there accepted the connection but gave no answer within "
+                          f"{timeout:g} s, so it is not a torch.distributed store (another program holds "
+                          f"MASTER_PORT {env.master_port}) or rank 0 is frozen") from None
+    except (RuntimeError, TimeoutError) as exc:
+        if "ping failed" not in str(exc).lower():
+            raise
+        raise PeerFailure(f"{where} failed: something else answers there, not a torch.distributed store "
+                          f"(another program holds MASTER_PORT {env.master_port}); choose a free port") from None
+
+
+def listen_address(master_addr: str) -> str:
+    """Where rank 0's store listens: nowhere it need not.
+
+    A loopback MASTER_ADDR (dptrain's own launcher) -> that loopback address, so the store is
+    unreachable from the network. An IP address of this host, or a name that resolves to a
+    non-loopback address of this host (a scheduler's first node) -> that interface only. Else
+    (a name that resolves to loopback here but to a real address on the other nodes, as
+    Debian's 127.0.1.1 hostname entry does; an address this host does not have, e.g. behind
+    NAT) -> every interface, as torch does by default ("").
+    """
+    if master_addr == "localhost":
+        return "127.0.0.1"
+    try:
+        literal = ipaddress.ip_address(master_addr)
+    except ValueError:
+        literal = None
+    try:
+        resolved = ipaddress.ip_address(socket.getaddrinfo(master_addr, None, type=socket.SOCK_STREAM)[0][4][0])
+    except (OSError, ValueError):
+        return ""
+    if resolved.is_loopback:
+        return str(resolved) if literal is not None else ""
+    return str(resolved) if _is_local(resolved) else ""
+
+
+def _is_local(address: "ipaddress.IPv4Address | ipaddress.IPv6Address") -> bool:
+    """Whether this host has `address` (it can bind to it)."""
+    family = socket.AF_INET6 if address.version == 6 else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind((str(address), 0))
+        except OSError:
+            return False
+    return True
+
+
+def _listen(master_addr: str, port: int, where: str) -> socket.socket:
+    host = listen_address(master_addr)
+    try:
+        # create_server sets SO_REUSEADDR (a restarted world may reuse the port while the last
+        # one's connections sit in TIME_WAIT); "" means every interface, IPv6 too, as torch binds.
+        if host == "" and socket.has_dualstack_ipv6():
+            return socket.create_server(("", port), family=socket.AF_INET6, dualstack_ipv6=True)
+        return socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+    except OSError as exc:
+        raise PeerFailure(f"{where} failed: rank 0 cannot serve the store on {host or '*'}:{port}: "
+                          f"{exc.strerror.lower() if exc.strerror else exc} (another program holds MASTER_PORT "
+                          f"{port}?); choose a free port") from None
+
+
+def debugging() -> bool:
+    return os.environ.get("DPTRAIN_DEBUG") == "1"
+
+
+@contextmanager
+def _cpp_log_hidden():
+    """Send fd 2 to /dev/null while torch builds the store (unless debugging).
+
+    torch's C++ log level (TORCH_CPP_LOG_LEVEL) is read once, when torch is imported, so it
+    cannot be lowered here for this process; the rendezvous runs before any other thread of
+    this process writes, so nothing else is lost.
+    """
+    if debugging():
+        yield
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 2)
+    os.close(null)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def quiet_cpp_logs_of_children() -> None:
+    """Keep torch's C++ warnings with stacks out of the workers this process is about to start.
+
+    When rank 0 dies, a survivor's store connection logs a 20-line C++ stack before dptrain's
+    one line. torch reads TORCH_CPP_LOG_LEVEL once, at import, so it is set in the environment
+    the workers inherit, not in a running rank; a value the user set is kept.
+    """
+    if not debugging():
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
 
 _HEARTBEATS: list[Heartbeat] = []  # at most one: this process's, until the group is destroyed
@@ -117,6 +249,11 @@ atexit.register(stop_heartbeats)
 
 def destroy_process_group() -> None:
     stop_heartbeats()
+    if store_abandoned():
+        # A thread is still blocked inside a call to a frozen store host; destroying the store
+        # under it aborts the process. The caller is failing anyway: exit_process ends it
+        # without tearing the group down.
+        return
     if dist.is_initialized():
         dist.destroy_process_group()
         # Let gloo's worker threads take the GIL and release the last collective's tensors now,

@@ -4,17 +4,61 @@ Each rank bumps a counter in the torch.distributed store every `interval` second
 daemon thread. After a collective fails or times out, `silent_peers()` reads all counters
 twice, a few intervals apart: ranks whose counter did not move are dead or frozen. Counters,
 not timestamps, so clocks of different nodes need not agree.
+
+Every store call has a deadline (`bounded`): torch's TCPStore applies its timeout to get/wait
+only, so `add` on a store whose host is frozen (SIGSTOP, swapped out, a hung node) waits
+forever, and the diagnosis of a failed collective would hang instead of naming rank 0.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from typing import Optional
+from typing import Callable, Optional, TypeVar
 
 import torch.distributed as dist
 
 PREFIX = "dptrain/heartbeat/"
+STORE_DEADLINE = 5.0  # seconds; a store round trip takes well under a millisecond when its host runs
+UNANSWERED = "rank 0 (the rendezvous store's host) does not answer"
+T = TypeVar("T")
+
+
+class StoreUnanswered(RuntimeError):
+    """The rendezvous store did not answer a call within its deadline."""
+
+
+_ABANDONED: list[threading.Thread] = []  # threads left inside a store call that never returned
+
+
+def bounded(call: Callable[[], T], seconds: float = STORE_DEADLINE) -> T:
+    """`call()` (a store call) in a daemon thread; StoreUnanswered if it has not returned after `seconds`.
+
+    A store call cannot be interrupted, so a thread that misses its deadline is left behind,
+    blocked; `store_abandoned()` tells the teardown not to destroy the store under it.
+    """
+    outcome: dict = {}
+
+    def run() -> None:
+        try:
+            outcome["value"] = call()
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=run, name="dptrain-store-call", daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        _ABANDONED.append(thread)
+        raise StoreUnanswered(f"{UNANSWERED} within {seconds:g} s")
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
+
+
+def store_abandoned() -> bool:
+    """Whether a store call of this process is still blocked (its host froze or vanished)."""
+    return any(thread.is_alive() for thread in _ABANDONED)
 
 
 def default_store() -> Optional[dist.Store]:
@@ -47,8 +91,8 @@ class Heartbeat:
     def _beat(self) -> None:
         while not self._stop.is_set():
             try:
-                self.store.add(PREFIX + str(self.rank), 1)
-            except Exception:  # noqa: BLE001 - the store host is gone; the training thread reports it
+                bounded(lambda: self.store.add(PREFIX + str(self.rank), 1))
+            except Exception:  # noqa: BLE001 - the store host is gone or frozen; the training thread reports it
                 return
             self._stop.wait(self.interval)
 
@@ -56,8 +100,8 @@ class Heartbeat:
         """Peers whose counter has not moved for `seconds`, tracked across calls (poll it often)."""
         now = time.monotonic()
         silent = []
-        for peer in peers:
-            count = self.store.add(PREFIX + str(peer), 0)
+        counts = bounded(lambda: {peer: self.store.add(PREFIX + str(peer), 0) for peer in peers})
+        for peer, count in counts.items():
             last = self._seen.get(peer)
             if last is None or last[0] != count:
                 self._seen[peer] = (count, now)
@@ -66,11 +110,9 @@ class Heartbeat:
         return silent
 
     def _counters(self) -> dict[int, int]:
-        counts = {}
-        for peer in range(self.world_size):
-            if peer != self.rank:
-                counts[peer] = self.store.add(PREFIX + str(peer), 0)  # add 0: read without blocking
-        return counts
+        peers = [peer for peer in range(self.world_size) if peer != self.rank]
+        # add 0: read without waiting for the key to exist (get would)
+        return bounded(lambda: {peer: self.store.add(PREFIX + str(peer), 0) for peer in peers})
 
     def silent_peers(self, wait_intervals: float = 3.0) -> str:
         """A phrase naming the peers that stopped beating, or why nobody can be named."""
@@ -78,6 +120,8 @@ class Heartbeat:
             first = self._counters()
             time.sleep(self.interval * wait_intervals)
             second = self._counters()
+        except StoreUnanswered:
+            return UNANSWERED
         except Exception:  # noqa: BLE001 - any store failure means the store's host is unreachable
             return "the rendezvous store on rank 0's host is unreachable, so rank 0 is probably gone"
         silent = [peer for peer in first if second[peer] == first[peer]]

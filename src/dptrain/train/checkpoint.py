@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import hashlib
 import io
-import os
 import re
 import shutil
 from pathlib import Path
@@ -26,7 +25,7 @@ from typing import Any, Optional
 import torch
 
 from dptrain.errors import UserError
-from dptrain.io import atomic_write_bytes
+from dptrain.io import atomic_write_bytes, make_dirs
 
 DIRECTORY = "checkpoints"
 EPOCH_DIR = re.compile(r"^epoch-(\d{6})$")
@@ -38,23 +37,50 @@ def _rank_file(directory: Path, rank: int) -> Path:
 
 def save(run_dir: Path, epoch: int, rank: int, state: dict[str, Any]) -> Path:
     """Write this rank's state for `epoch` (counted from 1) atomically, with its checksum."""
-    directory = Path(run_dir) / DIRECTORY / f"epoch-{epoch:06d}"
-    directory.mkdir(parents=True, exist_ok=True)
+    directory = _epoch_dir(run_dir, epoch)
+    make_dirs(directory)
     buffer = io.BytesIO()
     torch.save(state, buffer)
     data = buffer.getvalue()
     path = _rank_file(directory, rank)
     # Checksum first: a file without a valid checksum beside it is never trusted.
-    atomic_write_bytes(path.with_name(path.name + ".sha256"), hashlib.sha256(data).hexdigest().encode())
+    atomic_write_bytes(_checksum_file(path), hashlib.sha256(data).hexdigest().encode())
     atomic_write_bytes(path, data)
     return path
 
 
-def prune(run_dir: Path, keep: int, world_size: int = 0) -> None:
-    """Keep the newest `keep` epoch directories (rank 0 calls this after its save)."""
+def prune(run_dir: Path, keep: int, world_size: int) -> None:
+    """Keep the newest `keep` complete checkpoints and every epoch directory newer than them.
+
+    Rank 0 calls this right after its own save, when other ranks may still be writing that
+    epoch (or, under async, an older one): a directory is counted only once every rank's file
+    and checksum are in it, and nothing newer than the oldest kept checkpoint is touched, so
+    a rank killed mid-write or a slow worker never costs the last complete checkpoint.
+    Presence is enough: both files are renamed into place whole, and load() verifies them.
+    """
+    if keep <= 0:
+        return
     epochs = _epochs(Path(run_dir))
-    for epoch in epochs[:-keep] if keep > 0 else []:
-        shutil.rmtree(Path(run_dir) / DIRECTORY / f"epoch-{epoch:06d}", ignore_errors=True)
+    complete = [epoch for epoch in epochs if _has_every_rank(_epoch_dir(run_dir, epoch), world_size)]
+    if len(complete) < keep:
+        return  # fewer complete checkpoints than asked for: every one, and all newer partial ones, stay
+    oldest_kept = complete[-keep]
+    for epoch in epochs:
+        if epoch < oldest_kept:
+            shutil.rmtree(_epoch_dir(run_dir, epoch), ignore_errors=True)
+
+
+def _epoch_dir(run_dir: Path, epoch: int) -> Path:
+    return Path(run_dir) / DIRECTORY / f"epoch-{epoch:06d}"
+
+
+def _has_every_rank(directory: Path, world_size: int) -> bool:
+    return all(_rank_file(directory, rank).is_file() and _checksum_file(_rank_file(directory, rank)).is_file()
+               for rank in range(world_size))
+
+
+def _checksum_file(path: Path) -> Path:
+    return path.with_name(path.name + ".sha256")
 
 
 def _epochs(run_dir: Path) -> list[int]:
@@ -65,7 +91,7 @@ def _epochs(run_dir: Path) -> list[int]:
 
 
 def _verified_bytes(path: Path) -> Optional[bytes]:
-    checksum = path.with_name(path.name + ".sha256")
+    checksum = _checksum_file(path)
     if not path.is_file() or not checksum.is_file():
         return None
     data = path.read_bytes()
@@ -76,7 +102,7 @@ def latest_complete(run_dir: Path, world_size: int) -> tuple[Optional[int], list
     """(newest epoch whose files all verify, or None; a note for each newer epoch skipped)."""
     skipped = []
     for epoch in reversed(_epochs(Path(run_dir))):
-        directory = Path(run_dir) / DIRECTORY / f"epoch-{epoch:06d}"
+        directory = _epoch_dir(run_dir, epoch)
         bad = [rank for rank in range(world_size) if _verified_bytes(_rank_file(directory, rank)) is None]
         if not bad:
             return epoch, skipped
@@ -87,14 +113,50 @@ def latest_complete(run_dir: Path, world_size: int) -> tuple[Optional[int], list
 
 def load(run_dir: Path, epoch: int, rank: int) -> dict[str, Any]:
     """This rank's verified state of `epoch`, loaded without unpickling arbitrary objects."""
-    path = _rank_file(Path(run_dir) / DIRECTORY / f"epoch-{epoch:06d}", rank)
+    path = _rank_file(_epoch_dir(run_dir, epoch), rank)
     data = _verified_bytes(path)
     if data is None:
         raise UserError(f"checkpoint '{path}' is missing or does not match its checksum")
     try:
-        return torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+        state = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
     except Exception as exc:  # noqa: BLE001 - any unpickling failure is a bad file
         raise UserError(f"checkpoint '{path}' cannot be read: {str(exc).splitlines()[0]}") from None
+    validate(state, path)
+    return state
+
+
+# What a rank file must hold, as Trainer._checkpoint writes it (the type each entry must have).
+STRUCTURE: dict[str, tuple[type, ...]] = {
+    "epoch": (int,), "step": (int,), "wall_seconds": (int, float), "model": (dict,), "optimizer": (dict,),
+    "scheduler": (dict,), "scaler": (dict,), "strategy": (dict,), "rng": (dict,), "history": (list,),
+}
+
+
+def validate(state: Any, path: Path) -> None:
+    """Refuse a checkpoint with the right checksum but the wrong content, in one sentence.
+
+    The checksum only proves the file is the one written; a file copied in from elsewhere, or
+    written by a diverged run, could still lack entries (a KeyError deep in the restore) or
+    carry NaN/inf weights, which would load silently and train on garbage.
+    """
+    if not isinstance(state, dict):
+        raise UserError(f"checkpoint '{path}' holds a {type(state).__name__}, not a dptrain checkpoint "
+                        f"(a dict with {', '.join(STRUCTURE)})")
+    missing = [key for key in STRUCTURE if key not in state]
+    if missing:
+        raise UserError(f"checkpoint '{path}' is not a dptrain checkpoint: it lacks {', '.join(map(repr, missing))} "
+                        f"(a dptrain checkpoint holds {', '.join(STRUCTURE)})")
+    for key, types in STRUCTURE.items():
+        if not isinstance(state[key], types) or isinstance(state[key], bool):
+            raise UserError(f"checkpoint '{path}' is not a dptrain checkpoint: its {key!r} is a "
+                            f"{type(state[key]).__name__}, not a {' or '.join(t.__name__ for t in types)}")
+    for name, value in state["model"].items():
+        if not isinstance(value, torch.Tensor):
+            raise UserError(f"checkpoint '{path}' is not a dptrain checkpoint: model entry {name!r} is a "
+                            f"{type(value).__name__}, not a tensor")
+        if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+            raise UserError(f"checkpoint '{path}' holds non-finite weights (NaN or inf in {name!r}); "
+                            "remove that epoch's directory to resume from an earlier checkpoint")
 
 
 def first_mismatch(exc: Exception) -> str:

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from dptrain.errors import UserError
-from dptrain.runtime import faults
+from dptrain import faults
 from dptrain.runtime.distributed import DistContext
 from dptrain.runtime.guard import broadcast_object
 from dptrain.train import checkpoint

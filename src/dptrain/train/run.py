@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from contextlib import ExitStack
 from functools import partial
 from pathlib import Path
 from typing import Optional, Union
@@ -20,15 +21,17 @@ from dptrain.data import Dataset, load_dataset, sharding
 from dptrain.data.user import DataSplits, load_user_data
 from dptrain.imports import looks_like_spec
 from dptrain.errors import Preempted, UserError
+from dptrain.io import write_text
 from dptrain.models import build_model, check_output_shape
-from dptrain.runtime.distributed import choose_device, destroy_process_group, init_process_group, set_cpu_threads
+from dptrain.runtime.distributed import (choose_device, destroy_process_group, init_process_group,
+                                         quiet_cpp_logs_of_children, set_cpu_threads)
 from dptrain.runtime.env import DistEnv, detect
 from dptrain.runtime.guard import broadcast_object
 from dptrain.runtime.launcher import launch_local
 from dptrain.strategies import build_strategy
 from dptrain.train.optim import build_optimizer, build_schedule
 from dptrain.train import checkpoint
-from dptrain.train.rundir import default_run_dir, open_run_dir
+from dptrain.train.rundir import default_run_dir, lock_run_dir, open_run_dir
 from dptrain.train.preemption import catch_stop_signals_early, release_early_stop_signals
 from dptrain.train.recorder import Summary
 from dptrain.train.checkpointer import load_model_state
@@ -91,7 +94,7 @@ def prepare_run_dir(config: TrainConfig, out: str, world: int, model: torch.nn.M
     text = to_yaml(config.model_copy(update={"out": str(run_dir), "resume": False, "workers": world}))
     saved_config = run_dir / "config.yaml"
     if not saved_config.exists() or saved_config.read_text() != text:
-        saved_config.write_text(text)
+        write_text(saved_config, text)
     return run_dir, resuming
 
 
@@ -133,26 +136,33 @@ def train_from_config(config: Union[TrainConfig, dict]) -> Summary:
 
 def spawn_workers(config: TrainConfig, model: torch.nn.Module) -> tuple[int, Path]:
     """Run `config.workers` local ranks (restarting up to --max-restarts times); (exit code, run directory)."""
-    run_dir, resuming = prepare_run_dir(config, config.out or default_run_dir(config.strategy), config.workers, model)
-    verb = "continuing the run in" if resuming else "run directory"
-    print(f"dptrain: {config.workers} workers on this machine, {verb} {run_dir}", flush=True)
-    argv = ["train", "--config", str(run_dir / "config.yaml")]
-    for attempt in range(config.max_restarts + 1):
-        code = launch_local(config.workers, argv)
-        if code in (0, UserError.exit_code, Preempted.exit_code) or attempt == config.max_restarts:
-            return code, run_dir
-        print(f"dptrain: restarting the {config.workers} workers from the last checkpoint "
-              f"(restart {attempt + 1} of {config.max_restarts})", file=sys.stderr, flush=True)
+    out = config.out or default_run_dir(config.strategy)
+    with lock_run_dir(out):  # the launcher holds the run directory while its workers run
+        run_dir, resuming = prepare_run_dir(config, out, config.workers, model)
+        verb = "continuing the run in" if resuming else "run directory"
+        print(f"dptrain: {config.workers} workers on this machine, {verb} {run_dir}", flush=True)
+        argv = ["train", "--config", str(run_dir / "config.yaml")]
+        quiet_cpp_logs_of_children()
+        for attempt in range(config.max_restarts + 1):
+            code = launch_local(config.workers, argv)
+            if code in (0, UserError.exit_code, Preempted.exit_code) or attempt == config.max_restarts:
+                return code, run_dir
+            print(f"dptrain: restarting the {config.workers} workers from the last checkpoint "
+                  f"(restart {attempt + 1} of {config.max_restarts})", file=sys.stderr, flush=True)
     raise AssertionError("unreachable: the last attempt returns")
 
 
-def _join_run_dir(config: TrainConfig, env: DistEnv, ctx) -> TrainConfig:
-    """Under an outside launcher rank 0 opens the run directory and tells the others (or its error)."""
+def _join_run_dir(config: TrainConfig, env: DistEnv, ctx, held: ExitStack) -> TrainConfig:
+    """Under an outside launcher rank 0 opens the run directory and tells the others (or its error).
+
+    Rank 0 locks the directory into `held`, which the caller keeps open for the whole run.
+    """
     decision: list = [None, None]
     if ctx.is_main:
         config = config.model_copy(update={"workers": ctx.world_size})
         out = config.out or default_run_dir(config.strategy, env.job_id or os.environ.get("TORCHELASTIC_RUN_ID"))
         try:
+            held.enter_context(lock_run_dir(out))
             model = make_model(config, load_data(config, check_values=False, log=lambda message: None))
             run_dir, _ = prepare_run_dir(config, out, ctx.world_size, model)
             decision = [str(run_dir), None]
@@ -172,9 +182,10 @@ def run_worker(config: TrainConfig, env: DistEnv) -> Summary:
         release_early_stop_signals()
     set_cpu_threads()
     ctx = init_process_group(env, device=config.device, timeout=config.timeout)
+    held = ExitStack()  # the run directory's lock, when this rank holds it
     try:
         if env.launcher != "local":
-            config = _join_run_dir(config, env, ctx)
+            config = _join_run_dir(config, env, ctx, held)
         # validate() checked the data before spawning (or running alone); under other launchers rank 0 does.
         said_by_launcher = not env.launched or env.launcher == "local"
         data = load_data(config, check_values=not said_by_launcher and ctx.is_main,
@@ -195,6 +206,7 @@ def run_worker(config: TrainConfig, env: DistEnv) -> Summary:
         return trainer.fit(data.train_set(), data.test_set(), epochs=config.epochs)
     finally:
         destroy_process_group()
+        held.close()
 
 
 def loader_workers(asked: Optional[int], ctx) -> int:

@@ -1,14 +1,23 @@
-"""The run directory: resolved config, metrics.jsonl, summary.json, model.pt. Never overwrites a run."""
+"""The run directory: resolved config, metrics.jsonl, summary.json, model.pt. Never overwrites a run.
+
+One run at a time per directory: `lock_run_dir` holds an exclusive lock for the whole run.
+"""
 
 from __future__ import annotations
 
+import errno
+import fcntl
+import os
+import socket
+import sys
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import yaml
 
 from dptrain.errors import UserError
-from dptrain.io import timestamped
+from dptrain.io import disk_error, make_dirs, timestamped
 
 RUN_FILES = ("config.yaml", "metrics.jsonl", "summary.json", "model.pt")
 
@@ -26,16 +35,140 @@ RESUMABLE_CHANGES = {"out", "resume", "progress", "timeout", "epochs", "max_rest
 def claim_run_dir(path: str) -> Path:
     """Create `path` for a new run, refusing one that already holds a run's files."""
     directory = Path(path)
-    if directory.exists() and not directory.is_dir():
-        raise UserError(f"run directory '{path}' is a file; give --out a new directory")
-    held = [name for name in RUN_FILES if (directory / name).exists()]
+    held = [name for name in RUN_FILES if directory.is_dir() and (directory / name).exists()]
     if held:
         raise UserError(f"run directory '{path}' already holds a run ({', '.join(held)}); give --out a new directory")
+    _make_run_dir(path)
+    return directory
+
+
+def _make_run_dir(path: str) -> bool:
+    """Create the run directory if needed; whether it was created now."""
+    directory = Path(path)
+    if directory.exists() and not directory.is_dir():
+        raise UserError(f"run directory '{path}' is a file; give --out a new directory")
+    if directory.is_dir():
+        return False
     try:
-        directory.mkdir(parents=True, exist_ok=True)
+        make_dirs(directory)
     except OSError as exc:
         raise UserError(f"cannot create run directory '{path}': {exc.strerror}") from None
-    return directory
+    return True
+
+
+LOCK_FILE = "dptrain.lock"
+
+
+@contextmanager
+def lock_run_dir(path: str) -> Iterator[Path]:
+    """Hold the run directory `path` (created if needed) exclusively while the block runs.
+
+    Two runs writing one directory would interleave their metrics and checkpoints. The lock
+    is an flock on PATH/dptrain.lock: the kernel frees it when its holder dies, however it
+    dies, so a crashed run never blocks the next one. The file also names the holder (PID and
+    host) for the refusal message, and a name left there by a run that died is reported when
+    the lock is taken over. The lock file is removed on release, and a directory this call
+    created is removed again if the run left nothing in it (a refused run changes nothing).
+    """
+    created = _make_run_dir(path)
+    lock = Path(path) / LOCK_FILE
+    try:
+        handle = _acquire(lock, path)
+    except BaseException:
+        _remove_if_empty(path, created)
+        raise
+    try:
+        yield Path(path)
+    finally:
+        # Unlink while still holding the lock: a process that opened the old file meanwhile
+        # sees that it was replaced (see _acquire) instead of locking a file nobody else will.
+        try:
+            lock.unlink()
+        except OSError:
+            pass
+        handle.close()
+        _remove_if_empty(path, created)
+
+
+def _acquire(lock: Path, path: str):
+    while True:
+        try:
+            handle = open(lock, "a+b", buffering=0)  # unbuffered: a full disk fails the write, not close()
+        except OSError as exc:
+            raise disk_error(exc, f"cannot create the lock file '{lock}'") from None
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            supported = True
+        except BlockingIOError:
+            holder = _holder(handle)
+            handle.close()
+            raise UserError(f"run directory '{path}' is in use by another dptrain run ({holder or 'PID not yet written'}); wait for it "
+                            "to end or give --out another directory") from None
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOLCK):
+                raise
+            supported = False  # e.g. Lustre mounted without flock: fall back to the PID written inside
+        try:
+            replaced = os.fstat(handle.fileno()).st_ino != os.stat(lock).st_ino
+        except FileNotFoundError:
+            replaced = True
+        if replaced:  # its holder removed it between our open and our flock: lock the new one
+            handle.close()
+            continue
+        break
+    previous = _holder(handle)
+    if previous and not supported and _alive_elsewhere(handle):
+        handle.close()
+        raise UserError(f"run directory '{path}' is in use by another dptrain run ({previous}); wait for it "
+                        f"to end or give --out another directory (or remove '{lock}' if that run is gone)")
+    if previous:
+        print(f"dptrain: taking over run directory '{path}' from a run that ended without releasing it "
+              f"({previous})", file=sys.stderr, flush=True)
+    try:
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"{os.getpid()} {socket.gethostname()}\n".encode())
+        os.fsync(handle.fileno())
+    except OSError as exc:
+        handle.close()
+        lock.unlink(missing_ok=True)
+        raise disk_error(exc, f"cannot write the lock file '{lock}'") from None
+    return handle
+
+
+def _holder_fields(handle) -> Optional[tuple[int, str]]:
+    handle.seek(0)
+    fields = handle.read().decode(errors="replace").split()
+    if len(fields) == 2 and fields[0].isdigit():
+        return int(fields[0]), fields[1]
+    return None
+
+
+def _holder(handle) -> str:
+    fields = _holder_fields(handle)
+    return f"PID {fields[0]} on host {fields[1]}" if fields else ""
+
+
+def _alive_elsewhere(handle) -> bool:
+    """Without flock: whether the PID in the lock file may still run (on another host we cannot tell)."""
+    pid, host = _holder_fields(handle)
+    if host != socket.gethostname():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return pid != os.getpid()
+
+
+def _remove_if_empty(path: str, created: bool) -> None:
+    if created:
+        try:
+            Path(path).rmdir()
+        except OSError:
+            pass  # the run wrote something: keep it
 
 
 def open_run_dir(path: str, settings: dict[str, Any], resume: bool = False) -> tuple[Path, bool]:
