@@ -70,9 +70,12 @@ def init_process_group(env: DistEnv, *, device: str = "auto", timeout: float = 3
     backend = "nccl" if dev.type == "cuda" else "gloo"
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
-    global _JOINED
+    global _JOINED, _JOINED_AS
     _JOINED = True
+    if dist.is_initialized() and _JOINED_AS is not None:
+        env = _JOINED_AS  # joined before (e.g. by `dptrain train`): the launcher seen then, not the variables set since
     if not dist.is_initialized():
+        _JOINED_AS = env
         wait = datetime.timedelta(seconds=timeout)
         if not env.launched:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=wait)
@@ -248,6 +251,8 @@ atexit.register(stop_heartbeats)
 
 
 def destroy_process_group() -> None:
+    global _JOINED_AS
+    _JOINED_AS = None
     stop_heartbeats()
     if store_abandoned():
         # A thread is still blocked inside a call to a frozen store host; destroying the store
@@ -264,6 +269,7 @@ def destroy_process_group() -> None:
 
 
 _JOINED = False  # whether this process ever joined a process group
+_JOINED_AS: Optional[DistEnv] = None  # what the environment said when this process joined it
 
 
 def exit_process(code: int) -> None:
