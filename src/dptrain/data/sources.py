@@ -38,7 +38,6 @@ import numpy as np
 
 from dptrain import registry
 from dptrain.data.dstensor import DSTensor, list_arrays
-from dptrain.data.sampler import ArrayPairs
 from dptrain.errors import UserError, did_you_mean
 
 DATASET_NAMES = registry.names("dataset")
@@ -58,10 +57,13 @@ class Dataset:
     input_shape: tuple[int, ...]  # per-sample shape of x
     name: str
 
-    def train_set(self) -> ArrayPairs:
+    def train_set(self):
+        """The training split as a torch Dataset (imported here: loading data needs no torch)."""
+        from dptrain.data.sampler import ArrayPairs
         return ArrayPairs(self.x_train, self.y_train)
 
-    def test_set(self) -> ArrayPairs:
+    def test_set(self):
+        from dptrain.data.sampler import ArrayPairs
         return ArrayPairs(self.x_test, self.y_test)
 
     @property
