@@ -4,10 +4,12 @@ checkpoint and exit code 75 on every rank, and the same command continues it."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -18,8 +20,8 @@ STRATEGIES = ("allreduce", "sync", "async", "fedavg")
 
 
 def _children(pid: int) -> list[int]:
-    found = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
-    return [int(child) for child in found]
+    path = Path(f"/proc/{pid}/task/{pid}/children")
+    return [int(child) for child in path.read_text().split()] if path.exists() else []
 
 
 def _records(run) -> list[dict]:
@@ -38,7 +40,7 @@ def test_a_stop_signal_while_the_workers_start_up_ends_the_run_after_epoch_1(tmp
     assert len(workers) == 2
     time.sleep(0.3)  # past the interpreter's own start: the workers are importing torch or meeting
     for pid in workers:  # as SLURM signals every task
-        subprocess.run(["kill", "-USR1", str(pid)])
+        os.kill(pid, signal.SIGUSR1)
     _, stderr = proc.communicate(timeout=180)
     assert proc.returncode == 75, stderr
     assert stderr.count("stopped by") + stderr.count("another rank stopped") == 2, stderr
