@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from dptrain.runtime.env import detect
+from dptrain.runtime.env import detect, free_port
 from dptrain.runtime.launcher import launch_local
 from dptrain.runtime.spawn import _pump, describe_exit, spawn_ranks, worker_env
 
@@ -208,3 +208,13 @@ def test_spawn_ranks_forwards_a_schedulers_warning_to_every_rank(tmp_path):
     ended = spawn_ranks(python(code), 2, port=29114, log_dir=tmp_path, extra_env={"READY": str(tmp_path / "ready")})
     assert (ended.preempted, ended.failed_rank, ended.code) == (True, None, 75)
     assert signal.getsignal(signal.SIGUSR1) is previous  # our own handler is back
+
+
+def test_a_rank_still_running_long_after_another_finished_is_named_and_stopped(tmp_path, capfd):
+    # rank 0 finishes at once; rank 1 freezes (as a SIGSTOPped rank would) and must not hang the launcher
+    script = tmp_path / "linger.py"
+    script.write_text("import os, time\nif os.environ['RANK'] == '1':\n    time.sleep(600)\n")
+    started = time.monotonic()
+    ended = spawn_ranks([sys.executable, str(script)], 2, port=free_port(), log_dir=tmp_path, linger=2)
+    assert time.monotonic() - started < 30
+    assert ended.stuck_ranks == (1,) and ended.first_done == 0 and ended.code == 1

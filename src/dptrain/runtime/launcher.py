@@ -14,13 +14,22 @@ from dptrain.runtime.env import free_port
 from dptrain.runtime.spawn import describe_exit, spawn_ranks
 
 
-def launch_local(workers: int, argv: Sequence[str]) -> int:
-    """Run `python -m dptrain ARGV` as `workers` ranks; return 0, 75 (stopped at a checkpoint) or the first failure's code."""
+def launch_local(workers: int, argv: Sequence[str], timeout: float = 300.0) -> int:
+    """Run `python -m dptrain ARGV` as `workers` ranks; return 0, 75 (stopped at a checkpoint) or the first failure's code.
+
+    Once one rank has ended well, the others must end within `timeout` seconds (they have no
+    one left to wait for): a rank frozen after the last collective is stopped and named.
+    """
     try:
-        ended = spawn_ranks([sys.executable, "-m", "dptrain", *argv], workers, port=free_port())
+        ended = spawn_ranks([sys.executable, "-m", "dptrain", *argv], workers, port=free_port(), linger=timeout)
     except KeyboardInterrupt:
         return 130
     if ended.failed_rank is not None:
         print(f"dptrain: worker rank {ended.failed_rank} {describe_exit(ended.failed_code)}; "
               "stopping the other workers", file=sys.stderr, flush=True)
+    if ended.stuck_ranks:
+        names = ", ".join(map(str, ended.stuck_ranks))
+        print(f"dptrain: worker rank{'s' if len(ended.stuck_ranks) > 1 else ''} {names} had not ended {timeout:g} s "
+              f"after rank {ended.first_done} did (frozen or stuck); stopping {'them' if len(ended.stuck_ranks) > 1 else 'it'}",
+              file=sys.stderr, flush=True)
     return ended.code

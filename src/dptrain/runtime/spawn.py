@@ -36,13 +36,17 @@ class RanksExit:
     failed_code: int = 0  # its exit code (negative: killed by that signal)
     preempted: bool = False  # a rank checkpointed and stopped on request (exit code 75)
     timed_out: bool = False
+    # Ranks still running `linger` seconds after the first rank finished (frozen, or stuck): the
+    # last wait on each other was over when one could finish, so the rest had only local work left.
+    stuck_ranks: tuple[int, ...] = ()
+    first_done: Optional[int] = None  # the rank that finished first
 
     @property
     def code(self) -> int:
         """One exit code for the whole job: 0, 75 (preempted), or the failed rank's code (1 if not a code)."""
         if self.failed_rank is not None:
             return self.failed_code if 0 < self.failed_code < 256 else 1
-        if self.timed_out:
+        if self.timed_out or self.stuck_ranks:
             return 1
         return PREEMPTED if self.preempted else 0
 
@@ -76,8 +80,9 @@ def describe_exit(code: int) -> str:
 def spawn_ranks(command: Sequence[str], world: int, *, port: int, master_addr: str = "127.0.0.1",
                 threads: Optional[int] = None, extra_env: Optional[dict[str, str]] = None,
                 prefix: Optional[Callable[[int], list[str]]] = None, log_dir: Optional[Path] = None,
-                timeout: Optional[float] = None) -> RanksExit:
-    """Run `command` as ranks 0..world-1 and wait until all have exited, one has failed, or `timeout` passed.
+                timeout: Optional[float] = None, linger: Optional[float] = None) -> RanksExit:
+    """Run `command` as ranks 0..world-1 and wait until all have exited, one has failed, `timeout` passed,
+    or (with `linger`) some ranks are still running that long after the first one ended well.
 
     `prefix(rank)` is put before the command (e.g. `ip netns exec HOST`). Output goes to
     `log_dir/rankN.log` when a directory is given, else to our stdout/stderr prefixed with the
@@ -115,7 +120,7 @@ def spawn_ranks(command: Sequence[str], world: int, *, port: int, master_addr: s
             procs.append(proc)
             threading.Thread(target=lambda r=rank, p=proc: exits.put((r, p.wait())), daemon=True).start()
         previous = _forward_signals(procs)
-        return _wait(exits, world, begun, timeout)
+        return _wait(exits, world, begun, timeout, linger)
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
@@ -126,16 +131,27 @@ def spawn_ranks(command: Sequence[str], world: int, *, port: int, master_addr: s
             log.close()
 
 
-def _wait(exits: queue.Queue, world: int, begun: float, timeout: Optional[float]) -> RanksExit:
-    """Collect the ranks' exits until all are in, the first failure, or the deadline."""
+def _wait(exits: queue.Queue, world: int, begun: float, timeout: Optional[float],
+          linger: Optional[float] = None) -> RanksExit:
+    """Collect the ranks' exits until all are in, the first failure, the deadline, or the linger limit."""
     deadline = None if timeout is None else begun + timeout
-    preempted = False
+    preempted, done, first_done_at, first_finished = False, [], None, None
     for _ in range(world):
+        limits = [] if deadline is None else [deadline]
+        if linger is not None and first_done_at is not None:
+            limits.append(first_done_at + linger)
         try:
-            remaining = None if deadline is None else max(deadline - time.perf_counter(), 0)
+            remaining = max(min(limits) - time.perf_counter(), 0) if limits else None
             rank, code = exits.get(timeout=remaining)
         except queue.Empty:
-            return RanksExit(time.perf_counter() - begun, preempted=preempted, timed_out=True)
+            if deadline is not None and time.perf_counter() >= deadline:
+                return RanksExit(time.perf_counter() - begun, preempted=preempted, timed_out=True)
+            stuck = tuple(r for r in range(world) if r not in done)
+            return RanksExit(time.perf_counter() - begun, preempted=preempted, stuck_ranks=stuck,
+                             first_done=first_finished)
+        done.append(rank)
+        if code == 0 and first_done_at is None:  # finished: after a stop (75) an async peer may still be in its epoch
+            first_done_at, first_finished = time.perf_counter(), rank
         if code == PREEMPTED:
             preempted = True
         elif code != 0:

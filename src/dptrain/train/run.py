@@ -144,7 +144,7 @@ def spawn_workers(config: TrainConfig, model: torch.nn.Module) -> tuple[int, Pat
         argv = ["train", "--config", str(run_dir / "config.yaml")]
         quiet_cpp_logs_of_children()
         for attempt in range(config.max_restarts + 1):
-            code = launch_local(config.workers, argv)
+            code = launch_local(config.workers, argv, config.timeout)
             if code in (0, UserError.exit_code, Preempted.exit_code) or attempt == config.max_restarts:
                 return code, run_dir
             print(f"dptrain: restarting the {config.workers} workers from the last checkpoint "
