@@ -16,7 +16,8 @@ rendezvous store and, under async, the merge service):
 `--fault-runs N` runs N of each kind. Recorded per run: completed, restarts, epochs lost (trained
 but thrown away because they came after the last checkpoint), seconds until a frozen rank was
 named, final test accuracy; it must be within 1 point of an uninterrupted run of the same
-strategy (3 points under async, whose merge order varies from run to run).
+strategy (5 points under async, whose merge order varies from run to run and whose checkpoints
+are approximate).
 """
 
 from __future__ import annotations
@@ -153,7 +154,8 @@ def test_faulty_workers_are_named_restarted_and_the_run_finishes_as_well(tmp_pat
         if result["restarts"] > 1:  # a restart that itself failed: keep its story in the log
             print(stderr[-3000:])
         assert result["completed"], stderr[-3000:]
-        tolerance = 0.03 if result["strategy"] == "async" else 0.01
+        # Async: the merge order varies, and its checkpoints are approximate (benchmarks/README.md, section 7).
+        tolerance = 0.05 if result["strategy"] == "async" else 0.01
         assert abs(result["test_accuracy"] - result["reference_accuracy"]) <= tolerance, result
         if result["struck"]:  # the worker may have finished before its time came
             assert result["restarts"] >= 1, stderr[-3000:]
