@@ -135,7 +135,9 @@ def _one_run(tmp_path: Path, index: int, kind: str, rng: random.Random, referenc
                   restarts=stderr.count("restarting the 2 workers"), epochs_lost=epochs_printed - EPOCHS,
                   test_accuracy=accuracy, reference_accuracy=reference_accuracy(strategy))
     if kind == "freeze" and struck:
-        named = [t for t, line in err_lines if "error:" in line and re.search(rf"rank {rank}\b(?!:)", line)]
+        # a peer's error line, or the launcher's when the rank froze after the last collective
+        named = [t for t, line in err_lines if ("error:" in line or "had not ended" in line)
+                 and re.search(rf"rank {rank}\b(?!:)", line)]
         result["named_after_s"] = round(named[0] - struck["at"], 1) if named else None
     return result | {"_stderr": stderr}
 
