@@ -44,7 +44,8 @@ def test_python_api_example_trains_digits_to_at_least_85_percent(tmp_path):
 FLAG = re.compile(r"(?<![\w-])--[a-z][a-z-]*")  # not the ------ of a table's separator row
 # Flags the README shows for other programs' command lines.
 FOREIGN_FLAGS = {"--nproc-per-node": "torchrun", "--ntasks": "srun", "--nv": "apptainer", "--allow-root": "udocker",
-                 "--signal": "sbatch", "--requeue": "sbatch", "--fault-runs": "pytest", "--fault-report": "pytest"}
+                 "--signal": "sbatch", "--requeue": "sbatch", "--fault-runs": "pytest", "--fault-report": "pytest",
+                 "--save-faults": "pytest"}
 
 
 def table_flags():
