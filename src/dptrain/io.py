@@ -84,10 +84,16 @@ def write_jsonl(path: Path, records: list[dict]) -> None:
 
 
 def append_jsonl(path: Path, record: dict) -> None:
-    """Add one record to a JSON-lines file (rewritten whole, so a crash never leaves half a line)."""
-    path = Path(path)
-    previous = path.read_bytes() if path.exists() else b""
-    atomic_write_bytes(path, previous + (json.dumps(record) + "\n").encode())
+    """Add one record to a JSON-lines file, flushed to disk. Appending, not rewriting: the cost of a
+    record stays the same however long the run. A crash can leave at most a partial last line, and a
+    resumed run rewrites the file whole from its checkpoint's history (write_jsonl)."""
+    try:
+        with open(path, "ab") as handle:
+            handle.write((json.dumps(record) + "\n").encode())
+            handle.flush()
+            os.fsync(handle.fileno())
+    except OSError as exc:
+        raise disk_error(exc, f"cannot write '{path}'") from None
 
 
 def save_torch(path: Path, obj: Any) -> bytes:

@@ -58,22 +58,18 @@ def as_dstensor(data: ArrayLike) -> DSTensor:
     return data if isinstance(data, DSTensor) else DSTensor.from_array(data)
 
 
-def to_tensor(array: np.ndarray) -> torch.Tensor:
-    """Features and regression targets as float32, class labels as int64, whatever the file held."""
-    if array.dtype.kind == "f" and array.dtype != np.float32:
-        array = array.astype(np.float32)
-    elif array.dtype.kind in "iu" and array.dtype != np.int64:
-        array = array.astype(np.int64)
-    return torch.from_numpy(np.ascontiguousarray(array))
-
-
 def _cast(tensor: torch.Tensor) -> torch.Tensor:
-    """A user Dataset's batch as the loop wants it: float64 -> float32, integer labels -> int64."""
-    if tensor.dtype == torch.float64:
+    """Features and regression targets as float32, class labels as int64, whatever the data held."""
+    if tensor.is_floating_point() and tensor.dtype != torch.float32:
         return tensor.float()
     if not tensor.is_floating_point() and not tensor.is_complex() and tensor.dtype not in (torch.int64, torch.bool):
         return tensor.long()
     return tensor
+
+
+def to_tensor(array: np.ndarray) -> torch.Tensor:
+    """Rows read from arrays or files, as the loop wants them (see _cast)."""
+    return _cast(torch.from_numpy(np.ascontiguousarray(array)))
 
 
 class ArrayPairs(Dataset):

@@ -98,19 +98,22 @@ def prepare_run_dir(config: TrainConfig, out: str, world: int, model: torch.nn.M
     return run_dir, resuming
 
 
-def train(config: TrainConfig) -> int:
-    """Entry point of `dptrain train`: spawn local workers or run as one rank of a launched job; the exit code."""
+def _train(config: TrainConfig) -> tuple[int, Union[Summary, Path]]:
+    """Join the launcher's world, train alone, or spawn local workers: (exit code, Summary or run directory)."""
     env = detect()
     if env.launched:
-        run_worker(config, env)
-        return 0
+        return 0, run_worker(config, env)
     if config.workers > 1:
         release_early_stop_signals()  # this process spawns the workers and passes signals on to them
     model = validate(config)
     if config.workers == 1:
-        run_worker(config, env)
-        return 0
-    return spawn_workers(config, model)[0]
+        return 0, run_worker(config, env)
+    return spawn_workers(config, model)
+
+
+def train(config: TrainConfig) -> int:
+    """Entry point of `dptrain train`: its exit code."""
+    return _train(config)[0]
 
 
 def train_from_config(config: Union[TrainConfig, dict]) -> Summary:
@@ -119,19 +122,14 @@ def train_from_config(config: Union[TrainConfig, dict]) -> Summary:
     `config` is a TrainConfig or a dict of its keys. Outside a launcher this spawns
     `config.workers` processes on this machine; under torchrun, srun or mpirun it joins the job.
     """
-    config = config if isinstance(config, TrainConfig) else build_config(dict(config))
-    env = detect()
-    if env.launched:
-        return run_worker(config, env)
-    model = validate(config)
-    if config.workers == 1:
-        return run_worker(config, env)
-    code, run_dir = spawn_workers(config, model)
+    code, result = _train(config if isinstance(config, TrainConfig) else build_config(dict(config)))
+    if isinstance(result, Summary):
+        return result
     if code == Preempted.exit_code:
-        raise Preempted(f"the workers stopped on a signal after a checkpoint in {run_dir}; call again to continue")
+        raise Preempted(f"the workers stopped on a signal after a checkpoint in {result}; call again to continue")
     if code != 0:
-        raise UserError(f"the workers of the run in '{run_dir}' failed (exit code {code}); their output above says why")
-    return Summary.from_dict(json.loads((run_dir / "summary.json").read_text()))
+        raise UserError(f"the workers of the run in '{result}' failed (exit code {code}); their output above says why")
+    return Summary.from_dict(json.loads((result / "summary.json").read_text()))
 
 
 def spawn_workers(config: TrainConfig, model: torch.nn.Module) -> tuple[int, Path]:

@@ -85,7 +85,7 @@ class Trainer:
         self.scaler: Optional[torch.amp.GradScaler] = None
         self.stop_signals = StopSignals()
         self._slowdown = 1.0
-        self._evaluation_loaders: dict = {}
+        self._evaluation: Optional[tuple] = None  # (test set, (rank, world), its DataLoader)
 
     def emulate_straggler(self, factor: float) -> "Trainer":
         """Make this rank's steps take `factor` times as long (benchmarks of unequal workers)."""
@@ -246,11 +246,12 @@ class Trainer:
 
     def _evaluation_batches(self, test: TrainData, rank: int, world: int) -> DataLoader:
         """The DataLoader of this rank's part of `test`, made once (its worker processes persist)."""
-        key = (id(test), rank, world)
-        if key not in self._evaluation_loaders:
-            self._evaluation_loaders[key] = evaluation_loader(as_dataset(test, "test"), rank, world, EVAL_BATCH,
-                                                              self.loader_workers)
-        return self._evaluation_loaders[key]
+        # One at a time (fit evaluates one test set), holding `test` itself so its identity is never reused.
+        made = self._evaluation
+        if made is None or made[0] is not test or made[1] != (rank, world):
+            made = self._evaluation = (test, (rank, world), evaluation_loader(
+                as_dataset(test, "test"), rank, world, EVAL_BATCH, self.loader_workers))
+        return made[2]
 
     def _summarise(self, final: nn.Module, epochs: int, wall: float, test: Optional[dict]) -> Summary:
         workers = self.strategy.workers_history(self.recorder.history)
