@@ -32,7 +32,7 @@ def test_digits_shapes_and_fixed_split():
 
 
 def test_digits_rejects_samples():
-    with pytest.raises(UserError, match="samples=100 applies only to synthetic"):
+    with pytest.raises(UserError, match="--samples 100 applies only to synthetic"):
         load_dataset("digits", samples=100)
 
 
@@ -75,12 +75,12 @@ def test_block_size_is_passed_on():
     [
         (dict(name="digit"), "unknown dataset 'digit'; did you mean 'digits'\\? choose one of: digits"),
         (dict(name="mnist"), "unknown dataset 'mnist'; choose one of"),
-        (dict(name=None), "no dataset given"),
+        (dict(name=None), "no data given"),
         (dict(name="synthetic-images", samples=0), "samples 0 is invalid"),
         (dict(name="synthetic-images", classes=1), "classes 1 is invalid"),
         (dict(name="synthetic-regression", test_fraction=1.0), "test_fraction 1.0 is invalid"),
         (dict(name="synthetic-regression", samples=2, test_fraction=0.1), "leaves 0 test"),
-        (dict(name="digits", data_path="d.npz"), "dataset 'digits' is built in"),
+        (dict(name="digits", data_path="d.npz"), "--dataset digits is built in"),
     ],
 )
 def test_bad_arguments_are_user_errors(kwargs, message):

@@ -8,11 +8,12 @@ It sits below cli.py so that `dptrain launch` validates its train arguments exac
 from __future__ import annotations
 
 import argparse
+import re
 from typing import Any, Iterable, Optional, Sequence
 
 import yaml
 
-from dptrain.config import FIELDS, TrainConfig, flag_of, resolve
+from dptrain.config import FIELDS, TrainConfig, choices_of, flag_of, resolve
 from dptrain.errors import UserError, did_you_mean
 
 
@@ -20,11 +21,29 @@ class Parser(argparse.ArgumentParser):
     """argparse that reports mistakes as UserError (one line, exit 2)."""
 
     def error(self, message: str):
-        raise UserError(f"{self.prog}: {message}")
+        if message.startswith("argument COMMAND: invalid choice:"):  # a mistyped command: name the closest
+            word = message.split("'")[1]
+            commands = next(a for a in self._actions if isinstance(a, argparse._SubParsersAction)).choices
+            hint = did_you_mean(word, list(commands)) or f"commands are: {', '.join(commands)}"
+            raise UserError(f"unknown command '{word}'; {hint}")
+        # argparse's "argument --epochs: expected one argument" in our voice; UserError adds 'dptrain: error:'.
+        if message.startswith("argument "):
+            name, _, problem = message.removeprefix("argument ").partition(": ")
+            choice = re.fullmatch(r"invalid choice: (.*) \(choose from (.*)\)", problem)
+            if problem == "expected one argument":
+                problem = "needs a value"
+            elif choice:
+                problem = f"must be one of {choice[2].replace(chr(39), '')} (got {choice[1]})"
+            message = f"{name.split('/')[0]} {problem}"
+        where = "" if self.prog == "dptrain" else f" (see '{self.prog} --help')"
+        raise UserError(f"{message}{where}")
 
     def reject_unknown(self, unknown: list[str]):
         """One line for the first unknown option, with the flag this command has that was meant."""
         first = next((word for word in unknown if word.startswith("-")), unknown[0])
+        if not first.startswith("-"):
+            raise UserError(f"unexpected word '{first}' for '{self.prog}'; its settings are --options, "
+                            f"see '{self.prog} --help'")
         flags = [opt for action in self._actions for opt in action.option_strings if opt.startswith("--")]
         hint = did_you_mean(first.split("=")[0], flags) or f"see '{self.prog} --help'"
         raise UserError(f"unknown option {first} for '{self.prog}'; {hint}")
@@ -35,14 +54,18 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", metavar="FILE", help="YAML file with the same keys as the flags (flags win)")
     for name, field in FIELDS.items():
         default = field.default if field.default_factory is None else field.default_factory()
-        help_text = f"{field.description} (default: {default})"
+        choices = choices_of(name)  # listed by the metavar: --amp {none,bf16,fp16}
+        help_text = field.description
+        if default not in (None, {}):  # an unset default is described in the text, if at all
+            help_text += f" (default: {str(default).lower() if isinstance(default, bool) else default})"
         if name == "model_options":
             parser.add_argument("--model-option", dest=name, action="append", metavar="KEY=VALUE", help=help_text)
         elif field.annotation is bool:
             parser.add_argument(flag_of(name), dest=name, action=argparse.BooleanOptionalAction, default=None,
                                 help=help_text)
         else:
-            parser.add_argument(flag_of(name), dest=name, metavar=name.upper(), default=None, help=help_text)
+            metavar = "{" + ",".join(choices) + "}" if choices else name.upper()
+            parser.add_argument(flag_of(name), dest=name, metavar=metavar, default=None, help=help_text)
 
 
 def parse_key_values(items: Iterable[str], *, flag: str, example: str,

@@ -8,7 +8,7 @@ the field, the bad value and what is valid (dptrain.errors.UserError).
 from __future__ import annotations
 
 import os
-from typing import Any, Literal, Optional
+from typing import Any, Iterable, Literal, Optional, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -28,6 +28,9 @@ class TrainConfig(BaseModel):
     dataset: Optional[str] = Field("digits", description=f"built-in data set: {', '.join(registry.names('dataset'))}")
     data: Optional[str] = Field(None, description="user data: a file (.npz, .npy, .h5, .zarr) with x, y and optional x_test, y_test, or "
                                                   "package.module:factory returning (train, test) torch Datasets; replaces --dataset")
+    task: Literal["auto", "classify", "regress"] = Field(
+        "auto", description="auto: integer labels classify, float targets regress (said when it happens); "
+                            "classify or regress overrides that")
     model: str = Field("mlp", description=f"{', '.join(registry.names('model'))}, or package.module:factory")
     model_options: dict[str, Any] = Field(default_factory=dict, description="model options as KEY=VALUE (repeatable), e.g. depth=14")
     samples: Optional[int] = Field(None, ge=1, description="number of samples of a synthetic data set")
@@ -122,8 +125,39 @@ def flag_of(key: str) -> str:
     return "--" + key.replace("_", "-")
 
 
-def _describe(error: dict, origin: str) -> str:
-    """Turn one pydantic error into one sentence."""
+# Aliases a YAML file may use for a key: the flag's own spelling where it differs from the key.
+KEY_ALIASES = {"model_option": "model_options"}
+
+# pydantic error types -> what the value must be ("--workers must be at least 1").
+_RULES = {
+    "greater_than_equal": "must be at least {ge}",
+    "greater_than": "must be greater than {gt}",
+    "less_than_equal": "must be at most {le}",
+    "less_than": "must be less than {lt}",
+    "int_parsing": "must be a whole number",
+    "int_type": "must be a whole number",
+    "int_from_float": "must be a whole number",
+    "float_parsing": "must be a number",
+    "float_type": "must be a number",
+    "bool_parsing": "must be true or false",
+    "bool_type": "must be true or false",
+    "dict_type": "must be a mapping of KEY: VALUE",
+    "string_type": "must be text",
+}
+_PATTERNS = {"slow_worker": "must look like RANK:FACTOR[,RANK:FACTOR...], e.g. 1:3"}
+
+
+def choices_of(name: str) -> Optional[tuple[str, ...]]:
+    """The valid values of a choice field (a Literal), else None."""
+    annotation = FIELDS[name].annotation
+    args = get_args(annotation)
+    if get_origin(annotation) is Literal:
+        return tuple(args)
+    return None
+
+
+def _describe(error: dict, origin: str, flags: frozenset = frozenset()) -> str:
+    """Turn one pydantic error into one sentence: what is wrong, where it came from, what is valid."""
     loc = [str(part) for part in error["loc"] if not isinstance(part, int)]
     field = loc[0] if loc else ""
     if error["type"] == "extra_forbidden":
@@ -131,19 +165,38 @@ def _describe(error: dict, origin: str) -> str:
         return f"unknown key '{field}' in {origin}; {hint}"
     if not field:  # cross-field check
         return f"invalid settings in {origin}: {error['msg'].removeprefix('Value error, ')}"
-    flag = flag_of(field)
-    message = error["msg"].removeprefix("Value error, ")
+    value = error.get("input")
+    subject = flag_of(field) if field in flags else f"key '{field}' in {origin} ({flag_of(field)})"
+    shown = str(value) if _is_number(value) else repr(value)  # a number as typed, words quoted
     if error["type"] == "literal_error":
-        message = message.replace("Input should be", "valid values are")
-    return f"{flag} (key '{field}' in {origin}) got {error.get('input')!r}: {message}"
+        rule = f"must be one of {', '.join(choices_of(field) or ())}"
+    elif error["type"] == "string_pattern_mismatch" and field in _PATTERNS:
+        rule = _PATTERNS[field]
+    elif error["type"] in _RULES:
+        bounds = {key: f"{bound:g}" if isinstance(bound, float) else bound
+                  for key, bound in error.get("ctx", {}).items()}
+        rule = _RULES[error["type"]].format(**bounds)
+    else:
+        rule = "is invalid: " + error["msg"].removeprefix("Value error, ")
+    return f"{subject} {rule} (got {shown})"
 
 
-def build_config(values: dict[str, Any], origin: str = "the settings") -> TrainConfig:
-    """Validate a mapping of settings; raise UserError with one sentence on the first problem."""
+def _is_number(value: Any) -> bool:
+    try:
+        float(value)
+        return not isinstance(value, bool)
+    except (TypeError, ValueError):
+        return False
+
+
+def build_config(values: dict[str, Any], origin: str = "the settings", flags: Iterable[str] = ()) -> TrainConfig:
+    """Validate a mapping of settings; raise UserError with one sentence on the first problem.
+
+    `flags` names the keys that came from the command line (their errors name the flag)."""
     try:
         return TrainConfig(**values)
     except ValidationError as exc:
-        raise UserError(_describe(exc.errors()[0], origin)) from None
+        raise UserError(_describe(exc.errors()[0], origin, frozenset(flags))) from None
 
 
 def load_yaml(path: str) -> dict[str, Any]:
@@ -160,18 +213,16 @@ def load_yaml(path: str) -> dict[str, Any]:
         raise UserError(f"config file '{path}' is not valid YAML{where}: {problem}") from None
     if not isinstance(data, dict):
         raise UserError(f"config file '{path}' must hold a mapping of keys to values, not a {type(data).__name__}")
-    return {str(key).replace("-", "_"): value for key, value in data.items()}
+    keys = {str(key).replace("-", "_"): value for key, value in data.items()}
+    return {KEY_ALIASES.get(key, key): value for key, value in keys.items()}
 
 
 def resolve(config_file: Optional[str], overrides: dict[str, Any]) -> TrainConfig:
     """Config file values, then command-line overrides on top, validated once."""
     values = load_yaml(config_file) if config_file else {}
     given = {key: value for key, value in overrides.items() if value is not None}
-    if not config_file:
-        origin = "the command line"
-    else:
-        origin = f"'{config_file}' or the command line" if given else f"'{config_file}'"
-    return build_config({**values, **given}, origin)
+    origin = f"'{config_file}'" if config_file else "the command line"
+    return build_config({**values, **given}, origin, flags=given)
 
 
 def to_yaml(config: TrainConfig) -> str:

@@ -52,7 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batches", type=int, default=10, help="synthetic benchmark: steps per iteration (10)")
     parser.add_argument("--threads", type=int, default=None,
                         help="OMP_NUM_THREADS of every rank of every run (default: cores / ranks, as `dptrain train`)")
-    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds one run may take (1800)")
+    parser.add_argument("--run-timeout", dest="timeout", type=float, default=1800.0,
+                        help="seconds one whole run may take before it is stopped (1800); not train's --timeout")
     parser.add_argument("--out", default=None, help="results directory (default: runs/bench-TIMESTAMP); must be new or empty")
 
 
