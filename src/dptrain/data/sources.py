@@ -32,6 +32,7 @@ test set and the rest the training set, each kept in file order, where
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 from pathlib import Path
 
 import numpy as np
@@ -87,6 +88,8 @@ def load_dataset(
     features: int = 8,
     test_fraction: float = 0.2,
     check_values: bool = True,
+    task: str = "auto",
+    log: Callable[[str], None] | None = None,
 ) -> Dataset:
     """A built-in dataset by ``name``, or the user's data at ``data_path`` (see the module docstring)."""
     if not 0.0 < test_fraction < 1.0:
@@ -94,13 +97,14 @@ def load_dataset(
     if data_path is not None:
         if name in DATASET_NAMES:
             raise UserError(
-                f"dataset '{name}' is built in, so data_path '{data_path}' cannot also be used; give one or the other."
+                f"--dataset {name} is built in, so --data '{data_path}' cannot also be used; give one or the other."
             )
         if samples is not None:
-            raise UserError(f"samples={samples} applies only to synthetic datasets, not to data_path '{data_path}'.")
-        return _load_file(Path(data_path), name, seed, block_size, test_fraction, check_values)
+            raise UserError(f"--samples {samples} applies only to synthetic data sets, not to --data '{data_path}'.")
+        return _load_file(Path(data_path), name, seed, block_size, test_fraction, check_values, task,
+                          log or (lambda message: None))
     if name is None:
-        raise UserError(f"no dataset given; name one of: {', '.join(DATASET_NAMES)}, or give data_path.")
+        raise UserError(f"no data given; name a --dataset ({', '.join(DATASET_NAMES)}) or give --data.")
     if name not in DATASET_NAMES:
         hint = did_you_mean(name, DATASET_NAMES)
         raise UserError(
@@ -129,7 +133,7 @@ class BuiltinSettings:
 
 def digits(settings: BuiltinSettings) -> Dataset:
     if settings.samples is not None:
-        raise UserError(f"samples={settings.samples} applies only to synthetic datasets, not to 'digits'.")
+        raise UserError(f"--samples {settings.samples} applies only to synthetic data sets, not to digits.")
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
 
@@ -224,7 +228,7 @@ def _synthetic_regression(rng: np.random.Generator, n: int, features: int) -> tu
 
 
 def _load_file(path: Path, name: str | None, seed: int, block_size: int | None, test_fraction: float,
-               check_values: bool = True) -> Dataset:
+               check_values: bool, task: str, log: Callable[[str], None]) -> Dataset:
     if not path.exists():
         raise UserError(f"--data '{path}' does not exist; give an .npz, .h5/.hdf5 or .zarr file with arrays x and y "
                         "(or a directory holding x.npy and y.npy)")
@@ -241,12 +245,19 @@ def _load_file(path: Path, name: str | None, seed: int, block_size: int | None, 
              if check_values or key in ("y", "y_test")}
 
     x, y = opened["x"], opened["y"]
-    task = "classification" if np.issubdtype(y.dtype, np.integer) else "regression"
+    task = decide_task(task, np.issubdtype(y.dtype, np.integer), np.dtype(y.dtype).name, y.shape, f"y of '{path}'",
+                       log)
+    if task == "classification" and not np.issubdtype(y.dtype, np.integer):
+        for key in ("y", "y_test"):
+            if key in opened:
+                _check_whole_labels(path, key, opened[key])
     num_classes = _num_classes(path, stats) if task == "classification" else None
     if "x_test" in opened:
         x_train, y_train, x_test, y_test = x, y, opened["x_test"], opened["y_test"]
     else:
         x_train, y_train, x_test, y_test = _split(x, y, test_fraction, seed, str(path))
+        log(f"dptrain: '{path}' has no x_test/y_test: holding out {len(y_test)} of its {len(y)} samples "
+            f"({test_fraction:.0%}, chosen by the seed) for testing")
     label = name if name is not None else path.stem
     return Dataset(x_train, y_train, x_test, y_test, task, num_classes, x.shape[1:], label)
 
@@ -265,13 +276,42 @@ def _open_arrays(path: Path, block_size: int | None) -> dict[str, DSTensor]:
     if path.suffix.lower() == ".npy":
         raise UserError(
             f"data file '{path}' holds a single array; put x.npy and y.npy (optionally x_test.npy, y_test.npy) "
-            "in one directory and give that directory as data_path."
+            "in one directory and give that directory as --data."
         )
     held = list_arrays(path)
     for needed in ("x", "y"):
         if needed not in held:
             raise UserError(f"data file '{path}' has no array '{needed}'; it holds: {', '.join(held) or 'no arrays'}.")
     return {key: DSTensor.from_file(path, key, block_size) for key in ARRAY_NAMES if key in held}
+
+
+TASKS = {"classify": "classification", "regress": "regression"}
+
+
+def decide_task(asked: str, integer: bool, dtype_name: str, shape: tuple, what: str,
+                log: Callable[[str], None]) -> str:
+    """'classification' or 'regression': as --task asks, else integer labels classify and float targets
+    regress (said in one line, since a float label array is a common slip)."""
+    if asked in TASKS:
+        task = TASKS[asked]
+        if task == "classification" and len(shape) != 1:
+            raise UserError(f"--task classify needs one class label per sample, but {what} has shape {tuple(shape)}")
+        return task
+    if integer:
+        return "classification"
+    log(f"dptrain: {what} is {dtype_name}: treating this as regression with MSE; save integer labels "
+        "(or give --task classify) for classification")
+    return "regression"
+
+
+def _check_whole_labels(path: Path, key: str, tensor: DSTensor) -> None:
+    """--task classify on float labels: each must be a whole number (it becomes a class index)."""
+    for i in range(tensor.n_blocks):
+        block = tensor.block(i)
+        fractional = block[block != np.round(block)]
+        if fractional.size:
+            raise UserError(f"--task classify: array '{key}' in '{path}' holds the label {fractional[0].item()!r}, "
+                            "which is not a whole number; class labels must be 0..C-1")
 
 
 def _check_array(path: Path, key: str, tensor: DSTensor, opened: dict[str, DSTensor]) -> None:

@@ -17,6 +17,7 @@ import torch
 from torch.utils.data import Dataset, Subset
 
 from dptrain.data.sampler import CheckedItems, labels_of
+from dptrain.data.sources import decide_task
 from dptrain.errors import UserError
 from dptrain.imports import load_callable
 
@@ -55,7 +56,7 @@ def _is_dataset(value: Any) -> bool:
 
 
 def load_user_data(spec: str, seed: int, test_fraction: float = 0.2,
-                   log: Callable[[str], None] = print) -> DataSplits:
+                   log: Callable[[str], None] = print, task: str = "auto") -> DataSplits:
     """Call the factory `spec` names and describe what it returned."""
     factory = load_callable(spec, "--data", "data", "returns (train, test) Datasets")
     try:
@@ -78,9 +79,15 @@ def load_user_data(spec: str, seed: int, test_fraction: float = 0.2,
             f"({test_fraction:.0%}, chosen by the seed) for testing")
         train, test = Subset(train, order[held_out:]), Subset(train, order[:held_out])
     x, y = _item(train, spec, "training")
-    if y.is_floating_point():
-        task, classes, outputs = "regression", None, max(1, y.numel())
+    task = decide_task(task, not (y.is_floating_point() or y.is_complex()), str(y.dtype).removeprefix("torch."),
+                       (len(train), *y.shape), f"y of {spec}", log)
+    if task == "regression":
+        classes, outputs = None, max(1, y.numel())
     else:
-        task = "classification"
-        classes = outputs = int(np.max(labels_of(train, log))) + 1
+        labels = labels_of(train, log)
+        fractional = labels[labels != np.round(labels)]
+        if fractional.size:
+            raise UserError(f"--task classify: {spec} has the label {fractional.flat[0].item()!r}, which is not a whole "
+                            "number; class labels must be 0..C-1")
+        classes = outputs = int(np.max(labels)) + 1
     return DataSplits(train, test, task, classes, tuple(x.shape), outputs, spec)

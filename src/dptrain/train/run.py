@@ -41,11 +41,14 @@ from dptrain.train.trainer import Trainer, check_amp
 def load_data(config: TrainConfig, check_values: bool = True, log=print) -> Union[Dataset, DataSplits]:
     """The data a config names: a built-in data set, a file, or a user's factory (package.module:function)."""
     if config.data is not None and looks_like_spec(config.data) and not os.path.exists(config.data):
-        return load_user_data(config.data, config.seed, log=log)
+        return load_user_data(config.data, config.seed, log=log, task=config.task)
+    if config.data is None and config.task != "auto":
+        raise UserError(f"--task {config.task} applies to your own --data; the built-in {config.dataset} "
+                        "knows its task")
     return load_dataset(config.dataset if config.data is None else None, data_path=config.data, seed=config.seed,
                         block_size=config.block_size, samples=config.samples, image_size=config.image_size,
                         channels=config.channels, classes=config.classes, features=config.features,
-                        check_values=check_values)
+                        check_values=check_values, task=config.task, log=log)
 
 
 def make_model(config: TrainConfig, data: Dataset) -> torch.nn.Module:

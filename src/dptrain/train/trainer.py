@@ -39,11 +39,15 @@ AMP_DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 def make_loss(loss: Union[str, LossFn]) -> LossFn:
     if callable(loss):
         return loss
+    # Targets are cast to what the loss needs (a no-op when they already are): float labels of a
+    # classification (--task classify; soft (n, C) targets stay as they are), integer targets of a
+    # regression (--task regress).
     if loss == "cross-entropy":
-        return nn.CrossEntropyLoss()
+        cross_entropy = nn.CrossEntropyLoss()
+        return lambda output, target: cross_entropy(output, target.long() if target.dim() == 1 else target)
     if loss == "mse":
         mse = nn.MSELoss()
-        return lambda output, target: mse(output, target.reshape(output.shape))
+        return lambda output, target: mse(output, target.float().reshape(output.shape))
     raise ValueError(f"unknown loss {loss!r}: use 'cross-entropy', 'mse' or a callable")
 
 
@@ -77,6 +81,8 @@ class Trainer:
             from dptrain.strategies.allreduce import AllReduce
             strategy = AllReduce()
         self.model, self.optimizer, self.loss_fn, self.strategy = model, optimizer, make_loss(loss), strategy
+        # Accuracy is measured for a classification loss; for a loss of your own, when targets are integers.
+        self.classify: Optional[bool] = {"cross-entropy": True, "mse": False}.get(loss) if isinstance(loss, str) else None
         self.batch_size, self.schedule, self.amp, self.grad_clip = batch_size, schedule, amp, grad_clip
         self.seed, self.shuffle, self.device, self.timeout = seed, shuffle, device, timeout
         self.out = Path(out) if out else None
@@ -233,9 +239,9 @@ class Trainer:
             x, y = x.to(self.ctx.device), y.to(self.ctx.device)
             output = model(x).float()
             totals[0] += self.loss_fn(output, y).item() * len(y)
-            classify = not y.is_floating_point()
+            classify = self.classify if self.classify is not None else not y.is_floating_point()
             if classify:
-                totals[1] += (output.argmax(dim=1) == y).sum().item()
+                totals[1] += (output.argmax(dim=1) == y.long()).sum().item()
             totals[2] += len(y)
         model.train(was_training)
         if world > 1:
