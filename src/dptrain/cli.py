@@ -1,4 +1,4 @@
-"""The `dptrain` command: train, demo, info.
+"""The `dptrain` command: train, demo, info, and the commands of COMMAND_MODULES (launch, bench, plot ...).
 
 Errors the user can cause print one line `dptrain: error: ...` and exit with code 2; with
 `--debug` the traceback is shown as well.
@@ -24,6 +24,7 @@ COMMAND_MODULES: dict[str, tuple[str, str]] = {
     "container": ("dptrain.launch.container_commands", "prepare a rootless container (udocker, Apptainer) for launch"),
     "bench": ("dptrain.bench.commands", "benchmark strategies x workers (optionally on an emulated slow network) against plain PyTorch"),
     "simulate": ("dptrain.bench.simulate", "project epoch time and scaling to 1024 workers from a measured bench"),
+    "plot": ("dptrain.plot", "draw loss and accuracy against epoch and time for runs, overlaid (optionally TensorBoard)"),
 }
 
 
