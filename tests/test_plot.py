@@ -254,7 +254,7 @@ def _twice(tmp_path):
 
 
 def _no_run(tmp_path):
-    return ["plot"], "dptrain plot: the following arguments are required: RUN"
+    return ["plot"], "RUN is required (see 'dptrain plot --help')"
 
 
 @pytest.mark.parametrize("case", [_not_a_run, _missing, _a_file, _no_epochs, _bad_suffix, _bad_middle_line, _twice,

@@ -35,6 +35,9 @@ class Parser(argparse.ArgumentParser):
             elif choice:
                 problem = f"must be one of {choice[2].replace(chr(39), '')} (got {choice[1]})"
             message = f"{name.split('/')[0]} {problem}"
+        required = re.fullmatch(r"the following arguments are required: (.*)", message)
+        if required:
+            message = f"{required[1]} {'are' if ',' in required[1] else 'is'} required"
         where = "" if self.prog == "dptrain" else f" (see '{self.prog} --help')"
         raise UserError(f"{message}{where}")
 
