@@ -16,7 +16,9 @@ import pytest
 
 from dptrain.bench import costmodel, plots
 from dptrain.bench.netns import EmulatedNetwork, measure_link, namespaces_unavailable, parse_rate, tbf_arguments
-from dptrain.bench.results import add_scaling, mean_and_ci, run_row, summarise, time_to_target
+from dptrain.bench.commands import SHOWN, replot
+from dptrain.bench.results import (add_scaling, format_summary, mean_and_ci, run_row, summarise, time_to_target,
+                                   write_results)
 from dptrain.bench.throughput import rate_summary
 from dptrain.errors import UserError
 
@@ -132,6 +134,71 @@ def test_plots_are_written(tmp_path):
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and 1000 < path.stat().st_size < 200_000
 
 
+def _busy_machine_rows():
+    """The issue's case: a 1-worker run slowed by a busy machine (61.32 s against 1 s on two workers),
+    and a sync configuration whose two repeats are 1 s and 9 s apart."""
+    return add_scaling([_run("allreduce", 1, 61.32), _run("allreduce", 2, 1.0),
+                        _run("sync", 1, 10.0), _run("sync", 2, 1.0), _run("sync", 2, 9.0, repeat=1)])
+
+
+def test_an_efficiency_above_one_and_a_spread_wider_than_the_mean_are_flagged_unreliable():
+    table = {(row["strategy"], row["workers"]): row for row in summarise(_busy_machine_rows())}
+    assert table[("allreduce", 2)]["efficiency"] == pytest.approx(30.66)
+    assert len(table[("allreduce", 2)]["unreliable"]) == 1
+    assert table[("allreduce", 2)]["unreliable"][0].startswith("efficiency 30.66 above 1 (speedup 61.32 on 2 workers)")
+    assert table[("allreduce", 1)]["unreliable"] == [] and table[("sync", 1)]["unreliable"] == []
+    spread = " ".join(table[("sync", 2)]["unreliable"])
+    assert "wall time spread ±11.1 s" in spread and "wider than its mean 5 s" in spread
+    printed = format_summary(list(table.values()), SHOWN)
+    lines = printed.splitlines()
+    assert lines[0].endswith("| efficiency | note |")
+    marked = [line for line in lines if line.startswith("| ") and line.endswith("| ! |")]
+    assert [line.split(" | ")[:2] for line in marked] == [["| allreduce", "2"], ["| sync", "2"]]
+    assert "! unreliable: allreduce, 2 workers: efficiency 30.66 above 1" in printed
+    assert "! unreliable: sync, 2 workers: " in printed and "efficiency above 1.05" in printed
+
+
+def test_sane_results_carry_no_flag():
+    rows = add_scaling([_run("sync", 1, 10.0), _run("sync", 1, 10.5, repeat=1), _run("sync", 2, 6.0),
+                        _run("sync", 2, 6.4, repeat=1), _run("allreduce", 1, 10.0), _run("allreduce", 2, 9.0)])
+    table = summarise(rows)
+    assert all(row["unreliable"] == [] for row in table)
+    assert max(row["efficiency"] for row in table) < 1.01
+    printed = format_summary(table, SHOWN)
+    assert "!" not in printed and len(printed.splitlines()) == 2 + len(table)
+
+
+def test_the_plots_draw_the_one_worker_runs_and_mark_the_unreliable_ones():
+    rows = _busy_machine_rows() + add_scaling([_run("plain-loop", 1, 12.0, kind="baseline")])
+    table = summarise(rows)
+    curves = {(curve["strategy"], curve["workers"]): curve for curve in plots.accuracy_series(rows, table)}
+    assert set(curves) == {("allreduce", 1), ("allreduce", 2), ("sync", 1), ("sync", 2), ("plain-loop", 1)}
+    assert curves[("allreduce", 1)]["accuracy"] == [0.5, 0.9] and curves[("allreduce", 1)]["seconds"][-1] == 61.32
+    assert [key for key, curve in curves.items() if curve["unreliable"]] == [("allreduce", 2), ("sync", 2)]
+    assert curves[("sync", 2)]["label"] == "sync, 2 w (unreliable)"
+    assert plots.accuracy_series(rows) == list(curves.values())  # judged from the runs when no summary is given
+    lines = {line["label"]: line for line in plots.scaling_series(table)}
+    assert lines["allreduce"]["workers"] == [1, 2] and lines["allreduce"]["unreliable"] == [False, True]
+    assert lines["allreduce"]["efficiency"][1] == pytest.approx(30.66)
+
+
+def test_replot_judges_recorded_results_again_and_redraws_them(tmp_path, capsys):
+    rows = _busy_machine_rows()
+    table = summarise(rows)
+    for row in table:
+        del row["unreliable"]  # as written before rows were judged
+    write_results(tmp_path, rows, table, {"target_accuracy": 0.8, "headlines": {}, "notes": [], "throughput": []})
+    assert replot(tmp_path) == 0
+    judged = json.loads((tmp_path / "results.json").read_text())["summary"]
+    assert [bool(row["unreliable"]) for row in judged] == [False, True, False, True]
+    printed = capsys.readouterr().out
+    assert "! unreliable: allreduce, 2 workers: efficiency 30.66" in printed
+    for name in ("scaling.png", "accuracy_vs_time.png", "bytes.png"):
+        assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
+    with pytest.raises(UserError, match="holds no results.json"):
+        replot(tmp_path / "nothing")
+
+
 # -- emulated networks ---------------------------------------------------------------------------
 
 def test_rates_parse_and_bad_ones_are_named():
@@ -193,6 +260,8 @@ def test_a_tiny_matrix_writes_results_and_plots(tmp_path):
     assert sync2["epochs"] == 2 and len(sync2["curve"]) == 2 and sync2["comm_bytes"] > 0
     assert sync2["speedup"] is not None and 0 <= sync2["final_accuracy"] <= 1  # speedup against the plain loop
     assert {row["strategy"] for row in results["summary"]} == {"sync", "plain-loop", "plain-ddp"}
+    assert all(isinstance(row["unreliable"], list) for row in results["summary"])
+    assert "| efficiency | note |" in done.stdout
     for name in ("scaling.png", "accuracy_vs_time.png", "bytes.png"):
         assert (out / name).stat().st_size > 1000
     simulated = subprocess.run([sys.executable, "-m", "dptrain", "simulate", "--from", str(out), "--bandwidth", "1gbit",

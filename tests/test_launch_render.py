@@ -199,11 +199,115 @@ def test_bad_train_arguments_fail_before_anything_is_written(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
-def test_container_recipe_writes_a_dockerfile_and_an_apptainer_definition(tmp_path):
+def _build_lines(text):
+    """The docker build and apptainer build command lines of a header or of the printed output."""
+    return [line.strip("# ").strip() for line in text.splitlines() if " build " in line and "dptrain" in line
+            and line.strip("# ").startswith(("docker build", "apptainer build"))]
+
+
+def test_container_recipe_writes_a_dockerfile_its_ignore_file_and_an_apptainer_definition(tmp_path):
+    # Run outside any source tree: the build context is the checkout this dptrain runs from.
     result = dptrain("container", "recipe", "--out", "image", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
-    assert "pip install /opt/dptrain" in (tmp_path / "image" / "Dockerfile").read_text()
-    assert "Bootstrap: docker" in (tmp_path / "image" / "dptrain.def").read_text()
+    checkout = Path(__file__).resolve().parents[1]
+    dockerfile = (tmp_path / "image" / "Dockerfile").read_text()
+    definition = (tmp_path / "image" / "dptrain.def").read_text()
+    assert "COPY src /opt/dptrain/src" in dockerfile and "pip install /opt/dptrain" in dockerfile
+    assert "COPY . " not in dockerfile and "the dptrain source tree" in dockerfile
+    assert "    src /opt/dptrain/src" in definition and "Bootstrap: docker" in definition
+    # The Dockerfile lies outside the context's root: its ignore file has BuildKit's name, beside it.
+    assert sorted(path.name for path in (tmp_path / "image").iterdir()) == ["Dockerfile", "Dockerfile.dockerignore",
+                                                                            "dptrain.def"]
+    ignore = (tmp_path / "image" / "Dockerfile.dockerignore").read_text().splitlines()
+    assert ignore[ignore.index("*"):] == ["*", "!pyproject.toml", "!README.md", "!src", "**/__pycache__", "**/*.pyc",
+                                          "**/*.egg-info"]
+    assert ".venv" in ignore[1] and "runs/" in ignore[1]
+    # What the header says and what is printed agree, and name the real paths.
+    printed = result.stdout.splitlines()
+    assert f"  cd {checkout}" in printed
+    assert _build_lines(result.stdout) == _build_lines(dockerfile) + _build_lines(definition) == [
+        f"docker build -t dptrain -f {tmp_path}/image/Dockerfile . && docker save dptrain -o dptrain.tar",
+        f"apptainer build dptrain.sif {tmp_path}/image/dptrain.def"]
+
+
+@pytest.fixture
+def source_tree(tmp_path, monkeypatch):
+    """A directory that looks like a dptrain checkout, as the working directory."""
+    tree = tmp_path / "dptrain-src"
+    (tree / "src" / "dptrain").mkdir(parents=True)
+    (tree / "src" / "dptrain" / "__init__.py").write_text("")
+    (tree / "pyproject.toml").write_text('[project]\nname = "dptrain"\n')
+    monkeypatch.chdir(tree)
+    return tree
+
+
+def test_container_recipe_in_the_source_tree_writes_the_context_s_dockerignore(source_tree, capsys):
+    from dptrain.launch.container_commands import recipe
+
+    assert recipe(Path("."), base="python:3.11-slim", torch="torch", wheel=None, force=False) == 0
+    printed = capsys.readouterr().out
+    assert "cd " not in printed  # already in the build context
+    assert (source_tree / ".dockerignore").read_text().splitlines()[3:5] == ["*", "!pyproject.toml"]
+    assert not (source_tree / "Dockerfile.dockerignore").exists()
+    dockerfile = (source_tree / "Dockerfile").read_text()
+    assert _build_lines(printed) == _build_lines(dockerfile) + _build_lines((source_tree / "dptrain.def").read_text())
+    assert _build_lines(printed)[0].startswith("docker build -t dptrain -f Dockerfile . &&")
+    assert recipe(Path("image"), base="b", torch="torch", wheel=None, force=False) == 0
+    assert _build_lines(capsys.readouterr().out) == [
+        "docker build -t dptrain -f image/Dockerfile . && docker save dptrain -o dptrain.tar",
+        "apptainer build dptrain.sif image/dptrain.def"]
+    assert (source_tree / "image" / "Dockerfile.dockerignore").is_file()
+    with pytest.raises(UserError, match="add --force to replace Dockerfile, .dockerignore, dptrain.def$"):
+        recipe(Path("."), base="b", torch="torch", wheel=None, force=False)
+
+
+def test_container_recipe_never_overwrites_a_file_without_force(tmp_path):
+    (tmp_path / "image").mkdir()
+    (tmp_path / "image" / ".dockerignore").write_text("mine\n")
+    (tmp_path / "image" / "Dockerfile").write_text("FROM mine\n")
+    result = dptrain("container", "recipe", "--out", "image", cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.strip() == ("dptrain: error: image/Dockerfile is already there; dptrain container recipe "
+                                     "overwrites nothing: choose another --out, or add --force to replace it")
+    assert (tmp_path / "image" / "Dockerfile").read_text() == "FROM mine\n"
+    assert not (tmp_path / "image" / "dptrain.def").exists()  # nothing written at all
+    forced = dptrain("container", "recipe", "--out", "image", "--force", cwd=tmp_path)
+    assert forced.returncode == 0, forced.stderr
+    assert (tmp_path / "image" / "Dockerfile").read_text().startswith("# An image holding dptrain")
+    assert (tmp_path / "image" / ".dockerignore").read_text() == "mine\n"  # not the recipe's: left alone
+
+
+def test_container_recipe_from_a_wheel_needs_no_source_tree(tmp_path, monkeypatch, capsys):
+    import dptrain as package
+    from dptrain.launch.container_commands import recipe
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(package, "__file__", str(tmp_path / "site-packages" / "dptrain" / "__init__.py"))
+    with pytest.raises(UserError, match="there is none here: dptrain runs as an installed package.*--wheel PATH"):
+        recipe(Path("image"), base="b", torch="torch", wheel=None, force=False)
+    assert not (tmp_path / "image").exists()
+    (tmp_path / "dist").mkdir()
+    wheel = tmp_path / "dist" / "dptrain-0.1.0-py3-none-any.whl"
+    wheel.write_bytes(b"PK wheel")
+    with pytest.raises(UserError, match="is not a dptrain wheel"):
+        recipe(Path("image"), base="b", torch="torch", wheel=tmp_path / "dist" / "other.whl", force=False)
+    assert recipe(Path("image"), base="b", torch="torch==2.3", wheel=Path("dist") / wheel.name, force=False) == 0
+    image = tmp_path / "image"
+    assert (image / wheel.name).read_bytes() == b"PK wheel"
+    dockerfile = (image / "Dockerfile").read_text()
+    assert f"COPY {wheel.name} /opt/dptrain/" in dockerfile and "COPY src" not in dockerfile
+    assert f'pip install "torch==2.3" && python -m pip install /opt/dptrain/{wheel.name}' in dockerfile
+    assert (image / ".dockerignore").read_text().splitlines()[3:] == ["*", f"!{wheel.name}", "**/__pycache__",
+                                                                     "**/*.pyc", "**/*.egg-info"]
+    definition = (image / "dptrain.def").read_text()
+    assert f"    {wheel.name} /opt/dptrain/{wheel.name}" in definition
+    printed = capsys.readouterr().out
+    assert f"  cd {image}" in printed.splitlines()
+    assert _build_lines(printed) == _build_lines(dockerfile) + _build_lines(definition) == [
+        "docker build -t dptrain -f Dockerfile . && docker save dptrain -o dptrain.tar",
+        "apptainer build dptrain.sif dptrain.def"]
+    with pytest.raises(UserError, match="add --force to replace Dockerfile, .dockerignore, dptrain.def, dptrain-0"):
+        recipe(Path("image"), base="b", torch="torch", wheel=wheel, force=False)
 
 
 def test_wait_follows_a_requeued_job_to_its_end_and_says_so(tmp_path, monkeypatch, capsys):

@@ -11,7 +11,7 @@ from tqdm import tqdm
 
 from dptrain.bench.matrix import BenchSpec, run_matrix
 from dptrain.bench.netns import namespaces_unavailable, parse_rate
-from dptrain.bench.results import format_table, ratio, write_results
+from dptrain.bench.results import format_summary, format_table, ratio, unreliable, write_results
 from dptrain import registry
 from dptrain.arguments import parse_key_values
 from dptrain.config import FIELDS
@@ -55,6 +55,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run-timeout", dest="timeout", type=float, default=1800.0,
                         help="seconds one whole run may take before it is stopped (1800); not train's --timeout")
     parser.add_argument("--out", default=None, help="results directory (default: runs/bench-TIMESTAMP); must be new or empty")
+    parser.add_argument("--replot", default=None, metavar="DIR",
+                        help="run nothing: judge the rows of DIR/results.json again (recorded there), redraw its plots "
+                             "and print its table")
 
 
 def _list(text: str, what: str) -> list[str]:
@@ -119,9 +122,10 @@ def headlines(summary: list[dict], widest: int) -> dict[str, Optional[float]]:
 
 def main(args: argparse.Namespace) -> int:
     # matplotlib and torch load only when a command runs, not for `dptrain --help`
-    from dptrain.bench import plots
     from dptrain.bench.throughput import run_throughput
 
+    if args.replot:
+        return replot(Path(args.replot))
     spec = spec_from(args)
     models = _list(args.throughput, "throughput") if args.throughput else []
     for model in models:
@@ -147,21 +151,55 @@ def main(args: argparse.Namespace) -> int:
     meta.update(network=result["network"], notes=result["notes"], headlines=headlines(result["summary"], widest),
                 throughput=throughput)
     write_results(out, result["runs"], result["summary"], meta)
-    written = []
-    if result["runs"]:
-        written += [plots.plot_scaling(result["summary"], out / "scaling.png"),
-                    plots.plot_accuracy_vs_time(result["runs"], out / "accuracy_vs_time.png", spec.target_accuracy),
-                    plots.plot_bytes(result["summary"], out / "bytes.png")]
-        print(format_table(result["summary"], SHOWN))
     if throughput:
         write_json(out / "throughput.json", throughput)
+    written = _report(out, result["runs"], result["summary"], throughput, spec.target_accuracy, meta["headlines"],
+                      result["notes"])
+    print(f"dptrain bench: results.csv, results.json and {', '.join(p.name for p in written)} in {out}")
+    return 0
+
+
+def _report(out: Path, runs: list[dict], summary: list[dict], throughput: list[dict], target: Optional[float],
+            headline: dict, notes: list[str]) -> list[Path]:
+    """Draw the plots into OUT and print the tables, headlines and notes; return the plots written."""
+    from dptrain.bench import plots
+
+    written = []
+    if runs:
+        written += [plots.plot_scaling(summary, out / "scaling.png"),
+                    plots.plot_accuracy_vs_time(runs, out / "accuracy_vs_time.png", target, summary),
+                    plots.plot_bytes(summary, out / "bytes.png")]
+        print(format_summary(summary, SHOWN))
+    if throughput:
         written.append(plots.plot_throughput(throughput, out / "throughput.png"))
         print(format_table(throughput, ("model", "workers", "batch_size", "image_size", "images_per_second_per_worker",
                                         "ci", "images_per_second")))
-    for name, value in meta["headlines"].items():
+    for name, value in headline.items():
         if value is not None:
             print(f"{name}: {value:.3f}")
-    for note in result["notes"]:
+    for note in notes:
         print(f"note: {note}")
-    print(f"dptrain bench: results.csv, results.json and {', '.join(p.name for p in written)} in {out}")
+    return written
+
+
+def replot(directory: Path) -> int:
+    """`--replot DIR`: the rows of DIR/results.json judged again (and the judgements written back),
+    its plots redrawn and its tables printed, from what was recorded; nothing runs."""
+    import json
+
+    path = directory / "results.json"
+    try:
+        results = json.loads(path.read_text())
+        summary, runs = results["summary"], results["runs"]
+    except FileNotFoundError:
+        raise UserError(f"--replot '{directory}' holds no results.json; give a directory written by dptrain bench") from None
+    except (ValueError, KeyError, TypeError) as exc:
+        raise UserError(f"--replot: '{path}' is not a dptrain bench results.json ({exc})") from None
+    for row in summary:
+        row["unreliable"] = unreliable(row)
+    write_json(path, results)
+    written = _report(directory, runs, summary, results.get("throughput") or [], results.get("target_accuracy"),
+                      results.get("headlines") or {}, results.get("notes") or [])
+    print(f"dptrain bench: {', '.join(p.name for p in written) or 'no plots'} redrawn and results.json judged again "
+          f"in {directory}")
     return 0

@@ -22,7 +22,15 @@ RUN_COLUMNS = ("kind", "strategy", "workers", "repeat", "network", "epochs", "fi
                "train_samples", "batch_size", "run_dir")
 SUMMARY_COLUMNS = ("kind", "strategy", "workers", "network", "runs", "final_accuracy", "time_to_target_seconds",
                    "time_to_target_ci", "reached_target", "wall_seconds", "wall_seconds_ci", "epoch_seconds",
-                   "samples_per_second", "samples_per_second_per_worker", "comm_bytes", "speedup", "efficiency")
+                   "samples_per_second", "samples_per_second_per_worker", "comm_bytes", "speedup", "efficiency",
+                   "unreliable")
+# A summary row is judged unreliable when its efficiency is above this, or when the spread of its
+# wall time (or time to target) over repeats is wider than the mean. Linear scaling is the ceiling
+# for these CPU runs, so an efficiency above 1 means the 1-worker time it is measured against was
+# slowed by something else (a busy machine), not that the run was fast. The 5 % margin absorbs the
+# averaging: a row's efficiency is the mean of its repeats' ratios, and that mean exceeds 1 at one
+# worker whenever the repeats differ at all (1.05 for two repeats 22 % either side of their mean).
+EFFICIENCY_LIMIT = 1.05
 
 
 def read_run(run_dir: Path) -> tuple[dict, list[dict]]:
@@ -127,7 +135,34 @@ def summarise(rows: list[dict]) -> list[dict]:
             "samples_per_second_per_worker": mean("samples_per_second_per_worker"),
             "comm_bytes": mean("comm_bytes"), "speedup": mean("speedup"), "efficiency": mean("efficiency"),
         })
+        table[-1]["unreliable"] = unreliable(table[-1])
     return table
+
+
+def unreliable(row: dict) -> list[str]:
+    """Why the figures of summary row `row` cannot be trusted (empty when nothing is wrong):
+    an efficiency above EFFICIENCY_LIMIT, or a spread over repeats wider than the mean."""
+    reasons = []
+    efficiency = row.get("efficiency")
+    if efficiency is not None and efficiency > EFFICIENCY_LIMIT:
+        if row["workers"] == 1:
+            reasons.append(f"efficiency {efficiency:.2f} above 1 at 1 worker: its repeats' wall times differ widely")
+        else:
+            reasons.append(f"efficiency {efficiency:.2f} above 1 (speedup {row['speedup']:.2f} on {row['workers']} "
+                           "workers): faster than linear, so the 1-worker time it is measured against was slowed, "
+                           "likely by a busy machine")
+    for key, spread_key, what in (("wall_seconds", "wall_seconds_ci", "wall time"),
+                                  ("time_to_target_seconds", "time_to_target_ci", "time to target")):
+        mean, spread = row.get(key), row.get(spread_key)
+        if mean is not None and spread is not None and spread > mean:
+            reasons.append(f"{what} spread ±{spread:.3g} s (1.96 std over {row.get('runs', '?')} repeats) is wider "
+                           f"than its mean {mean:.3g} s")
+    return reasons
+
+
+def flags(row: dict) -> list[str]:
+    """The row's recorded judgement, or a fresh one for a row written before judgements were."""
+    return row["unreliable"] if "unreliable" in row else unreliable(row)
 
 
 def ratio(table: list[dict], key: str, numerator: tuple[str, int], denominator: tuple[str, int]) -> Optional[float]:
@@ -154,6 +189,21 @@ def _csv_value(value):
     if isinstance(value, float):
         return "" if math.isnan(value) else f"{value:.6g}"
     return "" if value is None else value
+
+
+def format_summary(table: list[dict], columns: tuple[str, ...]) -> str:
+    """format_table of the means with a "note" column: "!" on each unreliable row, explained below the table."""
+    marked = [{**row, "note": "!" if flags(row) else ""} for row in table]
+    lines = [format_table(marked, (*columns, "note"))]
+    for row in table:
+        if flags(row):
+            network = "" if row["network"] == "loopback" else f", {row['network']}"
+            lines.append(f"! unreliable: {row['strategy']}, {row['workers']} worker{'s' if row['workers'] > 1 else ''}"
+                         f"{network}: {'; '.join(flags(row))}")
+    if len(lines) > 1:
+        lines.append(f"! rows marked so have an efficiency above {EFFICIENCY_LIMIT:g} or a spread over repeats wider "
+                     "than their mean; rerun them on an idle machine, with more --repeat")
+    return "\n".join(lines)
 
 
 def format_table(table: list[dict], columns: tuple[str, ...]) -> str:

@@ -12,6 +12,7 @@ import subprocess
 from typing import Mapping, Sequence
 
 from dptrain.launch.spec import JobSpec, bind_paths, quote, train_command
+from dptrain.launch.udocker import SOURCE_FILES
 
 DEFAULT_BASE = "python:3.11-slim"
 IMAGE = "IMAGE.sif"  # what follows "apptainer:" in --container
@@ -35,21 +36,34 @@ def wrap(spec: JobSpec) -> str:
             f"{quote([spec.container.image])} {quote(train_command(spec))}")
 
 
-def definition(base: str = DEFAULT_BASE, torch: str = "torch") -> str:
-    return f"""# An Apptainer image holding dptrain and its dependencies. Build it from the project directory:
-#   apptainer build dptrain.sif dptrain.def
+def definition(base: str = DEFAULT_BASE, torch: str = "torch", *, wheel: str | None = None,
+               build: str = "apptainer build dptrain.sif dptrain.def") -> str:
+    """An Apptainer definition installing dptrain from the source tree or, with `wheel`, from that
+    wheel. %files paths are relative to where `build` (shown in the header) runs."""
+    if wheel:
+        where = (f"Its %files is the wheel\n# {wheel}, in the directory holding this file (no dptrain "
+                 "source tree is needed).\n# In that directory:")
+        files = f"    {wheel} /opt/dptrain/{wheel}"
+        target = f"/opt/dptrain/{wheel}"
+    else:
+        where = ("Its %files come from the dptrain\n# source tree (pyproject.toml, README.md, src/; with "
+                 "dptrain installed but no source\n# tree, rerun the recipe with --wheel). In the source tree:")
+        files = "\n".join(f"    {name} /opt/dptrain/{name}" for name in SOURCE_FILES)
+        target = "/opt/dptrain"
+    return f"""# An Apptainer image holding dptrain and its dependencies. {where}
+#   {build}
 # then: dptrain launch ... --container apptainer:dptrain.sif -- <train arguments>
 # MPI and the scheduler stay on the host; ranks meet over torch.distributed, so no MPI in here.
 Bootstrap: docker
 From: {base}
 
 %files
-    . /opt/dptrain
+{files}
 
 %post
     export PIP_NO_CACHE_DIR=1
     python -m pip install "{torch}"
-    python -m pip install /opt/dptrain
+    python -m pip install {target}
 
 %environment
     export PYTHONUNBUFFERED=1

@@ -87,20 +87,53 @@ exec {real_proot} "$@"
 """
 
 
-def dockerfile(base: str = DEFAULT_BASE, torch: str = "torch") -> str:
+# What `pip install` needs of the dptrain source tree; the recipe copies nothing else from it.
+SOURCE_FILES = ("pyproject.toml", "README.md", "src")
+
+
+def dockerfile(base: str = DEFAULT_BASE, torch: str = "torch", *, wheel: Optional[str] = None,
+               build: str = "docker build -t dptrain .", ignore_file: str = ".dockerignore") -> str:
+    """A Dockerfile installing dptrain from the source tree (the build context) or, with `wheel`
+    (a file name in the build context), from that wheel. `build` is the command its header shows,
+    run in the build context; `ignore_file` names the ignore file written beside it."""
+    if wheel:
+        context = (f"# The build context is the directory holding this file and {wheel}, all it copies\n"
+                   "# (no dptrain source tree is needed). In that directory, on a machine with Docker:")
+        install = f"COPY {wheel} /opt/dptrain/\nRUN python -m pip install \"{torch}\" && python -m pip install /opt/dptrain/{wheel}"
+        ignored = f"# {ignore_file}, beside this file, keeps anything else put in this directory out of the build context."
+    else:
+        context = ("# The build context is the dptrain source tree: only pyproject.toml, README.md and src/ are\n"
+                   "# copied from it (with dptrain installed but no source tree, rerun the recipe with --wheel).\n"
+                   "# In the source tree, on a machine with Docker:")
+        install = ("COPY pyproject.toml README.md /opt/dptrain/\nCOPY src /opt/dptrain/src\n"
+                   f"RUN python -m pip install \"{torch}\" && python -m pip install /opt/dptrain")
+        ignored = f"# {ignore_file}, beside this file, keeps .venv, runs/, .git and caches out of the build context"
+        ignored += (".\n# BuildKit (Docker's builder since 23.0) reads it there; an older builder reads only a\n"
+                    "# .dockerignore at the root of the source tree." if ignore_file != ".dockerignore" else ".")
     return f"""# An image holding dptrain and its dependencies, for udocker (or Docker, Podman).
-# Build it from the project directory on a machine with Docker, save it, copy it to the cluster:
-#   docker build -t dptrain -f Dockerfile . && docker save dptrain -o dptrain.tar
+{context}
+#   {build} && docker save dptrain -o dptrain.tar
+# then copy dptrain.tar to the cluster and there:
 #   dptrain container setup --runtime udocker --image dptrain.tar --name dptrain [--nvidia]
+{ignored}
 # MPI and the scheduler stay on the host: srun or mpirun starts one container per rank, and
 # ranks meet over torch.distributed (gloo, NCCL), so no MPI library is needed in here.
 FROM {base}
 ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1
-COPY . /opt/dptrain
-RUN python -m pip install "{torch}" && python -m pip install /opt/dptrain
+{install}
 WORKDIR /work
 CMD ["dptrain", "info"]
 """
+
+
+def dockerignore(wheel: Optional[str] = None) -> str:
+    """The ignore file of the build context: everything but what the Dockerfile copies."""
+    keep = [wheel] if wheel else list(SOURCE_FILES)
+    return ("# Written by 'dptrain container recipe'. The image needs only the files named with '!';\n"
+            "# everything else stays out of the build context: .venv, runs/ (checkpoints), data, .git,\n"
+            "# .pytest_cache, build/, dist/, image tarballs.\n"
+            "*\n" + "".join(f"!{name}\n" for name in keep)
+            + "**/__pycache__\n**/*.pyc\n**/*.egg-info\n")
 
 
 # ---- set-up and checks (processes) -----------------------------------------------------------
