@@ -34,7 +34,8 @@ def test_latest_complete_skips_a_truncated_checkpoint_and_falls_back(tmp_path):
     newest = tmp_path / "checkpoints" / "epoch-000002" / "rank-00001.pt"
     newest.write_bytes(newest.read_bytes()[:20])  # a crash mid-write that bypassed the rename
     epoch, notes = checkpoint.latest_complete(tmp_path, 2)
-    assert epoch == 1 and "epoch 2" in notes[0]
+    assert (epoch, notes) == (1, ["the checkpoint of epoch 2 is corrupt (rank file(s) [1] fail their checksum); "
+                                  "continuing from epoch 1"])
     assert torch.equal(checkpoint.load(tmp_path, 1, 1)["model"]["w"], torch.full((3,), 1.1))
     with pytest.raises(UserError, match="does not match its checksum"):
         checkpoint.load(tmp_path, 2, 1)
@@ -42,8 +43,17 @@ def test_latest_complete_skips_a_truncated_checkpoint_and_falls_back(tmp_path):
 
 def test_missing_rank_file_makes_a_checkpoint_incomplete(tmp_path):
     checkpoint.save(tmp_path, 1, 0, _state(1.0))
-    assert checkpoint.latest_complete(tmp_path, 2)[0] is None
+    assert checkpoint.latest_complete(tmp_path, 2) == (None, ["the checkpoint of epoch 1 was not finished; "
+                                                              "starting the run over"])
     assert checkpoint.latest_complete(tmp_path, 1)[0] == 1
+
+
+def test_a_save_cut_short_by_an_interrupt_is_expected_not_corrupt(tmp_path):
+    for rank in (0, 1):
+        checkpoint.save(tmp_path, 2, rank, _state(2.0))
+    checkpoint.save(tmp_path, 3, 0, _state(3.0))  # Ctrl-C came while rank 1 was writing epoch 3
+    assert checkpoint.latest_complete(tmp_path, 2) == (2, ["the checkpoint of epoch 3 was not finished; "
+                                                           "continuing from epoch 2"])
 
 
 def test_prune_keeps_the_newest(tmp_path):

@@ -72,3 +72,32 @@ def test_async_stops_every_rank_with_a_checkpoint_before_the_store_goes_and_cont
     assert [r["epoch"] for r in _records(tmp_path / "run")] == list(range(1, 13))
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["epochs"] == 12 and summary["test_accuracy"] >= 0.85
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_ctrl_c_says_after_which_epoch_in_one_line_and_the_same_command_continues(tmp_path, workers):
+    args = [sys.executable, "-m", "dptrain", "train", *DIGITS, "--epochs", "1000", "--workers", workers,
+            "--no-progress", "--out", "run"]
+    # As a terminal does: SIGINT to the whole process group (launcher and workers), default handling.
+    proc = subprocess.Popen(args, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not (
+            (tmp_path / "run" / "metrics.jsonl").exists() and len(_records(tmp_path / "run")) >= 2):
+        time.sleep(0.02)
+    os.killpg(proc.pid, signal.SIGINT)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, stderr
+    done = len(_records(tmp_path / "run"))
+    saved, _ = checkpoint.latest_complete(tmp_path / "run", int(workers))
+    assert saved is not None and saved in (done - 1, done)  # the Ctrl-C may cut the save of the last epoch
+    said = [line for line in stderr.splitlines() if "interrupted" in line]
+    assert said == [f"dptrain: interrupted after epoch {done} of 1000; the same command again continues from the "
+                    f"checkpoint of epoch {saved}"], stderr
+    assert "Traceback" not in stderr
+
+    args[args.index("1000")] = str(saved + 2)
+    again = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0, again.stderr
+    assert f"resuming after epoch {saved}" in again.stdout
+    assert [record["epoch"] for record in _records(tmp_path / "run")] == list(range(1, saved + 3))

@@ -17,6 +17,12 @@ class Preempted(Exception):
     exit_code = 75  # EX_TEMPFAIL: try again later
 
 
+class Interrupted(Exception):
+    """Ctrl-C (SIGINT) during training: the message says after which epoch and how to continue."""
+
+    exit_code = 130  # 128 + SIGINT, as a shell reports it
+
+
 def closest(name: str, candidates: "list[str] | tuple[str, ...]") -> "str | None":
     """The candidate a user most likely meant by `name`, or None.
 

@@ -22,7 +22,7 @@ import sys
 import traceback
 from typing import Any, Callable, NoReturn
 
-from dptrain.errors import Preempted, UserError
+from dptrain.errors import Interrupted, Preempted, UserError
 
 
 def debugging() -> bool:
@@ -43,9 +43,14 @@ def report_errors(main: Callable[[], Any]) -> int:
     except Preempted as exc:
         print(f"dptrain: {exc}", file=sys.stderr)
         return exc.exit_code
-    except KeyboardInterrupt:
-        print("dptrain: interrupted", file=sys.stderr)
-        return 130
+    except Interrupted as exc:
+        if str(exc):
+            print(f"dptrain: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:  # outside training (starting up): rank 0 says so, unless our launcher does
+        if os.environ.get("DPTRAIN_LAUNCHER") != "local" and os.environ.get("RANK", "0") == "0":
+            print("dptrain: interrupted", file=sys.stderr)
+        return Interrupted.exit_code
     except Exception as exc:  # noqa: BLE001 - peer failures get one line; bugs keep their traceback
         from dptrain.runtime.distributed import PeerFailure
         if isinstance(exc, PeerFailure) and not debugging():

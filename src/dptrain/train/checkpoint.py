@@ -99,16 +99,34 @@ def _verified_bytes(path: Path) -> Optional[bytes]:
 
 
 def latest_complete(run_dir: Path, world_size: int) -> tuple[Optional[int], list[str]]:
-    """(newest epoch whose files all verify, or None; a note for each newer epoch skipped)."""
-    skipped = []
+    """(newest epoch whose files all verify, or None; a note for each newer epoch skipped).
+
+    A checkpoint with rank files missing was being written when the run stopped (Ctrl-C, a kill):
+    expected, and said calmly. One whose files are there but fail their checksum is corrupt."""
+    skipped: list[tuple[int, list[int], list[int]]] = []  # (epoch, missing ranks, corrupt ranks)
+    found = None
     for epoch in reversed(_epochs(Path(run_dir))):
         directory = _epoch_dir(run_dir, epoch)
         bad = [rank for rank in range(world_size) if _verified_bytes(_rank_file(directory, rank)) is None]
         if not bad:
-            return epoch, skipped
-        skipped.append(f"checkpoint of epoch {epoch} is incomplete or corrupt (rank file(s) {bad[:4]}); "
-                       "falling back to the one before")
-    return None, skipped
+            found = epoch
+            break
+        missing = [rank for rank in bad if not _complete_pair(_rank_file(directory, rank))]
+        skipped.append((epoch, missing, [rank for rank in bad if rank not in missing]))
+    then = f"continuing from epoch {found}" if found is not None else "starting the run over"
+    notes = []
+    for epoch, missing, corrupt in skipped:
+        if corrupt:
+            notes.append(f"the checkpoint of epoch {epoch} is corrupt (rank file(s) {corrupt[:4]} fail their "
+                         f"checksum); {then}")
+        else:
+            notes.append(f"the checkpoint of epoch {epoch} was not finished; {then}")
+    return found, notes
+
+
+def _complete_pair(path: Path) -> bool:
+    """Whether a rank file and its checksum were both written (else the save was cut short)."""
+    return path.is_file() and _checksum_file(path).is_file()
 
 
 def load(run_dir: Path, epoch: int, rank: int) -> dict[str, Any]:

@@ -75,3 +75,22 @@ class Checkpointer:
         checkpoint.set_rng_state(state["rng"])
         self.log(f"dptrain: resuming after epoch {epoch} from {self.out}")
         return state
+
+
+def describe_interruption(out: Optional[Path], world_size: int, epochs_done: int, epochs: int) -> str:
+    """One line for a Ctrl-C: how far the run got and what running the same command again does."""
+    where = f"after epoch {epochs_done} of {epochs}" if epochs_done else f"during epoch 1 of {epochs}"
+    if out is None:
+        return f"interrupted {where}"
+    saved, _ = checkpoint.latest_complete(out, world_size)
+    if saved is None:
+        return f"interrupted {where}, before any checkpoint; the same command again starts the run over"
+    return f"interrupted {where}; the same command again continues from the checkpoint of epoch {saved}"
+
+
+def epochs_recorded(out: Path) -> int:
+    """How many epochs OUT/metrics.jsonl records (a line cut short by a kill does not count)."""
+    path = Path(out) / "metrics.jsonl"
+    if not path.is_file():
+        return 0
+    return sum(1 for line in path.read_text().splitlines() if line.strip().endswith("}"))

@@ -20,7 +20,7 @@ from dptrain.config import TrainConfig, build_config, to_yaml
 from dptrain.data import Dataset, load_dataset, sharding
 from dptrain.data.user import DataSplits, load_user_data
 from dptrain.imports import looks_like_spec
-from dptrain.errors import Preempted, UserError
+from dptrain.errors import Interrupted, Preempted, UserError
 from dptrain.io import write_text
 from dptrain.models import build_model, check_output_shape
 from dptrain.runtime.distributed import (choose_device, destroy_process_group, init_process_group,
@@ -34,7 +34,7 @@ from dptrain.train import checkpoint
 from dptrain.train.rundir import default_run_dir, lock_run_dir, open_run_dir
 from dptrain.train.preemption import catch_stop_signals_early, release_early_stop_signals
 from dptrain.train.recorder import Summary
-from dptrain.train.checkpointer import load_model_state
+from dptrain.train.checkpointer import describe_interruption, epochs_recorded, load_model_state
 from dptrain.train.trainer import Trainer, check_amp
 
 
@@ -89,8 +89,9 @@ def prepare_run_dir(config: TrainConfig, out: str, world: int, model: torch.nn.M
     run_dir, resuming = open_run_dir(out, config.model_dump(mode="json"), config.resume)
     if resuming and (run_dir / checkpoint.DIRECTORY).is_dir():
         epoch, notes = checkpoint.latest_complete(run_dir, world)
-        if epoch is None and notes:
-            raise UserError(f"run directory '{out}' has checkpoints but none is complete and readable ({notes[0]}); "
+        if epoch is None and any(" is corrupt " in note for note in notes):
+            note = notes[0].removesuffix("; starting the run over")
+            raise UserError(f"run directory '{out}' has checkpoints but none is complete and readable ({note}); "
                             f"remove its {checkpoint.DIRECTORY}/ folder to start the run over")
         if epoch is not None:
             load_model_state(model, checkpoint.load(run_dir, epoch, 0)["model"], epoch, out)
@@ -146,7 +147,11 @@ def spawn_workers(config: TrainConfig, model: torch.nn.Module) -> tuple[int, Pat
         quiet_cpp_logs_of_children()
         for attempt in range(config.max_restarts + 1):
             code = launch_local(config.workers, argv, config.timeout)
-            if code in (0, UserError.exit_code, Preempted.exit_code) or attempt == config.max_restarts:
+            if code == Interrupted.exit_code:  # Ctrl-C: the workers are stopped; say where the run stands
+                print(f"dptrain: {describe_interruption(run_dir, config.workers, epochs_recorded(run_dir), config.epochs)}",
+                      file=sys.stderr, flush=True)
+            if code in (0, UserError.exit_code, Preempted.exit_code, Interrupted.exit_code) \
+                    or attempt == config.max_restarts:
                 return code, run_dir
             print(f"dptrain: restarting the {config.workers} workers from the last checkpoint "
                   f"(restart {attempt + 1} of {config.max_restarts})", file=sys.stderr, flush=True)

@@ -12,6 +12,7 @@ recorder and the stop signals; each of them is tested on its own.
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from pathlib import Path
 from typing import Callable, Optional, Union
@@ -21,12 +22,12 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from dptrain.data.sampler import PlanBatches, TrainData, as_dataset, evaluation_loader, labels_of, loader
-from dptrain.errors import Preempted, UserError
+from dptrain.errors import Interrupted, Preempted, UserError
 from dptrain.runtime.distributed import DistContext, init_process_group
 from dptrain.runtime.env import detect
 from dptrain.runtime.guard import gather_objects, guard, sum_tensor
 from dptrain.strategies.base import Strategy
-from dptrain.train.checkpointer import Checkpointer
+from dptrain.train.checkpointer import Checkpointer, describe_interruption
 from dptrain.train.preemption import StopSignals
 from dptrain.train.recorder import EpochStats, Recorder, Summary
 
@@ -117,7 +118,19 @@ class Trainer:
     # -- the loop -----------------------------------------------------------------------
     def fit(self, train: TrainData, test: Optional[TrainData] = None, epochs: int = 1) -> Summary:
         """Train for `epochs` on `train` ((x, y) arrays, tensors or DSTensors, or a torch Dataset of (x, y)
-        items); evaluate on `test` after each epoch; return the Summary (also written to OUT/summary.json)."""
+        items); evaluate on `test` after each epoch; return the Summary (also written to OUT/summary.json).
+
+        Ctrl-C raises Interrupted, saying after which epoch and what the same command would do again."""
+        try:
+            return self._fit(train, test, epochs)
+        except KeyboardInterrupt:
+            ctx = getattr(self, "ctx", None)
+            # dptrain's own launcher stops every worker and says it once; elsewhere rank 0 says it.
+            said_elsewhere = os.environ.get("DPTRAIN_LAUNCHER") == "local" or ctx is None or not ctx.is_main
+            raise Interrupted("" if said_elsewhere else describe_interruption(
+                self.out, ctx.world_size, len(self.history), epochs)) from None
+
+    def _fit(self, train: TrainData, test: Optional[TrainData], epochs: int) -> Summary:
         ctx, strategy = self._connect(), self.strategy
         train, test = as_dataset(train), (as_dataset(test, "test") if test is not None else None)
         plan = strategy.epoch_plan(ctx, len(train), lambda: labels_of(train, self.recorder.log), self.batch_size,
