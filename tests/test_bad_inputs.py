@@ -140,6 +140,13 @@ def write_checkpoint_file(path: Path, data: bytes) -> None:
     path.with_name(path.name + ".sha256").write_text(hashlib.sha256(data).hexdigest())
 
 
+def hand_written_config(s) -> list[str]:
+    """A config.yaml the user wrote (no run beside it) is not mistaken for an interrupted run."""
+    s.path("mine").mkdir()
+    s.write("mine/config.yaml", "epochs: 3\nlr: 0.1\n")
+    return train(out="mine")
+
+
 # ------------------------------------------------------------------------ checkpoint cases
 
 
@@ -318,6 +325,10 @@ CASES = [
     case("rundir-resume-empty-directory", lambda s: train("--resume"), "'out' holds no run to continue"),
     case("rundir-resume-without-checkpoint", interrupted_run_without_checkpoints, "'run' has no checkpoint yet"),
     case("rundir-out-is-a-file", lambda s: train(out=s.write("taken", "not a directory\n")), "'taken' is a file"),
+    case("rundir-holds-other-files", lambda s: train(),
+         "--out 'out' holds files that are not a dptrain run (notes.txt); give --out a new or empty directory"),
+    case("rundir-hand-written-config", hand_written_config,
+         "--out 'mine' holds files that are not a dptrain run (config.yaml); give --out a new or empty directory"),
     # launch
     case("launch-unknown-scheduler", lambda s: launch("--scheduler", "sge"), "--scheduler", "'sge'"),
     case("launch-zero-nodes", lambda s: launch("--scheduler", "slurm", "--nodes", "0"), "--nodes 0"),

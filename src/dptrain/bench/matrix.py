@@ -24,6 +24,7 @@ from dptrain.bench.results import add_scaling, read_run, run_row, summarise
 from dptrain.config import build_config, flag_of, to_yaml
 from dptrain.data import load_dataset
 from dptrain.errors import UserError
+from dptrain.train.rundir import claim_run_dir
 from dptrain.runtime.env import free_port
 
 BASELINES_DIR = Path(__file__).resolve().parents[3] / "benchmarks" / "baselines"
@@ -124,8 +125,7 @@ def run_matrix(spec: BenchSpec, out: Path) -> dict:
         if net is not None and hosts > 1:
             network_info.update(measure_link(net))
         for run in tqdm(runs, desc="bench", unit="run", dynamic_ncols=True):
-            run_dir = out / "runs" / run.name
-            run_dir.mkdir(parents=True)
+            run_dir = claim_run_dir(str(out / "runs" / run.name))  # the run's own directory, marked as one
             seconds = _execute(spec, run, run_dir, net, base)
             summary, metrics = read_run(run_dir)
             rows.append(run_row(summary, metrics, kind=run.kind, repeat=run.repeat, network=network_info["name"],

@@ -17,9 +17,12 @@ from typing import Any, Iterator, Optional
 import yaml
 
 from dptrain.errors import UserError
-from dptrain.io import disk_error, make_dirs, timestamped
+from dptrain.io import disk_error, make_dirs, timestamped, write_text
 
 RUN_FILES = ("config.yaml", "metrics.jsonl", "summary.json", "model.pt")
+# Marks a directory dptrain claimed for a run (`dptrain launch` claims it before the job writes its
+# script and output there): only such a directory, a new one or an empty one takes a run.
+MARKER = ".dptrain-run"
 
 
 def default_run_dir(strategy: str, job_id: Optional[str] = None) -> str:
@@ -33,13 +36,33 @@ RESUMABLE_CHANGES = {"out", "resume", "progress", "timeout", "epochs", "max_rest
 
 
 def claim_run_dir(path: str) -> Path:
-    """Create `path` for a new run, refusing one that already holds a run's files."""
+    """Create `path` for a new run (or take an empty one, or one dptrain claimed before), refusing one that
+    holds a run's files or files of anything else; marks it as a run directory."""
     directory = Path(path)
     held = [name for name in RUN_FILES if directory.is_dir() and (directory / name).exists()]
     if held:
         raise UserError(f"run directory '{path}' already holds a run ({', '.join(held)}); give --out a new directory")
     _make_run_dir(path)
+    if not (directory / MARKER).exists():
+        _refuse_other_files(path)
+        write_text(directory / MARKER, "a dptrain run directory\n")
     return directory
+
+
+def _refuse_other_files(path: str) -> None:
+    """A directory holding files that are not a run's (`--out .` in a project folder) is not taken."""
+    others = sorted(entry.name for entry in Path(path).iterdir() if entry.name not in (LOCK_FILE, MARKER))
+    if others:
+        shown = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
+        raise UserError(f"--out '{path}' holds files that are not a dptrain run ({shown}); give --out a new or "
+                        "empty directory")
+
+
+def _is_run_dir(directory: Path) -> bool:
+    """Whether dptrain made this directory a run's (a marker, or, for runs older than the marker, a config.yaml
+    with the metrics or checkpoints of that run beside it): a hand-written config.yaml is not a run."""
+    return (directory / MARKER).exists() or (directory / "config.yaml").exists() and (
+        (directory / "metrics.jsonl").exists() or (directory / "checkpoints").is_dir())
 
 
 def _make_run_dir(path: str) -> bool:
@@ -180,6 +203,10 @@ def open_run_dir(path: str, settings: dict[str, Any], resume: bool = False) -> t
     """
     directory = Path(path)
     saved = directory / "config.yaml"
+    if directory.is_dir() and not _is_run_dir(directory):
+        if resume:
+            raise UserError(f"--resume: run directory '{path}' holds no run to continue")
+        _refuse_other_files(path)
     if (directory / "summary.json").exists():
         raise UserError(f"run directory '{path}' holds a finished run (summary.json); give --out a new directory")
     if not saved.exists():
