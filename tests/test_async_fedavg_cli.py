@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
+from dptrain.train.recorder import Summary, summary_line
 from test_train_cli import DIGITS, dptrain, misbehave
 
 pytestmark = pytest.mark.slow
@@ -20,6 +22,12 @@ def test_two_workers_reach_90_percent_on_digits(tmp_path, strategy, extra):
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert len(records) == 10
     assert all(len(record["workers"]) == 2 for record in records)  # every worker's numbers, per epoch
+    # What is printed is what is recorded: the last line is summary.json's, and an async epoch line,
+    # printed before the other rank's numbers exist, says whose numbers it shows.
+    assert result.stdout.splitlines()[-1] == summary_line(Summary.from_dict(summary), Path("run"))
+    epoch_lines = [line for line in result.stdout.splitlines() if line.startswith("[rank0] epoch ")]
+    assert len(epoch_lines) == 10
+    assert all(line.endswith("(rank 0 alone)") == (strategy == "async") for line in epoch_lines)
     if strategy == "async":
         assert summary["merges"] == [10, 10] and summary["max_staleness_seen"] >= 0
     else:

@@ -41,6 +41,22 @@ def digits_runs(tmp_path_factory):
 
 
 @pytest.mark.parametrize("strategy", ["allreduce", "sync"])
+def test_the_last_line_is_the_summary_json_and_the_epoch_lines_its_metrics(digits_runs, strategy):
+    from dptrain.train.recorder import Summary, summary_line
+    run_dir, result = digits_runs[strategy]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    last = result.stdout.splitlines()[-1]
+    assert last == summary_line(Summary.from_dict(summary), run_dir)
+    assert f"test_acc {summary['test_accuracy']:.4f}" in last and f"{summary['comm_bytes']:,} bytes" in last
+    assert last.endswith(f"model in {run_dir / 'model.pt'}")
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    lines = [line for line in result.stdout.splitlines() if line.startswith("[rank0] epoch ")]
+    for record, line in zip(records, lines, strict=True):
+        assert f"test_acc {record['test_accuracy']:.4f}" in line
+        assert f"comm {record['comm_bytes'] / 1e6:,.3f} MB so far" in line and "alone" not in line
+
+
+@pytest.mark.parametrize("strategy", ["allreduce", "sync"])
 def test_two_workers_reach_90_percent_on_digits(digits_runs, strategy):
     run_dir, result = digits_runs[strategy]
     summary = json.loads((run_dir / "summary.json").read_text())

@@ -36,8 +36,11 @@ def demo(workers: int = 2, epochs: int = 10, out: str | None = None) -> int:
         table.add_column(column, justify="right")
     for strategy, summary in summaries.items():
         table.add_row(strategy, f"{summary['test_accuracy']:.4f}", f"{summary['wall_seconds']:.2f}",
-                      f"{summary['comm_bytes']:,}", f"{summary['samples_per_second']:.0f}")
+                      f"{summary['comm_bytes']:,}", f"{summary['samples_per_second']:,.0f}")
     console.print(table)
     ratio = summaries["allreduce"]["comm_bytes"] / max(summaries["sync"]["comm_bytes"], 1)
-    console.print(f"sync communicated {ratio:.1f}x fewer bytes than allreduce. Runs in {root}")
+    console.print(f"sync communicated {ratio:.1f}x fewer bytes than allreduce.")
+    # soft_wrap: a long path is never broken across lines (it stays one thing to copy).
+    console.print(f"The two runs are in {root}; to see their curves: dptrain plot {root / 'allreduce'} "
+                  f"{root / 'sync'}", soft_wrap=True, highlight=False)
     return 0

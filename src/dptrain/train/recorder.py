@@ -79,8 +79,9 @@ def aggregate(per_worker: list[EpochStats]) -> dict:
 class Recorder:
     """Keeps the history; rank 0 writes metrics.jsonl, prints epoch lines and draws the progress bar."""
 
-    def __init__(self, out: Optional[Path], is_main: bool, verbose: bool = True, progress: bool = True) -> None:
-        self.out, self.is_main = out, is_main
+    def __init__(self, out: Optional[Path], is_main: bool, verbose: bool = True, progress: bool = True,
+                 world_size: int = 1) -> None:
+        self.out, self.is_main, self.world_size = out, is_main, world_size
         self.verbose = verbose and is_main
         self.show_progress = progress and is_main and (sys.stderr.isatty() or os.environ.get("DPTRAIN_TTY") == "1")
         self.history: list[dict] = []
@@ -115,9 +116,12 @@ class Recorder:
             append_jsonl(path, record)
         accuracy = f"  test_acc {test['test_accuracy']:.4f}" if test and test["test_accuracy"] is not None else ""
         test_loss = f"  test_loss {test['test_loss']:.4f}" if test else ""
+        # Without a barrier (async) an epoch's record holds this rank's numbers only, until the run
+        # ends and fills in every worker's: the line says whose they are, as the file does.
+        whose = "" if len(per_worker) == self.world_size else f"  (rank {per_worker[0].rank} alone)"
         self.log(f"epoch {epoch + 1}/{epochs}  train_loss {record['train_loss']:.4f}{test_loss}{accuracy}  "
-                 f"{record['epoch_seconds']:.2f} s  {record['samples_per_second']:.0f} samples/s  "
-                 f"comm {record['comm_bytes'] / 1e6:.3f} MB")
+                 f"{record['epoch_seconds']:.2f} s  {record['samples_per_second']:,.0f} samples/s  "
+                 f"comm {record['comm_bytes'] / 1e6:,.3f} MB so far{whose}")
         return record
 
     def replace_history(self, history: list[dict]) -> None:
@@ -139,7 +143,23 @@ class Recorder:
         return sum(sum(worker["samples"] for worker in record["workers"]) for record in self.history)
 
     def write_final(self, summary: Summary, model: torch.nn.Module) -> None:
-        """model.pt (the final global state_dict, on the CPU) and summary.json."""
+        """model.pt (the final global state_dict, on the CPU) and summary.json; then the run's last line
+        (dptrain's own launcher prints that line itself, from summary.json, once its workers are done)."""
         if path := self._file("model.pt"):
             save_torch(path, {k: v.detach().cpu() for k, v in model.state_dict().items()})
             write_json(self.out / "summary.json", summary.to_dict())
+        if os.environ.get("DPTRAIN_LAUNCHER") != "local":
+            self.log(summary_line(summary, self.out))
+
+
+def summary_line(summary: Summary, out: Optional[Path]) -> str:
+    """One line with what summary.json says: final accuracy and loss, wall time, bytes, where model.pt is."""
+    result = []
+    if summary.test_accuracy is not None:
+        result.append(f"test_acc {summary.test_accuracy:.4f}")
+    if summary.test_loss is not None:
+        result.append(f"test_loss {summary.test_loss:.4f}")
+    where = f"model in {Path(out) / 'model.pt'}" if out else "no --out, so no model.pt"
+    return (f"dptrain: done: {summary.strategy} on {summary.workers} worker{'s' if summary.workers > 1 else ''}, "
+            f"{summary.epochs} epochs in {summary.wall_seconds:,.1f} s; final model {', '.join(result) or 'not evaluated'}; "
+            f"{summary.comm_bytes:,} bytes communicated; {where}")

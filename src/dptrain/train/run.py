@@ -33,7 +33,7 @@ from dptrain.train.optim import build_optimizer, build_schedule
 from dptrain.train import checkpoint
 from dptrain.train.rundir import default_run_dir, lock_run_dir, open_run_dir
 from dptrain.train.preemption import catch_stop_signals_early, release_early_stop_signals
-from dptrain.train.recorder import Summary
+from dptrain.train.recorder import Summary, summary_line
 from dptrain.train.checkpointer import describe_interruption, epochs_recorded, load_model_state
 from dptrain.train.trainer import Trainer, check_amp
 
@@ -150,6 +150,9 @@ def spawn_workers(config: TrainConfig, model: torch.nn.Module) -> tuple[int, Pat
             if code == Interrupted.exit_code:  # Ctrl-C: the workers are stopped; say where the run stands
                 print(f"dptrain: {describe_interruption(run_dir, config.workers, epochs_recorded(run_dir), config.epochs)}",
                       file=sys.stderr, flush=True)
+            if code == 0:
+                summary = Summary.from_dict(json.loads((run_dir / "summary.json").read_text()))
+                print(summary_line(summary, run_dir), flush=True)
             if code in (0, UserError.exit_code, Preempted.exit_code, Interrupted.exit_code) \
                     or attempt == config.max_restarts:
                 return code, run_dir

@@ -110,7 +110,7 @@ class Trainer:
         check_amp(self.amp, self.ctx.device)
         self.scaler = torch.amp.GradScaler("cuda") if self.amp == "fp16" else None
         self.model = self.model.to(self.ctx.device)
-        self.recorder = Recorder(self.out, self.ctx.is_main, self.verbose, self.progress)
+        self.recorder = Recorder(self.out, self.ctx.is_main, self.verbose, self.progress, self.ctx.world_size)
         self.checkpointer = Checkpointer(self.out, self.ctx, self.checkpoint_every, self.keep_checkpoints,
                                          self.recorder.log)
         return self.ctx
