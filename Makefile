@@ -3,8 +3,11 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
-# The CPU build of PyTorch; the package itself only requires torch>=2.3.
+# PyTorch pinned for a reproducible set-up (the package itself only requires torch>=2.3). pip
+# picks the build for the platform: on Linux x86_64 from PyPI that is a CUDA build. For the
+# CPU-only build: make setup TORCH_INDEX="--index-url https://download.pytorch.org/whl/cpu"
 TORCH  ?= torch==2.13.0
+TORCH_INDEX ?=
 
 .PHONY: setup demo test clean horovod
 
@@ -12,7 +15,7 @@ setup: $(STAMP)
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet "$(TORCH)"
+	$(BIN)/python -m pip install --quiet $(TORCH_INDEX) "$(TORCH)"
 	$(BIN)/python -m pip install --quiet -e ".[test]"
 	touch $(STAMP)
 

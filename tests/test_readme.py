@@ -45,7 +45,7 @@ FLAG = re.compile(r"(?<![\w-])--[a-z][a-z-]*")  # not the ------ of a table's se
 # Flags the README shows for other programs' command lines.
 FOREIGN_FLAGS = {"--nproc-per-node": "torchrun", "--ntasks": "srun", "--nv": "apptainer", "--allow-root": "udocker",
                  "--signal": "sbatch", "--requeue": "sbatch", "--fault-runs": "pytest", "--fault-report": "pytest",
-                 "--save-faults": "pytest", "--logdir": "tensorboard"}
+                 "--save-faults": "pytest", "--logdir": "tensorboard", "--index-url": "pip"}
 
 
 def table_flags():
