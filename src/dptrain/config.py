@@ -26,15 +26,18 @@ class TrainConfig(BaseModel):
     strategy: Literal[registry.names("strategy")] = Field(  # type: ignore[valid-type] - the registry's names
         "allreduce", description=f"how workers synchronise: {registry.help_text('strategy')}")
     dataset: Optional[str] = Field("digits", description=f"built-in data set: {', '.join(registry.names('dataset'))}")
-    data: Optional[str] = Field(None, description="user data: a file (.npz, .npy, .h5, .zarr) with x, y and optional x_test, y_test, or "
-                                                  "package.module:factory returning (train, test) torch Datasets; replaces --dataset")
+    data: Optional[str] = Field(None, description="user data: a file (.npz, .npy, .h5, .zarr) with x, y and optional x_test, y_test; "
+                                                  "a folder of images, one subfolder per class; or package.module:factory "
+                                                  "returning (train, test) torch Datasets; replaces --dataset")
     task: Literal["auto", "classify", "regress"] = Field(
         "auto", description="auto: integer labels classify, float targets regress (said when it happens); "
                             "classify or regress overrides that")
     model: str = Field("mlp", description=f"{', '.join(registry.names('model'))}, or package.module:factory")
     model_options: dict[str, Any] = Field(default_factory=dict, description="model options as KEY=VALUE (repeatable), e.g. depth=14")
     samples: Optional[int] = Field(None, ge=1, description="number of samples of a synthetic data set")
-    image_size: int = Field(32, ge=4, description="side of synthetic-images")
+    image_size: Optional[int] = Field(None, ge=4, description="side of synthetic-images (32) or of an image "
+                                                              "folder's images (default: the first image's size)")
+    augment: bool = Field(False, description="image folders: random horizontal flips and crops of training images")
     channels: int = Field(3, ge=1, description="channels of synthetic-images")
     classes: int = Field(10, ge=2, description="classes of synthetic-images")
     features: int = Field(8, ge=1, description="inputs of synthetic-regression")

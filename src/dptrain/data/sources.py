@@ -82,7 +82,7 @@ def load_dataset(
     seed: int = 0,
     block_size: int | None = None,
     samples: int | None = None,
-    image_size: int = 32,
+    image_size: int | None = None,
     channels: int = 3,
     classes: int = 10,
     features: int = 8,
@@ -124,7 +124,7 @@ class BuiltinSettings:
     seed: int
     block_size: int | None
     samples: int | None
-    image_size: int
+    image_size: int | None  # synthetic-images: 32 when not given
     channels: int
     classes: int
     features: int
@@ -156,7 +156,8 @@ def digits(settings: BuiltinSettings) -> Dataset:
 
 def synthetic_images(settings: BuiltinSettings) -> Dataset:
     rng = _synthetic_rng(settings)
-    x, y = _synthetic_images(rng, settings.samples or 2048, settings.classes, settings.channels, settings.image_size)
+    x, y = _synthetic_images(rng, settings.samples or 2048, settings.classes, settings.channels,
+                             settings.image_size or 32)
     return _synthetic("synthetic-images", x, y, "classification", settings.classes, settings)
 
 

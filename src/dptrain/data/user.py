@@ -68,14 +68,21 @@ def load_user_data(spec: str, seed: int, test_fraction: float = 0.2,
         if value is not None and not _is_dataset(value):
             raise UserError(f"data factory {spec} returned a value of type {type(value).__name__} as its {which} set; "
                             "return (train, test) map-style Datasets (test may be None)")
-    train = CheckedItems(train, "training")
-    test = CheckedItems(test, "test") if test is not None else None
     if len(train) < 2:
         raise UserError(f"data factory {spec} returned a training set of {len(train)} samples; it needs at least 2")
+    return describe_splits(train, test, spec, f"{spec} gave no test set", seed, test_fraction, log, task)
+
+
+def describe_splits(train: Dataset, test: Optional[Dataset], spec: str, no_test: str, seed: int,
+                    test_fraction: float, log: Callable[[str], None], task: str) -> DataSplits:
+    """Checked train and test Datasets (test held out of train when there is none, said as `no_test`:
+    holding out ...) with their task, classes and shapes."""
+    train = CheckedItems(train, "training")
+    test = CheckedItems(test, "test") if test is not None else None
     if test is None:
         held_out = max(1, round(test_fraction * len(train)))
         order = np.random.default_rng(seed).permutation(len(train)).tolist()
-        log(f"dptrain: {spec} gave no test set: holding out {held_out} of its {len(train)} samples "
+        log(f"dptrain: {no_test}: holding out {held_out} of its {len(train)} samples "
             f"({test_fraction:.0%}, chosen by the seed) for testing")
         train, test = Subset(train, order[held_out:]), Subset(train, order[:held_out])
     x, y = _item(train, spec, "training")

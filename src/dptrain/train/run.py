@@ -18,6 +18,7 @@ import torch
 
 from dptrain.config import TrainConfig, build_config, to_yaml
 from dptrain.data import Dataset, load_dataset, sharding
+from dptrain.data.images import is_image_folder, load_image_folder
 from dptrain.data.user import DataSplits, load_user_data
 from dptrain.imports import looks_like_spec
 from dptrain.errors import Interrupted, Preempted, UserError
@@ -42,6 +43,10 @@ def load_data(config: TrainConfig, check_values: bool = True, log=print) -> Unio
     """The data a config names: a built-in data set, a file, or a user's factory (package.module:function)."""
     if config.data is not None and looks_like_spec(config.data) and not os.path.exists(config.data):
         return load_user_data(config.data, config.seed, log=log, task=config.task)
+    if config.data is not None and is_image_folder(config.data):
+        return load_image_folder(config.data, config.seed, config.image_size, config.augment, log, config.task)
+    if config.augment:
+        raise UserError("--augment applies to a folder of images given as --data")
     if config.data is None and config.task != "auto":
         raise UserError(f"--task {config.task} applies to your own --data; the built-in {config.dataset} "
                         "knows its task")
