@@ -22,10 +22,14 @@ def launch(cluster, *args: str, cwd: Path, timeout: float = 240) -> subprocess.C
                           cwd=cwd, env=cluster.env, capture_output=True, text=True, timeout=timeout)
 
 
-def test_launch_trains_digits_across_two_slurm_nodes(slurm_cluster, tmp_path):
-    result = launch(slurm_cluster, "--nodes", "2", "--tasks-per-node", "1", "--dptrain", f"{sys.executable} -m dptrain",
-                    "--submit", "--wait", "--wait-timeout", "180", "--", *DIGITS, "--strategy", "allreduce",
-                    "--out", "run", cwd=tmp_path)
+def test_launch_trains_digits_from_a_user_dataset_factory_across_two_slurm_nodes(slurm_cluster, tmp_path):
+    # The user's own Dataset factory (tests/digits_factory.py) reaches every rank through PYTHONPATH.
+    env = {**slurm_cluster.env, "PYTHONPATH": str(Path(__file__).parent)}
+    result = subprocess.run([sys.executable, "-m", "dptrain", "launch", "--scheduler", "slurm", "--nodes", "2",
+                             "--tasks-per-node", "1", "--dptrain", f"{sys.executable} -m dptrain", "--submit", "--wait",
+                             "--wait-timeout", "180", "--", "--data", "digits_factory:make", *DIGITS[2:],
+                             "--strategy", "allreduce", "--out", "run"],
+                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output + slurm_cluster.logs()
     job_id = next(line.split()[3].rstrip(";") for line in output.splitlines() if line.startswith("dptrain: submitted job"))
@@ -34,6 +38,7 @@ def test_launch_trains_digits_across_two_slurm_nodes(slurm_cluster, tmp_path):
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["workers"] == 2 and summary["launcher"] == "srun", summary
     assert summary["test_accuracy"] >= 0.90, summary
+    assert "data: digits_factory:make" in (tmp_path / "run" / "config.yaml").read_text()
     assert (tmp_path / "run" / "job.slurm").exists() and (tmp_path / "run" / f"slurm-{job_id}.out").exists()
 
 

@@ -23,16 +23,17 @@ DIGITS = ["--dataset", "digits", "--model", "mlp", "--epochs", "10", "--lr", "0.
           "--strategy", "sync", "--timeout", "120"]
 
 
-def launch_command(container, *args: str, wait_timeout: float, slow: str = "") -> list[str]:
+def launch_command(container, *args: str, wait_timeout: float, slow: str = "",
+                   data: tuple[str, ...] = ("--dataset", "digits")) -> list[str]:
     """`dptrain launch ARGS --container udocker:NAME ... --submit --wait -- DIGITS --out run`."""
     binds = [word for path in container.binds for word in ("--bind", path)]
     return [sys.executable, "-m", "dptrain", "launch", *args, "--container", f"udocker:{container.name}", *binds,
-            "--dptrain", container.dptrain, "--submit", "--wait", "--wait-timeout", str(wait_timeout), "--", *DIGITS,
-            *(["--slow-worker", slow] if slow else []), "--out", "run"]
+            "--dptrain", container.dptrain, "--submit", "--wait", "--wait-timeout", str(wait_timeout), "--", *data,
+            *DIGITS[2:], *(["--slow-worker", slow] if slow else []), "--out", "run"]
 
 
-def launch(container, *args: str, cwd: Path, env: dict, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(launch_command(container, *args, wait_timeout=timeout - 30), cwd=cwd, env=env,
+def launch(container, *args: str, cwd: Path, env: dict, timeout: float = 300, **options) -> subprocess.CompletedProcess:
+    return subprocess.run(launch_command(container, *args, wait_timeout=timeout - 30, **options), cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -68,14 +69,17 @@ def test_info_inside_the_container_names_udocker(udocker_container):
     assert result.stdout.strip().splitlines()[-1] == "udocker"
 
 
-def test_local_launch_trains_with_one_container_per_rank(udocker_container, tmp_path):
-    result = launch(udocker_container, "--scheduler", "local", "--tasks-per-node", "2", cwd=tmp_path,
-                    env=udocker_container.env)
+def test_local_launch_trains_a_user_dataset_factory_with_one_container_per_rank(udocker_container, tmp_path):
+    # tests/ lies inside the bound repository, so PYTHONPATH finds the factory inside the containers too.
+    env = {**udocker_container.env, "PYTHONPATH": str(Path(__file__).parent)}
+    result = launch(udocker_container, "--scheduler", "local", "--tasks-per-node", "2", cwd=tmp_path, env=env,
+                    data=("--data", "digits_factory:make"))
     output = result.stdout + result.stderr
     assert result.returncode == 0, output
     assert "COMPLETED with exit code 0" in output
     run = summary(tmp_path / "run")
     assert run["workers"] == 2 and run["test_accuracy"] >= 0.90, run
+    assert "data: digits_factory:make" in (tmp_path / "run" / "config.yaml").read_text()
 
 
 def test_slurm_job_in_udocker_containers_trains_across_two_nodes_and_survives_the_time_limit_warning(
