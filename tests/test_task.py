@@ -42,8 +42,8 @@ def test_float_labels_are_announced_as_regression_and_the_split_is_said(tmp_path
     done = _dptrain(tmp_path, *ARGS, "--data", data, "--out", "run")
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
-    assert f"dptrain: y of '{data}' is float32: treating this as regression with MSE; save integer labels " \
-           "(or give --task classify) for classification" in lines
+    assert f"dptrain: y of '{data}' is float32: treating this as regression (loss mse unless --loss names one); " \
+           "save integer labels (or give --task classify) for classification" in lines
     assert f"dptrain: '{data}' has no x_test/y_test: holding out 359 of its 1797 samples (20%, chosen by the " \
            "seed) for testing" in lines
     summary = _summary(tmp_path)
@@ -124,8 +124,8 @@ def test_a_factory_with_float_targets_is_announced_and_classify_counts_its_class
     said: list[str] = []
     data = load_user_data("floaty:floats", seed=0, log=said.append)
     assert data.task == "regression" and data.num_outputs == 1
-    assert said == ["dptrain: y of floaty:floats is float64: treating this as regression with MSE; save integer "
-                    "labels (or give --task classify) for classification"]
+    assert said == ["dptrain: y of floaty:floats is float64: treating this as regression (loss mse unless --loss "
+                    "names one); save integer labels (or give --task classify) for classification"]
     said.clear()
     data = load_user_data("floaty:floats", seed=0, log=said.append, task="classify")
     assert data.task == "classification" and data.num_classes == 3

@@ -11,10 +11,13 @@ import os
 from typing import Any, Iterable, Literal, Optional, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from dptrain import registry
 from dptrain.errors import UserError, did_you_mean
+from dptrain.imports import looks_like_spec
+
+BUILTIN_LOSSES = ("auto", "cross-entropy", "mse")
 
 
 class TrainConfig(BaseModel):
@@ -61,7 +64,8 @@ class TrainConfig(BaseModel):
     lr_gamma: float = Field(0.1, gt=0, le=1, description="step schedule: decay factor")
     warmup_epochs: float = Field(0.0, ge=0, description="linear LR warm-up length in epochs (fractions allowed)")
     scale_lr: bool = Field(False, description="multiply the LR by the number of workers (linear scaling rule)")
-    loss: Literal["auto", "cross-entropy", "mse"] = Field("auto", description="auto picks cross-entropy for classes, mse for regression")
+    loss: str = Field("auto", description="auto (cross-entropy for classes, mse for regression), cross-entropy, "
+                                          "mse, or package.module:function(output, target) returning the loss")
     amp: Literal["none", "bf16", "fp16"] = Field("none", description="autocast precision; fp16 needs a GPU")
     grad_clip: Optional[float] = Field(None, gt=0, description="clip the gradient norm to this value")
     seed: int = Field(0, ge=0, description="seed for model initialisation and data order")
@@ -98,6 +102,13 @@ class TrainConfig(BaseModel):
     # Outputs
     out: Optional[str] = Field(None, description="run directory (default runs/STRATEGY-TIMESTAMP); must not hold a run already")
     progress: bool = Field(True, description="progress bar on rank 0 when the terminal is interactive")
+
+    @field_validator("loss")
+    @classmethod
+    def _loss_is_known_or_a_function(cls, value: str) -> str:
+        if value not in BUILTIN_LOSSES and not looks_like_spec(value):
+            raise ValueError(f"must be one of {', '.join(BUILTIN_LOSSES)} or package.module:function")
+        return value
 
     @model_validator(mode="after")
     def _cross_field_checks(self) -> "TrainConfig":
@@ -179,6 +190,8 @@ def _describe(error: dict, origin: str, flags: frozenset = frozenset()) -> str:
         bounds = {key: f"{bound:g}" if isinstance(bound, float) else bound
                   for key, bound in error.get("ctx", {}).items()}
         rule = _RULES[error["type"]].format(**bounds)
+    elif error["type"] == "value_error" and error["msg"].startswith("Value error, must "):
+        rule = error["msg"].removeprefix("Value error, ")
     else:
         rule = "is invalid: " + error["msg"].removeprefix("Value error, ")
     return f"{subject} {rule} (got {shown})"

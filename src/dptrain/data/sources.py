@@ -300,8 +300,8 @@ def decide_task(asked: str, integer: bool, dtype_name: str, shape: tuple, what: 
         return task
     if integer:
         return "classification"
-    log(f"dptrain: {what} is {dtype_name}: treating this as regression with MSE; save integer labels "
-        "(or give --task classify) for classification")
+    log(f"dptrain: {what} is {dtype_name}: treating this as regression (loss mse unless --loss names one); save "
+        "integer labels (or give --task classify) for classification")
     return "regression"
 
 

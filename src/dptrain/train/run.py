@@ -12,7 +12,7 @@ import sys
 from contextlib import ExitStack
 from functools import partial
 from pathlib import Path
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 import torch
 
@@ -20,7 +20,8 @@ from dptrain.config import TrainConfig, build_config, to_yaml
 from dptrain.data import Dataset, load_dataset, sharding
 from dptrain.data.images import is_image_folder, load_image_folder
 from dptrain.data.user import DataSplits, load_user_data
-from dptrain.imports import looks_like_spec
+from dptrain.data.sampler import as_dataset, loader
+from dptrain.imports import load_callable, looks_like_spec
 from dptrain.errors import Interrupted, Preempted, UserError
 from dptrain.io import write_text
 from dptrain.models import build_model, check_output_shape
@@ -60,7 +61,8 @@ def make_model(config: TrainConfig, data: Dataset) -> torch.nn.Module:
     """The model, initialised identically on every rank (seeded before construction)."""
     torch.manual_seed(config.seed)
     model = build_model(config.model, data.input_shape, data.num_outputs, options=config.model_options)
-    check_output_shape(model, data.input_shape, data.num_outputs)
+    if config.loss in ("auto", "cross-entropy", "mse"):  # a loss of the user's own decides what outputs it needs
+        check_output_shape(model, data.input_shape, data.num_outputs)
     return model
 
 
@@ -70,16 +72,41 @@ def loss_name(config: TrainConfig, data: Dataset) -> str:
     return "cross-entropy" if data.task == "classification" else "mse"
 
 
+def build_loss(config: TrainConfig, data: Dataset) -> Union[str, Callable]:
+    """A built-in loss by name, or the user's function (`--loss package.module:function`)."""
+    name = loss_name(config, data)
+    if name in ("cross-entropy", "mse"):
+        return name
+    return load_callable(name, "--loss", "loss", "takes (output, target) and returns the loss")
+
+
+def check_loss(loss: Union[str, Callable], model: torch.nn.Module, data: Dataset) -> None:
+    """A built-in loss must fit the task; the user's must turn the model's output on two samples into one number."""
+    if isinstance(loss, str):
+        if (loss == "cross-entropy") != (data.task == "classification"):
+            valid = "cross-entropy" if data.task == "classification" else "mse"
+            raise UserError(f"--loss {loss} does not fit this {data.task} data set; use {valid} or auto")
+        return
+    batch = next(iter(loader(as_dataset(data.train_set()), [[0, 1]])))
+    try:
+        with torch.no_grad():
+            value = loss(model(batch[0]).float(), batch[1])
+    except Exception as error:  # noqa: BLE001 - the user's function: its failure in one line
+        raise UserError(f"--loss {loss.__module__}:{loss.__name__} failed on the model's output for two samples: "
+                        f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}") from error
+    if not isinstance(value, torch.Tensor) or value.numel() != 1:
+        raise UserError(f"--loss {loss.__module__}:{loss.__name__} returned "
+                        f"{type(value).__name__ if not isinstance(value, torch.Tensor) else f'a tensor of shape {tuple(value.shape)}'}; "
+                        "it must return one number (a 0-d tensor), e.g. the mean over the batch")
+
+
 def validate(config: TrainConfig) -> torch.nn.Module:
     """Everything that can be checked before workers start: data, model, loss, worker count."""
     device = choose_device(config.device, 0)
     check_amp(config.amp, device)
     data = load_data(config)
     model = make_model(config, data)
-    loss = loss_name(config, data)
-    if (loss == "cross-entropy") != (data.task == "classification"):
-        valid = "cross-entropy" if data.task == "classification" else "mse"
-        raise UserError(f"--loss {loss} does not fit this {data.task} data set; use {valid} or auto")
+    check_loss(build_loss(config, data), model, data)
     samples = len(data.train_set())
     sharding.check_workers(samples, config.workers)
     if config.batch_size > samples // config.workers:
@@ -209,7 +236,7 @@ def run_worker(config: TrainConfig, env: DistEnv) -> Summary:
         optimizer = build_optimizer(config.optimizer, model.parameters(), lr=lr, momentum=config.momentum,
                                     nesterov=config.nesterov, weight_decay=config.weight_decay)
         schedule = partial(_schedule, config)
-        trainer = Trainer(model, optimizer, loss_name(config, data), build_strategy(config),
+        trainer = Trainer(model, optimizer, build_loss(config, data), build_strategy(config),
                           batch_size=config.batch_size, schedule=schedule, amp=config.amp,
                           grad_clip=config.grad_clip, seed=config.seed, shuffle=config.shuffle,
                           device=config.device, timeout=config.timeout, out=config.out, progress=config.progress,
