@@ -11,10 +11,10 @@ against sync and async weight averaging on fixed shards.
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
 import sys
 from pathlib import Path
+
+from runs_table import run_all, write_table
 
 COMMON = ["--dataset", "synthetic-regression", "--model", "mlp-regression", "--optimizer", "adam", "--lr", "2e-4",
           "--batch-size", "32", "--epochs", "32", "--seed", "0"]
@@ -35,21 +35,7 @@ def main() -> int:
     parser.add_argument("--out", default="runs/federated-regression")
     args = parser.parse_args()
     out = Path(args.out)
-    rows = []
-    for index, (label, strategy, workers, extra) in enumerate(RUNS):
-        run_dir = out / f"{index:02d}-{strategy}-{workers}"
-        command = [sys.executable, "-m", "dptrain", "train", *COMMON, "--strategy", strategy,
-                   "--workers", str(workers), *extra, "--out", str(run_dir)]
-        if not (run_dir / "summary.json").exists():  # rerunning the script only does what is missing
-            print(" ".join(command[2:]), flush=True)
-            subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
-        summary = json.loads((run_dir / "summary.json").read_text())
-        rows.append((label, workers, summary["test_loss"], summary["wall_seconds"], summary["comm_bytes"]))
-    lines = ["| run | workers | test MSE | wall (s) | bytes communicated |", "|---|---:|---:|---:|---:|"]
-    lines += [f"| {label} | {workers} | {mse:.5f} | {wall:.1f} | {comm:,} |" for label, workers, mse, wall, comm in rows]
-    table = "\n".join(lines)
-    (out / "results.md").write_text(table + "\n")
-    print(table)
+    write_table(out, run_all(out, RUNS, COMMON), "test_loss", "test MSE", 5)
     return 0
 
 

@@ -11,10 +11,10 @@ epoch, and every 2 epochs. The table goes to OUT/results.md.
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
 import sys
 from pathlib import Path
+
+from runs_table import run_all, write_table
 
 COMMON = ["--dataset", "synthetic-images", "--model", "nfnet", "--optimizer", "sgd", "--lr", "0.05",
           "--momentum", "0.9", "--batch-size", "32", "--seed", "0", "--no-progress", "--checkpoint-every", "0"]
@@ -30,22 +30,7 @@ def main() -> int:
     parser.add_argument("--epochs", type=int, default=10)
     args = parser.parse_args()
     out = Path(args.out)
-    rows = []
-    for index, (label, strategy, workers, extra) in enumerate(RUNS):
-        run_dir = out / f"{index:02d}-{strategy}-{workers}"
-        command = [sys.executable, "-m", "dptrain", "train", *COMMON, "--epochs", str(args.epochs),
-                   "--strategy", strategy, "--workers", str(workers), *extra, "--out", str(run_dir)]
-        if not (run_dir / "summary.json").exists():  # rerunning the script only does what is missing
-            print(" ".join(command[2:]), flush=True)
-            subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
-        summary = json.loads((run_dir / "summary.json").read_text())
-        rows.append((label, workers, summary["test_accuracy"], summary["wall_seconds"], summary["comm_bytes"]))
-    lines = ["| run | workers | test accuracy | wall (s) | bytes communicated |", "|---|---:|---:|---:|---:|"]
-    lines += [f"| {label} | {workers} | {accuracy:.4f} | {wall:.1f} | {comm:,} |"
-              for label, workers, accuracy, wall, comm in rows]
-    table = "\n".join(lines)
-    (out / "results.md").write_text(table + "\n")
-    print(table)
+    write_table(out, run_all(out, RUNS, [*COMMON, '--epochs', str(args.epochs)]), "test_accuracy", "test accuracy", 4)
     return 0
 
 
