@@ -120,8 +120,13 @@ class Sandbox:
         return f"{FACTORIES}:{factory}"
 
     def finished_run(self) -> Path:
-        """A copy of the real finished mlp run, as `run` in the sandbox."""
-        return Path(shutil.copytree(self.request.getfixturevalue("trained_runs") / "run", self.path("run")))
+        """A copy of the real finished mlp run, as `run` in the sandbox, on the sandbox's data (config.yaml
+        names the data by its absolute path)."""
+        run = Path(shutil.copytree(self.request.getfixturevalue("trained_runs") / "run", self.path("run")))
+        config = yaml.safe_load((run / "config.yaml").read_text())
+        (run / "config.yaml").write_text(yaml.safe_dump({**config, "data": str(self.path(GOOD_DATA))},
+                                                        sort_keys=False))
+        return run
 
     def interrupted_run(self) -> Path:
         """The finished mlp run as an interruption leaves it: checkpoints, but no summary.json or model.pt."""
