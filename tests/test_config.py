@@ -341,3 +341,8 @@ def test_cli_debug_may_follow_the_command(run_cli):
     assert code == 2
     assert "Traceback (most recent call last):" in lines
 
+
+def test_cli_debug_before_a_launch_command_shows_the_traceback(run_cli):
+    code, lines = run_cli("launch", "--scheduler", "slurm", "--debug", "--", "no-such-program-for-dptrain")
+    assert code == 2
+    assert "Traceback (most recent call last):" in lines and "'no-such-program-for-dptrain'" in lines[-1]
