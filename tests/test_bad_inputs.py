@@ -120,8 +120,13 @@ class Sandbox:
         return f"{FACTORIES}:{factory}"
 
     def finished_run(self) -> Path:
-        """A copy of the real finished mlp run, as `run` in the sandbox."""
-        return Path(shutil.copytree(self.request.getfixturevalue("trained_runs") / "run", self.path("run")))
+        """A copy of the real finished mlp run, as `run` in the sandbox, on the sandbox's data (config.yaml
+        names the data by its absolute path)."""
+        run = Path(shutil.copytree(self.request.getfixturevalue("trained_runs") / "run", self.path("run")))
+        config = yaml.safe_load((run / "config.yaml").read_text())
+        (run / "config.yaml").write_text(yaml.safe_dump({**config, "data": str(self.path(GOOD_DATA))},
+                                                        sort_keys=False))
+        return run
 
     def interrupted_run(self) -> Path:
         """The finished mlp run as an interruption leaves it: checkpoints, but no summary.json or model.pt."""
@@ -307,6 +312,10 @@ CASES = [
     case("model-output-shape-mismatch",
          lambda s: train("--model", s.user_model("three_outputs")),
          "model output shape (2, 3)", "(2, 2)"),
+    case("model-file-missing", lambda s: train("--model", "./mymodels.py:make_net"),
+         "--model ./mymodels.py:make_net: the file './mymodels.py' does not exist"),
+    case("model-file-does-not-import", lambda s: train("--model", f"./{s.write('broken.py', 'def make(:')}:make"),
+         "cannot import the file './broken.py' for --model ./broken.py:make: SyntaxError"),
     case("model-unknown-builtin", lambda s: train("--model", "resnett"), "unknown model 'resnett'", "'resnet'"),
     case("model-unknown-option", lambda s: train("--model-option", "depth=3"), "unknown option 'depth'", "'mlp'"),
     case("model-image-model-on-flat-samples", lambda s: train("--model", "cnn"), "model 'cnn'", "(4,)"),
@@ -342,6 +351,14 @@ CASES = [
     case("launch-bad-time", lambda s: launch("--scheduler", "slurm", "--time", "2h"), "--time '2h'"),
     case("launch-bad-train-arguments", lambda s: [*launch("--scheduler", "slurm"), "--epochs", "0"],
          "--epochs must be at least 1 (got 0)"),
+    case("launch-missing-data", lambda s: [*launch("--scheduler", "slurm"), "--data", "nope.npz"],
+         "--data 'nope.npz' does not exist"),
+    case("launch-missing-model-file", lambda s: [*launch("--scheduler", "pbs"), "--model", "./mymodels.py:make_net"],
+         "the file './mymodels.py' does not exist"),
+    case("launch-command-not-found", lambda s: ["launch", "--scheduler", "slurm", "--out", "out", "--", "pyhton",
+                                                 "train.py"], "command 'pyhton' is not on the PATH"),
+    case("launch-command-script-missing", lambda s: ["launch", "--scheduler", "local", "--out", "job", "--",
+                                                      sys.executable, "tain.py"], "script 'tain.py' does not exist"),
     case("config-model-option-not-yaml", lambda s: train("--model-option", "hidden=[1,2"),
          "--model-option 'hidden=[1,2'", "not valid YAML"),
 ]

@@ -5,10 +5,12 @@ The CLI is called in-process only with arguments that fail before any training s
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from dptrain import cli
-from dptrain.config import FIELDS, TrainConfig, build_config, load_yaml, resolve, to_yaml
+from dptrain.config import FIELDS, TrainConfig, build_config, load_yaml, resolve, to_yaml, with_absolute_paths
 from dptrain.errors import UserError
 
 
@@ -190,6 +192,61 @@ def test_missing_config_file(tmp_path):
     assert path in message and "does not exist" in message
 
 
+# ----------------------------------------------------------------------------- paths in a recorded config
+
+def test_recorded_paths_are_absolute_and_specs_and_names_stay(tmp_path):
+    (tmp_path / "tiny.npz").write_bytes(b"")
+    (tmp_path / "images").mkdir()
+    base = str(tmp_path)
+    assert with_absolute_paths({"data": "tiny.npz", "model": "./nets.py:make"}, base) == {
+        "data": f"{tmp_path}/tiny.npz", "model": f"{tmp_path}/nets.py:make"}
+    assert with_absolute_paths({"data": "images", "model": "sub/nets.py:make", "lr": 0.1}, base) == {
+        "data": f"{tmp_path}/images", "model": f"{tmp_path}/sub/nets.py:make", "lr": 0.1}
+    # a module spec, a built-in name, no data and absolute paths are left as they are
+    for values in ({"data": "pkg.data:make", "model": "mlp"}, {"data": None, "model": "pkg.nets:build"},
+                   {"data": "/data/x.npz", "model": "/models/nets.py:make"}, {"data": "missing.npz"}):
+        assert with_absolute_paths(values, base) == values
+
+
+def test_a_run_recorded_with_relative_paths_is_still_continued(tmp_path, monkeypatch):
+    from dptrain.train.rundir import open_run_dir
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tiny.npz").write_bytes(b"")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / ".dptrain-run").write_text("")
+    (run / "config.yaml").write_text(to_yaml(build_config({"data": "tiny.npz", "out": "run"})))  # as before
+    settings = with_absolute_paths(build_config({"data": "tiny.npz", "out": "run"}).model_dump(mode="json"))
+    assert open_run_dir("run", settings) == (Path("run"), True)
+
+
+def test_a_run_whose_recorded_data_moved_away_is_continued_with_the_same_file_name(tmp_path, monkeypatch):
+    from dptrain.train.rundir import open_run_dir
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tiny.npz").write_bytes(b"")
+    (tmp_path / "other.npz").write_bytes(b"")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / ".dptrain-run").write_text("")
+    recorded = {"data": "/gone/project/tiny.npz", "model": "/gone/project/nets.py:make", "out": "run"}
+    (run / "config.yaml").write_text(to_yaml(build_config(recorded)))
+
+    def settings(**values):
+        return with_absolute_paths(build_config({**recorded, **values}).model_dump(mode="json"))
+
+    assert open_run_dir("run", settings(data="tiny.npz", model="./nets.py:make")) == (Path("run"), True)
+    with pytest.raises(UserError, match=r"other settings \(data: '/gone/project/tiny.npz' there, '.*/other.npz' now"):
+        open_run_dir("run", settings(data="other.npz", model="./nets.py:make"))
+    with pytest.raises(UserError, match=r"other settings \(model: '/gone/project/nets.py:make' there"):
+        open_run_dir("run", settings(data="tiny.npz", model="./nets.py:build"))
+    # a recorded file that is still there is the one the run used: another path is other data
+    (run / "config.yaml").write_text(to_yaml(build_config({**recorded, "data": str(tmp_path / "other.npz")})))
+    with pytest.raises(UserError, match=r"other settings \(data: '.*/other.npz' there, '.*/tiny.npz' now"):
+        open_run_dir("run", settings(data="tiny.npz", model="./nets.py:make"))
+
+
 # ----------------------------------------------------------------------------- the CLI
 
 @pytest.fixture
@@ -283,3 +340,9 @@ def test_cli_debug_may_follow_the_command(run_cli):
     code, lines = run_cli("train", "--epochs", "-3", "--debug")
     assert code == 2
     assert "Traceback (most recent call last):" in lines
+
+
+def test_cli_debug_before_a_launch_command_shows_the_traceback(run_cli):
+    code, lines = run_cli("launch", "--scheduler", "slurm", "--debug", "--", "no-such-program-for-dptrain")
+    assert code == 2
+    assert "Traceback (most recent call last):" in lines and "'no-such-program-for-dptrain'" in lines[-1]

@@ -1,13 +1,16 @@
 """Job scripts are pure functions of a JobSpec, pinned by golden files (tests/golden/launch/).
 
-One golden script per scheduler x container combination. After an intended change, regenerate
+One golden script per scheduler x container combination, for `dptrain train` and for a user's command
+(`python train.py --epochs 3`, named *-command.sh). After an intended change, regenerate
 them with `DPTRAIN_REGENERATE_GOLDEN=1 make test PYTEST_ARGS=tests/test_launch_render.py` and
 review the diff like code.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import stat
 import subprocess
 import sys
@@ -18,6 +21,7 @@ import pytest
 from dptrain.errors import UserError
 from dptrain.launch import local, pbs, slurm, udocker
 from dptrain.launch.spec import ContainerSpec, JobSpec, bind_paths
+from dptrain.runtime.env import detect, port_from_job_id
 
 GOLDEN = Path(__file__).parent / "golden" / "launch"
 REGENERATE = os.environ.get("DPTRAIN_REGENERATE_GOLDEN") == "1"
@@ -26,21 +30,28 @@ CONTAINERS = {"none": None, "udocker": ContainerSpec("udocker", "dptrain"),
               "apptainer": ContainerSpec("apptainer", "/home/ada/images/dptrain.sif")}
 
 
-def example_spec(scheduler: str, container: str) -> JobSpec:
+MODES = {"train": "", "command": "-command"}  # what the ranks run -> the golden file's suffix
+
+
+def example_spec(scheduler: str, container: str, mode: str = "train") -> JobSpec:
     cluster = scheduler != "local"
-    return JobSpec(scheduler=scheduler, workdir="/home/ada/project", run_dir="/home/ada/project/runs/digits-sync",
-                   train_args=("--dataset", "digits", "--strategy", "sync", "--epochs", "10"),
+    what = (dict(command=("python", "train.py", "--epochs", "3"), run_dir="/home/ada/project/runs/mine")
+            if mode == "command" else
+            dict(train_args=("--dataset", "digits", "--strategy", "sync", "--epochs", "10"),
+                 run_dir="/home/ada/project/runs/digits-sync"))
+    return JobSpec(scheduler=scheduler, workdir="/home/ada/project", **what,
                    nodes=2 if cluster else 1, tasks_per_node=2, gpus_per_node=2 if cluster else 0,
                    cpus_per_task=4 if cluster else 1, time="01:30:00" if cluster else None,
                    partition="gpu" if cluster else None, account="proj42" if cluster else None,
                    container=CONTAINERS[container], binds=("/scratch/ada/data",) if container != "none" else ())
 
 
+@pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("container", list(CONTAINERS))
 @pytest.mark.parametrize("scheduler", list(SCHEDULERS))
-def test_job_script_matches_its_golden_file(scheduler, container):
-    text = SCHEDULERS[scheduler].render(example_spec(scheduler, container))
-    golden = GOLDEN / f"{scheduler}-{container}.sh"
+def test_job_script_matches_its_golden_file(scheduler, container, mode):
+    text = SCHEDULERS[scheduler].render(example_spec(scheduler, container, mode))
+    golden = GOLDEN / f"{scheduler}-{container}{MODES[mode]}.sh"
     if REGENERATE:
         golden.parent.mkdir(parents=True, exist_ok=True)
         golden.write_text(text)
@@ -48,10 +59,11 @@ def test_job_script_matches_its_golden_file(scheduler, container):
     assert text == golden.read_text()
 
 
+@pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("container", list(CONTAINERS))
 @pytest.mark.parametrize("scheduler", list(SCHEDULERS))
-def test_job_script_is_valid_bash(scheduler, container):
-    text = SCHEDULERS[scheduler].render(example_spec(scheduler, container))
+def test_job_script_is_valid_bash(scheduler, container, mode):
+    text = SCHEDULERS[scheduler].render(example_spec(scheduler, container, mode))
     result = subprocess.run(["bash", "-n"], input=text, capture_output=True, text=True, timeout=10)
     assert result.returncode == 0, result.stderr
 
@@ -118,6 +130,91 @@ def test_slurm_job_requeues_itself_only_when_the_ranks_stopped_at_a_checkpoint(t
     assert "#SBATCH --signal=USR1@300" in script.read_text() and "#SBATCH --requeue" in script.read_text()
 
 
+# A rank of a user's command: writes what it was given to DPTRAIN_RUN_DIR/rank-RANK.json, exits with $EXIT.
+RANK_PROBE = """
+import json, os, signal, sys
+names = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "DPTRAIN_RUN_DIR")
+seen = {name: os.environ.get(name) for name in names}
+seen["usr1_ignored"] = signal.getsignal(signal.SIGUSR1) == signal.SIG_IGN
+seen["argv"] = sys.argv[1:]
+with open(os.path.join(os.environ["DPTRAIN_RUN_DIR"], "rank-%s.json" % os.environ["RANK"]), "w") as handle:
+    json.dump(seen, handle)
+sys.exit(int(os.environ["EXIT"]))
+"""
+# Stand-ins for srun and mpirun that run their command once per rank, 4 ranks on 2 nodes, with the
+# launcher's own rank variables; they log their arguments and exit with the highest exit code.
+FAKE_LAUNCHERS = {
+    "srun": ('echo "srun $*" >> "$LOG"\n'
+             'while [ "${1#--}" != "$1" ]; do shift; done\n'
+             'status=0\n'
+             'for rank in 0 1 2 3; do SLURM_PROCID=$rank SLURM_LOCALID=$((rank % 2)) "$@" || status=$?; done\n'
+             'exit $status\n'),
+    "mpirun": ('echo "mpirun $*" >> "$LOG"\n'
+               'while [ "${1#-}" != "$1" ]; do shift 2; done\n'
+               'status=0\n'
+               'for rank in 0 1 2 3; do OMPI_COMM_WORLD_RANK=$rank OMPI_COMM_WORLD_LOCAL_RANK=$((rank % 2)) "$@" '
+               '|| status=$?; done\n'
+               'exit $status\n'),
+}
+
+
+def run_command_job(tmp_path: Path, scheduler: str, exit_code: int, **env: str):
+    """Render a 2-node x 2-task job of RANK_PROBE for `scheduler`, run it with bash against the stand-ins:
+    (the job's exit code, the ranks' records by rank, the logged calls)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, body in {**FAKE_SLURM, **FAKE_LAUNCHERS}.items():
+        (bin_dir / name).write_text("#!/bin/bash\n" + body)
+        (bin_dir / name).chmod(0o755)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    spec = JobSpec(scheduler=scheduler, workdir=str(tmp_path), run_dir=str(run_dir),
+                   command=(sys.executable, "-c", RANK_PROBE, "--epochs", "3"), nodes=2, tasks_per_node=2)
+    script = tmp_path / "job.sh"
+    script.write_text(SCHEDULERS[scheduler].render(spec))
+    nodefile = tmp_path / "nodefile"
+    nodefile.write_text("node1\nnode1\nnode2\nnode2\n")
+    log = tmp_path / "calls.log"
+    done = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=60,
+                          env={"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path), "LOG": str(log),
+                               "EXIT": str(exit_code), "SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "node[1-2]",
+                               "PBS_JOBID": "77.pbs-server", "PBS_NODEFILE": str(nodefile), **env})
+    ranks = {int(path.stem.split("-")[1]): json.loads(path.read_text()) for path in run_dir.glob("rank-*.json")}
+    return done, ranks, log.read_text().splitlines()
+
+
+@pytest.mark.parametrize("scheduler, master_addr, job_id", [("slurm", "10.0.0.1", "4242"),
+                                                            ("pbs", "node1", "77.pbs-server")])
+def test_a_command_s_ranks_get_torchrun_s_variables_from_the_scheduler(tmp_path, scheduler, master_addr, job_id):
+    done, ranks, calls = run_command_job(tmp_path, scheduler, 0, PYTHONPATH="/home/ada/lib")
+    assert done.returncode == 0, done.stderr
+    assert sorted(ranks) == [0, 1, 2, 3], done.stderr
+    for rank, seen in ranks.items():
+        assert seen == {"RANK": str(rank), "LOCAL_RANK": str(rank % 2), "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2",
+                        "MASTER_ADDR": master_addr, "MASTER_PORT": str(port_from_job_id(job_id)),
+                        "DPTRAIN_RUN_DIR": str(tmp_path / "run"), "usr1_ignored": scheduler == "slurm",
+                        "argv": ["--epochs", "3"]}
+        # dptrain's own ranks, given that environment, would agree on every number
+        env = detect({name: value for name, value in seen.items() if isinstance(value, str)})
+        assert (env.rank, env.world_size, env.local_rank, env.master_port) == (rank, 4, rank % 2,
+                                                                               port_from_job_id(job_id))
+    if scheduler == "pbs":  # other nodes get what the first has, and the search paths that are set
+        mpirun = next(call for call in calls if call.startswith("mpirun "))
+        for name in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "DPTRAIN_RUN_DIR", "PATH",
+                     "PYTHONPATH"):
+            assert f" -x {name} " in mpirun, mpirun
+        assert "VIRTUAL_ENV" not in mpirun and "LD_LIBRARY_PATH" not in mpirun, mpirun
+
+
+@pytest.mark.parametrize("exit_code, job_exit, requeued", [(75, 0, True), (3, 3, False)])
+def test_a_slurm_command_job_is_requeued_only_when_its_ranks_exit_with_75(tmp_path, exit_code, job_exit, requeued):
+    done, ranks, calls = run_command_job(tmp_path, "slurm", exit_code)
+    assert done.returncode == job_exit, done.stderr
+    assert len(ranks) == 4
+    assert ("scontrol requeue 4242" in calls) == requeued, calls
+    assert ("requeueing it" in done.stdout) == requeued, done.stdout
+
+
 def test_stop_before_zero_sends_no_signal_but_still_requeues_a_stopped_job():
     text = slurm.render(JobSpec(**{**example_spec("slurm", "udocker").__dict__, "stop_before": 0}))
     assert "--signal" not in text and "trap" not in text
@@ -175,7 +272,10 @@ def test_proot_wrapper_drops_the_kernel_release_option(tmp_path):
 
 
 def dptrain(*args, cwd):
-    return subprocess.run([sys.executable, "-m", "dptrain", *args], cwd=cwd, capture_output=True, text=True, timeout=120)
+    # 'python' on the PATH is this interpreter, as in an activated venv
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    return subprocess.run([sys.executable, "-m", "dptrain", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=120, env=env)
 
 
 def test_dry_run_prints_the_script_and_writes_nothing(tmp_path):
@@ -190,6 +290,50 @@ def test_launch_writes_the_script_into_the_run_directory(tmp_path):
     result = dptrain("launch", "--scheduler", "pbs", "--", "--out", "run", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "run" / "job.pbs").read_text().startswith("#!/bin/bash")
+
+
+def test_words_after_dashes_that_start_with_a_word_are_a_command_for_every_rank(tmp_path):
+    (tmp_path / "train.py").write_text("")
+    result = dptrain("launch", "--scheduler", "slurm", "--nodes", "2", "--dry-run", "--out", "mine", "--", "python",
+                     "train.py", "--epochs", "3", "--debug", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "# Every rank runs: python train.py --epochs 3 --debug\n" in result.stdout  # --debug is the command's
+    assert f"DPTRAIN_RUN_DIR={tmp_path}/mine" in result.stdout and " --out " not in result.stdout
+    srun = next(line for line in result.stdout.splitlines() if line.startswith("srun "))
+    assert srun.endswith("' rank python train.py --epochs 3 --debug || status=$?"), srun
+    assert not (tmp_path / "mine").exists()
+
+
+@pytest.mark.parametrize("words, message", [
+    (["pyhton", "train.py"], "command 'pyhton' is not on the PATH nor a file; the words after '--' are a command "
+                             "unless the first starts with '-', and then they are dptrain train's"),
+    (["python", "tain.py"], "the command's script 'tain.py' does not exist (in {cwd})"),
+    (["train.sh"], "command 'train.sh' is not on the PATH; to run the file in {cwd}, write ./train.sh"),
+    (["./train.sh"], "command './train.sh' is not executable; run 'chmod +x ./train.sh', or put its interpreter "
+                     "first (e.g. bash ./train.sh)"),
+    (["./nope.sh"], "command './nope.sh' does not exist (in {cwd})"),
+])
+def test_a_command_that_cannot_start_is_one_line_and_nothing_is_written(tmp_path, words, message):
+    (tmp_path / "train.py").write_text("")
+    (tmp_path / "train.sh").write_text("echo hi\n")
+    result = dptrain("launch", "--scheduler", "pbs", "--out", "run", "--", *words, cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == ["dptrain: error: " + message.format(cwd=tmp_path)]
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_local_launch_runs_a_user_s_ddp_script_on_every_rank(tmp_path):
+    shutil.copy(Path(__file__).parent / "user_ddp.py", tmp_path / "script.py")
+    result = dptrain("launch", "--scheduler", "local", "--tasks-per-node", "2", "--out", "run", "--submit", "--wait",
+                     "--wait-timeout", "100", "--", "python", "script.py", "5", cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    run = tmp_path / "run"
+    assert (run / "sum.txt").read_text() == "15\n"  # (1 + 2) * 5
+    ranks = [(run / f"rank-{rank}.txt").read_text().split()[1:] for rank in (0, 1)]  # local rank, world, where
+    assert ranks == [["0", "2", "host"], ["1", "2", "host"]]
+    assert sorted(path.name for path in run.iterdir()) == [".dptrain-run", "job.out", "job.sh", "rank-0.txt",
+                                                           "rank-1.txt", "sum.txt"]  # no config.yaml
 
 
 def test_bad_train_arguments_fail_before_anything_is_written(tmp_path):

@@ -232,6 +232,52 @@ def test_user_factory_that_returns_no_module(user_module):
         build_model(f"{user_module}:not_a_module", (8,), 2)
 
 
+@pytest.fixture
+def model_file(tmp_path, monkeypatch):
+    """A project directory, the working directory, holding mymodels.py (USER_MODULE's factories and one that
+    imports widths.py beside it); what loading it adds to sys.modules and sys.path is removed afterwards."""
+    from dptrain import imports
+
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "mymodels.py").write_text(textwrap.dedent(USER_MODULE) + textwrap.dedent("""
+        def uses_sibling(input_shape, num_outputs):
+            from widths import HIDDEN
+            return nn.Sequential(nn.Flatten(), nn.Linear(math.prod(input_shape), HIDDEN), nn.Linear(HIDDEN, num_outputs))
+    """))
+    (project / "widths.py").write_text("HIDDEN = 5\n")
+    monkeypatch.chdir(project)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)
+    monkeypatch.setattr(imports, "_FILE_MODULES", {})
+    before = set(sys.modules)
+    yield project
+    for name in set(sys.modules) - before:
+        del sys.modules[name]
+
+
+def test_user_model_from_a_python_file(model_file):
+    model = build_model("./mymodels.py:with_keywords", (1, 8, 8), 10, options={"hidden": 7})
+    assert model(torch.zeros(3, 1, 8, 8)).shape == (3, 10) and model[1].out_features == 7
+    # The same file by another path is the same module, loaded once; without ./ it is a file all the same.
+    from dptrain.models.user import load_factory
+    assert load_factory(f"{model_file}/mymodels.py:with_kwargs") is load_factory("mymodels.py:with_kwargs")
+    # It imports the modules beside it, as under `python mymodels.py`.
+    assert build_model("./mymodels.py:uses_sibling", (8,), 2)[1].out_features == 5
+
+
+def test_user_model_from_a_missing_or_broken_python_file(model_file):
+    with pytest.raises(UserError, match=r"^--model ./nets.py:make: the file './nets.py' does not exist; give the "
+                                        r"path of a Python file \(relative to .*/project\) or package.module:function$"):
+        build_model("./nets.py:make", (8,), 2)
+    (model_file / "broken.py").write_text("import no_such_module_for_dptrain\n")
+    with pytest.raises(UserError, match=r"^cannot import the file 'broken.py' for --model broken.py:f: "
+                                        r"ModuleNotFoundError: No module named 'no_such_module_for_dptrain'$"):
+        build_model("broken.py:f", (8,), 2)
+    with pytest.raises(UserError, match=r"module './mymodels.py' has no attribute 'nope'.*with_keywords"):
+        build_model("./mymodels.py:nope", (8,), 2)
+
+
 def test_malformed_user_model_name():
     with pytest.raises(UserError, match=r"package.module:factory"):
         build_model("pkg.mod:", (8,), 2)

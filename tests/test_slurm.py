@@ -4,6 +4,8 @@ cluster started by the fixture (slurmctld and two slurmd on this machine, see cl
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -40,6 +42,25 @@ def test_launch_trains_digits_from_a_user_dataset_factory_across_two_slurm_nodes
     assert summary["test_accuracy"] >= 0.90, summary
     assert "data: digits_factory:make" in (tmp_path / "run" / "config.yaml").read_text()
     assert (tmp_path / "run" / "job.slurm").exists() and (tmp_path / "run" / f"slurm-{job_id}.out").exists()
+
+
+def test_launch_runs_a_user_s_own_ddp_script_on_two_slurm_nodes(slurm_cluster, tmp_path):
+    # Not dptrain train: plain PyTorch (tests/user_ddp.py) whose init_process_group finds the job's world in
+    # the variables the script exports; 'python' is this interpreter, first on the PATH as in a venv.
+    shutil.copy(Path(__file__).parent / "user_ddp.py", tmp_path / "script.py")
+    env = {**slurm_cluster.env, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{slurm_cluster.env['PATH']}"}
+    result = subprocess.run([sys.executable, "-m", "dptrain", "launch", "--scheduler", "slurm", "--nodes", "2",
+                             "--tasks-per-node", "1", "--out", "run", "--submit", "--wait", "--wait-timeout", "120", "--",
+                             "python", "script.py", "7"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                            timeout=180)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output + slurm_cluster.logs()
+    assert "on node[1-2]" in output and "COMPLETED with exit code 0" in output, output
+    run = tmp_path / "run"
+    assert (run / "sum.txt").read_text() == "21\n"  # (1 + 2) * 7
+    ranks = [(run / f"rank-{rank}.txt").read_text().split() for rank in (0, 1)]  # node, local rank, world, where
+    assert ranks == [["node1", "0", "2", "host"], ["node2", "0", "2", "host"]]
+    assert not (run / "config.yaml").exists() and (run / "job.slurm").exists()
 
 
 def test_wait_returns_the_exit_code_of_a_failing_job(slurm_cluster, tmp_path):

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import yaml
 
 from dptrain.data import load_dataset
 from dptrain.models import build_model
@@ -114,6 +115,28 @@ def test_config_yaml_reproduces_the_run_bitwise(digits_runs, tmp_path):
     first = torch.load(run_dir / "model.pt", weights_only=True)
     second = torch.load(tmp_path / "again" / "model.pt", weights_only=True)
     assert all(torch.equal(first[key], second[key]) for key in first)
+
+
+def test_config_yaml_records_absolute_paths_and_repeats_the_run_from_another_directory(tmp_path):
+    # Data and the model's file given relative to the project: config.yaml names them absolutely.
+    project, elsewhere = tmp_path / "project", tmp_path / "elsewhere"
+    project.mkdir()
+    elsewhere.mkdir()
+    rng = np.random.default_rng(0)
+    np.savez(project / "tiny.npz", x=rng.standard_normal((64, 4)).astype(np.float32), y=np.arange(64) % 2)
+    (project / "nets.py").write_text("from torch import nn\n\n\ndef make(input_shape, num_outputs):\n"
+                                     "    return nn.Sequential(nn.Linear(input_shape[0], 8), nn.ReLU(), "
+                                     "nn.Linear(8, num_outputs))\n")
+    first = dptrain("train", "--data", "tiny.npz", "--model", "./nets.py:make", "--workers", "1", "--epochs", "2",
+                    "--batch-size", "8", "--out", "run", cwd=project)
+    assert first.returncode == 0, first.stderr
+    config = yaml.safe_load((project / "run" / "config.yaml").read_text())
+    assert config["data"] == str(project / "tiny.npz") and config["model"] == f"{project}/nets.py:make", config
+    again = dptrain("train", "--config", str(project / "run" / "config.yaml"), "--out", "again", cwd=elsewhere)
+    assert again.returncode == 0, again.stderr
+    first_model = torch.load(project / "run" / "model.pt", weights_only=True)
+    second_model = torch.load(elsewhere / "again" / "model.pt", weights_only=True)
+    assert all(torch.equal(first_model[key], second_model[key]) for key in first_model)
 
 
 def test_existing_run_directory_is_refused_and_left_untouched(digits_runs):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -80,6 +81,24 @@ def test_local_launch_trains_a_user_dataset_factory_with_one_container_per_rank(
     run = summary(tmp_path / "run")
     assert run["workers"] == 2 and run["test_accuracy"] >= 0.90, run
     assert "data: digits_factory:make" in (tmp_path / "run" / "config.yaml").read_text()
+
+
+def test_slurm_job_runs_a_user_s_ddp_script_in_one_udocker_container_per_rank(slurm_cluster, udocker_container,
+                                                                            tmp_path):
+    # A command, not dptrain train: the ranks' variables pass into the containers with --hostenv.
+    shutil.copy(Path(__file__).parent / "user_ddp.py", tmp_path / "script.py")
+    env = {**udocker_container.env, "SLURM_CONF": slurm_cluster.env["SLURM_CONF"]}
+    binds = [word for path in udocker_container.binds for word in ("--bind", path)]
+    result = subprocess.run([sys.executable, "-m", "dptrain", "launch", "--scheduler", "slurm", "--nodes", "2",
+                             "--tasks-per-node", "1", "--container", f"udocker:{udocker_container.name}", *binds,
+                             "--out", "run", "--submit", "--wait", "--wait-timeout", "150", "--", sys.executable,
+                             "script.py", "7"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output + slurm_cluster.logs()
+    run = tmp_path / "run"
+    assert (run / "sum.txt").read_text() == "21\n"  # (1 + 2) * 7
+    ranks = [(run / f"rank-{rank}.txt").read_text().split() for rank in (0, 1)]  # node, local rank, world, where
+    assert ranks == [["node1", "0", "2", "udocker"], ["node2", "0", "2", "udocker"]]
 
 
 def test_slurm_job_in_udocker_containers_trains_across_two_nodes_and_survives_the_time_limit_warning(

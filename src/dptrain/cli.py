@@ -82,10 +82,15 @@ def run(argv: Sequence[str]) -> int:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    # --debug may stand anywhere and reaches spawned workers through the environment.
-    if "--debug" in argv:
+    # --debug may stand anywhere (but in a command that `dptrain launch` runs, after '--', which is the
+    # user's) and reaches spawned workers through the environment.
+    end = len(argv)
+    if "--" in argv:
+        cut = argv.index("--")
+        end = cut if argv[cut + 1:cut + 2] and not argv[cut + 1].startswith("-") else end
+    if "--debug" in argv[:end]:
         os.environ["DPTRAIN_DEBUG"] = "1"
-    argv = [arg for arg in argv if arg != "--debug"]
+    argv = [arg for arg in argv[:end] if arg != "--debug"] + argv[end:]
     return report_errors(lambda: run(argv))
 
 

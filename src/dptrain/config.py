@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from dptrain import registry
 from dptrain.errors import UserError, did_you_mean
-from dptrain.imports import looks_like_spec
+from dptrain.imports import FILE_SPEC, looks_like_spec
 
 BUILTIN_LOSSES = ("auto", "cross-entropy", "mse")
 
@@ -239,6 +239,25 @@ def resolve(config_file: Optional[str], overrides: dict[str, Any]) -> TrainConfi
     given = {key: value for key, value in overrides.items() if value is not None}
     origin = f"'{config_file}'" if config_file else "the command line"
     return build_config({**values, **given}, origin, flags=given)
+
+
+def with_absolute_paths(values: dict[str, Any], base: Optional[str] = None) -> dict[str, Any]:
+    """`values` (TrainConfig keys) with --data, when it is a file or folder that exists, and the file of a
+    `path/to/file.py:factory` --data, --model or --loss as absolute paths from `base` (default: the working
+    directory), so that a config.yaml repeats its run from any directory. Built-in names and
+    package.module:factory specs stay as they are."""
+    base = base or os.getcwd()
+    absolute = dict(values)
+    for key in ("data", "model", "loss"):
+        value = absolute.get(key)
+        if not isinstance(value, str) or os.path.isabs(value):
+            continue
+        match = FILE_SPEC.match(value)
+        if match and not os.path.exists(os.path.join(base, value)):
+            absolute[key] = f"{os.path.abspath(os.path.join(base, match['path']))}:{match['attribute']}"
+        elif key == "data" and os.path.exists(os.path.join(base, value)):
+            absolute[key] = os.path.abspath(os.path.join(base, value))
+    return absolute
 
 
 def to_yaml(config: TrainConfig) -> str:

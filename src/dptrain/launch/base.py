@@ -47,7 +47,7 @@ class ContainerRuntime(Protocol):
         """Script lines, run once before the ranks start, that the rank command needs."""
 
     def wrap(self, spec: JobSpec) -> str:
-        """The shell command that runs one rank's `dptrain train` in the spec's container."""
+        """The shell command that runs one rank's `dptrain train` (or the spec's command) in the spec's container."""
 
     def check(self, name: str, command: Sequence[str], *, binds: Sequence[str] = ()) -> list[tuple[str, bool, str]]:
         """(what, ok, detail) rows for `dptrain container check`: installed, and `command` runs inside `name`."""

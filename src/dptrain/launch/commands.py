@@ -2,28 +2,40 @@
 
     dptrain launch --scheduler slurm --nodes 2 --tasks-per-node 4 --gpus-per-node 4 \\
         [--container udocker:NAME | apptainer:IMAGE.sif] [--submit [--wait] | --dry-run] -- <train arguments>
+    dptrain launch --scheduler slurm --nodes 2 [--out DIR] ... -- python train.py --epochs 3
 
-The train arguments are validated here, before anything is written or submitted.
+After '--', words that start with an option are `dptrain train` arguments, validated here (and --data and a
+model file checked to exist) before anything is written or submitted. Otherwise they are a command that
+every rank runs, with the rendezvous variables of torchrun; its program is checked to exist, not run.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
+import shutil
 import sys
 from pathlib import Path
+from typing import Optional
 
 from dptrain import registry
 from dptrain.arguments import train_config
+from dptrain.config import TrainConfig
 from dptrain.errors import UserError
+from dptrain.imports import check_spec_file, looks_like_spec, spec_file
+from dptrain.io import timestamped
 from dptrain.launch.spec import ContainerSpec, JobSpec, container_forms
 from dptrain.launch.submit import follow
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.description = ("Write a job script that runs 'dptrain train' on every rank (one container per rank with "
-                          "--container) into the run directory, and submit it with --submit. Put the train "
-                          "arguments after '--'.")
+    parser.description = ("Write a job script that runs 'dptrain train', or any command, on every rank (one "
+                          "container per rank with --container) into the run directory, and submit it with "
+                          "--submit. After '--' put the train arguments (they start with an option), or a command "
+                          "such as 'python train.py --epochs 3': every rank runs it with MASTER_ADDR, MASTER_PORT, "
+                          "WORLD_SIZE, RANK and LOCAL_RANK set, so init_process_group('env://') joins the job; a "
+                          "SLURM job whose ranks exit with 75 is requeued.")
     parser.add_argument("--scheduler", choices=registry.names("scheduler"), required=True,
                         help=registry.help_text("scheduler"))
     parser.add_argument("--nodes", type=int, default=1, help="nodes (default: 1)")
@@ -39,18 +51,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="extra path to bind into the container (repeatable); the project and run "
                              "directories and --data are bound anyway")
     parser.add_argument("--dptrain", default="dptrain", metavar="COMMAND",
-                        help="how a rank runs dptrain (default: dptrain from the PATH; e.g. '/opt/venv/bin/python -m dptrain')")
+                        help="how a rank runs dptrain train (default: dptrain from the PATH; e.g. "
+                             "'/opt/venv/bin/python -m dptrain')")
     parser.add_argument("--stop-before", type=int, default=300, metavar="SECONDS",
                         help="SLURM: signal the ranks this long before --time runs out; they save a checkpoint "
                              "after the current epoch and the job requeues itself to resume (0: no signal; "
                              "default: 300)")
+    parser.add_argument("--out", metavar="DIR",
+                        help="run directory for the job script and its output (default: a command's "
+                             "runs/command-TIMESTAMP; for dptrain train the same as its own --out)")
     what = parser.add_mutually_exclusive_group()
     what.add_argument("--submit", action="store_true", help="submit the script (sbatch, qsub; local: run it now)")
     what.add_argument("--dry-run", action="store_true", help="print the script, write and submit nothing")
     parser.add_argument("--wait", action="store_true", help="with --submit: follow the job to its end and exit with its code")
     parser.add_argument("--wait-timeout", type=float, default=None, metavar="SECONDS",
                         help="with --wait: give up following after this many seconds (default: no limit)")
-    parser.add_argument("train_args", nargs=argparse.REMAINDER, help="arguments of 'dptrain train', after '--'")
+    parser.add_argument("train_args", nargs=argparse.REMAINDER, metavar="-- TRAIN_ARGS | COMMAND",
+                        help="after '--': arguments of 'dptrain train' (the first starts with '-'), or a command "
+                             "every rank runs, e.g. python train.py --epochs 3")
 
 
 def without_out(train_args: list[str]) -> list[str]:
@@ -66,23 +84,91 @@ def without_out(train_args: list[str]) -> list[str]:
     return kept
 
 
-def build_spec(args: argparse.Namespace, workdir: Path) -> JobSpec:
-    train_args = list(args.train_args)
-    if train_args[:1] == ["--"]:
-        train_args = train_args[1:]
-    config = train_config(train_args)
-    from dptrain.train.rundir import default_run_dir
+def split_words(words: list[str]) -> tuple[list[str], list[str]]:
+    """(train arguments, command) of the words after '--': train arguments when the first starts with '-'
+    (or there are none), else a command."""
+    if words[:1] == ["--"]:
+        words = words[1:]
+    if words and not words[0].startswith("-"):
+        return [], list(words)
+    return list(words), []
 
-    run_dir = (workdir / (config.out or default_run_dir(config.strategy))).resolve()
+
+PYTHON = re.compile(r"python[\d.]*")
+
+
+def python_script(command: list[str]) -> Optional[str]:
+    """The script of `python [OPTIONS] SCRIPT.py ...`, or None (not Python, or -m/-c)."""
+    if not PYTHON.fullmatch(os.path.basename(command[0])):
+        return None
+    for word in command[1:]:
+        if word.startswith(("-m", "-c")) or word == "-":
+            return None
+        if not word.startswith("-"):
+            return word if word.endswith(".py") else None
+    return None
+
+
+def check_command(command: list[str], workdir: Path) -> None:
+    """One line when the command's program is neither on the PATH nor a file, or `python SCRIPT.py` names a
+    script that is not there. Nothing is run."""
+    program = command[0]
+    if "/" in program:
+        path = workdir / program
+        if not path.is_file():
+            raise UserError(f"command '{program}' does not exist (in {workdir})")
+        if not os.access(path, os.X_OK):
+            raise UserError(f"command '{program}' is not executable; run 'chmod +x {program}', or put its "
+                            f"interpreter first (e.g. bash {program})")
+    elif shutil.which(program) is None:
+        if (workdir / program).is_file():
+            raise UserError(f"command '{program}' is not on the PATH; to run the file in {workdir}, write ./{program}")
+        raise UserError(f"command '{program}' is not on the PATH nor a file; the words after '--' are a command "
+                        "unless the first starts with '-', and then they are dptrain train's")
+    script = python_script(command)
+    if script is not None and not (workdir / script).is_file():
+        raise UserError(f"the command's script '{script}' does not exist (in {workdir})")
+
+
+def check_files(config: TrainConfig, workdir: Path) -> None:
+    """--data, and a model or data factory's Python file, exist: one line before anything is written."""
+    if config.data is not None and not (workdir / config.data).exists():
+        if spec_file(config.data) is not None:
+            check_spec_file(config.data, "--data")
+        elif not looks_like_spec(config.data):
+            raise UserError(f"--data '{config.data}' does not exist (in {workdir}); give a data file or folder, "
+                            "or package.module:factory")
+    check_spec_file(config.model, "--model")
+
+
+def build_spec(args: argparse.Namespace, workdir: Path) -> JobSpec:
+    train_args, command = split_words(list(args.train_args))
     container = ContainerSpec.parse(args.container) if args.container else None
     binds = list(args.bind)
-    if container and config.data:
-        binds.append(str((workdir / config.data).resolve().parent))
+    if command:
+        if container is None:  # inside a container the program is the image's, not this machine's
+            check_command(command, workdir)
+        out = args.out or timestamped("runs", "command")
+    else:
+        if args.out is not None:
+            if without_out(train_args) != train_args:
+                raise UserError("--out is given twice, before and after '--'; give the run directory once")
+            train_args += ["--out", args.out]
+        config = train_config(train_args)
+        check_files(config, workdir)
+        from dptrain.train.rundir import default_run_dir
+
+        out = config.out or default_run_dir(config.strategy)
+        if container:
+            binds += [str((workdir / path).resolve().parent) for path in (config.data, spec_file(config.model))
+                      if path]
+    run_dir = (workdir / out).resolve()
     return JobSpec(scheduler=args.scheduler, workdir=str(workdir), run_dir=str(run_dir),
-                   train_args=tuple(without_out(train_args)), nodes=args.nodes, tasks_per_node=args.tasks_per_node,
-                   gpus_per_node=args.gpus_per_node, cpus_per_task=args.cpus_per_task, time=args.time,
-                   partition=args.partition, account=args.account, job_name=args.job_name, container=container,
-                   binds=tuple(binds), dptrain=args.dptrain, stop_before=args.stop_before)
+                   train_args=tuple(without_out(train_args)), command=tuple(command), nodes=args.nodes,
+                   tasks_per_node=args.tasks_per_node, gpus_per_node=args.gpus_per_node,
+                   cpus_per_task=args.cpus_per_task, time=args.time, partition=args.partition, account=args.account,
+                   job_name=args.job_name, container=container, binds=tuple(binds), dptrain=args.dptrain,
+                   stop_before=args.stop_before)
 
 
 def main(args: argparse.Namespace) -> int:

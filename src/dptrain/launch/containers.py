@@ -1,4 +1,5 @@
-"""The command that starts one rank: `dptrain train`, inside the spec's container runtime when it has one."""
+"""The command that starts one rank: `dptrain train` (or the spec's command), inside the spec's container
+runtime when it has one."""
 
 from __future__ import annotations
 

@@ -1,8 +1,9 @@
 """This machine, no scheduler: a bash script that runs the job now.
 
 Without a container it hands the ranks to dptrain's own launcher (`dptrain train --workers N`).
-With one, the script starts one container per rank itself, with the torchrun-style variables
-(RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), and stops the others when one fails.
+With one, or for a user's command, the script starts one process (container) per rank itself, with
+the torchrun-style variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), and stops
+the others when one fails.
 """
 
 from __future__ import annotations
@@ -25,19 +26,21 @@ _started: dict[str, subprocess.Popen] = {}
 def render(spec: JobSpec) -> str:
     lines = [*header(spec, "Local job"), "set -euo pipefail", f"cd {quote([spec.workdir])}",
              f"export OMP_NUM_THREADS={spec.cpus_per_task}", ""]
-    if spec.container is None:
+    if spec.container is None and not spec.command:
         lines += ["# dptrain's own launcher starts the ranks and stops them all if one fails.",
                   f"exec {quote(train_command(spec))} --workers {spec.world_size}"]
         return "\n".join(lines) + "\n"
     setup, command = rank_command(spec)
+    run_dir = f" DPTRAIN_RUN_DIR={quote([spec.run_dir])}" if spec.command else ""
     lines += [
-        *setup,
-        "",
+        *([*setup, ""] if setup else []),
         "# Rendezvous on this machine; the port is derived from this script's PID, like a job id.",
+        *(["# The command meets its world as under torchrun: init_process_group(\"env://\") reads MASTER_ADDR,",
+           "# MASTER_PORT, WORLD_SIZE and RANK (each rank's own; LOCAL_RANK too)."] if spec.command else []),
         f"export MASTER_ADDR=127.0.0.1 MASTER_PORT=$((20000 + $$ % 20000)) WORLD_SIZE={spec.world_size} "
-        f"LOCAL_WORLD_SIZE={spec.world_size}",
+        f"LOCAL_WORLD_SIZE={spec.world_size}{run_dir}",
         "",
-        "# One container per rank.",
+        "# One container per rank." if spec.container else "# One process per rank.",
         "pids=()",
         f"for rank in $(seq 0 {spec.world_size - 1}); do",
         f"    RANK=$rank LOCAL_RANK=$rank {command} &",

@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 
 from dptrain.launch.containers import rank_command
-from dptrain.launch.spec import JobSpec, header, quote
+from dptrain.launch.spec import JobSpec, command_environment, header, quote, rank_environment
 from dptrain.launch.submit import JobStatus, run_tool
 
 SCRIPT_NAME = "job.pbs"
@@ -20,7 +20,9 @@ def render(spec: JobSpec) -> str:
     select = f"select={spec.nodes}:ncpus={spec.tasks_per_node * spec.cpus_per_task}:mpiprocs={spec.tasks_per_node}"
     if spec.gpus_per_node:
         select += f":ngpus={spec.gpus_per_node}"
-    directives = [f"-N {spec.job_name}", f"-l {select}", "-l place=scatter"]
+    # -V: the job starts with the submitting shell's environment (PATH, PYTHONPATH, VIRTUAL_ENV ...), as
+    # sbatch's does, so dptrain and the user's modules are found on the first node.
+    directives = [f"-N {spec.job_name}", f"-l {select}", "-l place=scatter", "-V"]
     if spec.time:
         directives.append(f"-l walltime={spec.time}")
     if spec.partition:
@@ -29,6 +31,11 @@ def render(spec: JobSpec) -> str:
         directives.append(f"-A {spec.account}")
     directives += ["-j oe", f"-o {spec.run_dir}/{OUTPUT_NAME}"]
     setup, command = rank_command(spec)
+    forwarded = "MASTER_ADDR PBS_JOBID OMP_NUM_THREADS"
+    if spec.command:
+        forwarded += " MASTER_PORT WORLD_SIZE LOCAL_WORLD_SIZE DPTRAIN_RUN_DIR"
+        # A command's ranks get RANK and LOCAL_RANK from Open MPI's own variables.
+        command = rank_environment("$OMPI_COMM_WORLD_RANK", "$OMPI_COMM_WORLD_LOCAL_RANK") + command
     lines = [
         *header(spec, "PBS job"),
         *(f"#PBS {d}" for d in directives),
@@ -41,11 +48,19 @@ def render(spec: JobSpec) -> str:
         "export MASTER_ADDR",
         f"export OMP_NUM_THREADS={spec.cpus_per_task}",
         'echo "dptrain: job $PBS_JOBID on $(sort -u "$PBS_NODEFILE" | paste -sd,), rendezvous $MASTER_ADDR"',
+        *command_environment(spec, "$((20000 + 10#0${PBS_JOBID//[!0-9]/} % 20000))"),
         *([""] + setup if setup else []),
+        "",
+        "# Ranks on other nodes start in their own environment: mpirun hands them these variables, and",
+        "# where the program and its modules are found (PATH, PYTHONPATH, the virtualenv) when set.",
+        f"forward=({' '.join(f'-x {name}' for name in forwarded.split())})",
+        "for name in PATH PYTHONPATH VIRTUAL_ENV LD_LIBRARY_PATH; do",
+        '    if [ -n "${!name:-}" ]; then forward+=(-x "$name"); fi',
+        "done",
         "",
         "# One process per rank (one container each), started by the host's Open MPI.",
         f'mpirun -np {spec.world_size} --hostfile "$PBS_NODEFILE" --map-by ppr:{spec.tasks_per_node}:node '
-        f"--bind-to none -x MASTER_ADDR -x PBS_JOBID -x OMP_NUM_THREADS -x PATH {command}",
+        f'--bind-to none "${{forward[@]}}" {command}',
     ]
     return "\n".join(lines) + "\n"
 

@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 
 from dptrain.launch.containers import rank_command
-from dptrain.launch.spec import JobSpec, header, quote
+from dptrain.launch.spec import JobSpec, command_environment, header, quote, rank_environment
 from dptrain.launch.submit import JobStatus, run_tool
 
 SCRIPT_NAME = "job.slurm"
@@ -30,10 +30,31 @@ def render(spec: JobSpec) -> str:
     if spec.stop_before:
         directives.append(f"--signal=USR1@{spec.stop_before}")
     setup, command = rank_command(spec)
-    if spec.stop_before and spec.container:
+    if spec.command:
+        # A command's ranks get RANK and LOCAL_RANK from srun's own variables. The warning signal starts
+        # ignored (a program that does not handle it keeps running; one that wants it installs a handler).
+        command = rank_environment("$SLURM_PROCID", "$SLURM_LOCALID", ignore="USR1" if spec.stop_before else "") \
+            + command
+    elif spec.stop_before and spec.container:
         # The signal reaches every process of the step: the container runtime must not die of it
         # (SIGUSR1 ends a process that does not handle it); the rank inside handles it.
         command = "bash -c 'trap \"\" USR1; exec \"$@\"' rank " + command
+    if spec.command:
+        stopping = (["# SIGUSR1 reaches every rank before the time limit (or at a pre-emption warning); it starts",
+                     "# ignored, so a program that installs no handler for it runs on. Ranks that save their state",
+                     "# and exit with 75, as dptrain train's do, have the job requeued to resume from it."]
+                    if spec.stop_before else
+                    ["# Ranks that were asked to stop (SIGTERM), save their state and exit with 75, as dptrain",
+                     "# train's do, have the job requeued to resume from it."])
+        stopped = "stopped to be resumed (its ranks exited with 75); requeueing it"
+    elif spec.stop_before:
+        stopping = ["# SIGUSR1 before the time limit (or a pre-emption warning) makes every rank save a checkpoint",
+                    "# after its current epoch and exit with 75; the job then requeues itself and resumes from it."]
+        stopped = "stopped at a checkpoint; requeueing it to resume"
+    else:
+        stopping = ["# A rank that was asked to stop (SIGTERM, SIGUSR1) saves a checkpoint and exits with 75; the job",
+                    "# then requeues itself and resumes from it."]
+        stopped = "stopped at a checkpoint; requeueing it to resume"
     lines = [
         *header(spec, "SLURM job"),
         *(f"#SBATCH {quote([d])}" for d in directives),
@@ -47,19 +68,16 @@ def render(spec: JobSpec) -> str:
         'export MASTER_ADDR="${MASTER_ADDR:-$first_node}"',
         f"export OMP_NUM_THREADS={spec.cpus_per_task}",
         'echo "dptrain: job $SLURM_JOB_ID on $SLURM_JOB_NODELIST, rendezvous $MASTER_ADDR"',
+        *command_environment(spec, "$((20000 + SLURM_JOB_ID % 20000))"),
         *([""] + setup if setup else []),
         "",
         "# One process per rank (one container each); if one fails, srun stops the others.",
-        *(["# SIGUSR1 before the time limit (or a pre-emption warning) makes every rank save a checkpoint",
-           "# after its current epoch and exit with 75; the job then requeues itself and resumes from it."]
-          if spec.stop_before else
-          ["# A rank that was asked to stop (SIGTERM, SIGUSR1) saves a checkpoint and exits with 75; the job",
-           "# then requeues itself and resumes from it."]),
+        *stopping,
         "status=0",
         f"srun --kill-on-bad-exit=1 --nodes={spec.nodes} --ntasks-per-node={spec.tasks_per_node} "
         f"--cpus-per-task={spec.cpus_per_task} {command} || status=$?",
         'if [ "$status" -eq 75 ]; then',
-        '    echo "dptrain: job $SLURM_JOB_ID stopped at a checkpoint; requeueing it to resume"',
+        f'    echo "dptrain: job $SLURM_JOB_ID {stopped}"',
         '    scontrol requeue "$SLURM_JOB_ID"',
         "    exit 0",
         "fi",

@@ -40,12 +40,14 @@ class ContainerSpec:
 
 @dataclass(frozen=True)
 class JobSpec:
-    """One training job: where it runs, how many ranks, and the `dptrain train` arguments of each rank."""
+    """One job: where it runs, how many ranks, and what each rank runs: `dptrain train` with `train_args`,
+    or, when `command` is given, that command (a user's program, e.g. `python train.py`)."""
 
     scheduler: str
     workdir: str
     run_dir: str
     train_args: tuple[str, ...] = ()
+    command: tuple[str, ...] = ()  # a user's command that every rank runs instead of dptrain train
     nodes: int = 1
     tasks_per_node: int = 1
     gpus_per_node: int = 0
@@ -76,6 +78,8 @@ class JobSpec:
             raise UserError(f"--scheduler local runs on this machine only; use --nodes 1, not {self.nodes}")
         if not posixpath.isabs(self.workdir) or not posixpath.isabs(self.run_dir):
             raise ValueError("workdir and run_dir must be absolute")
+        if self.command and self.train_args:
+            raise ValueError("a job runs either dptrain train with train_args or a command, not both")
 
     @property
     def world_size(self) -> int:
@@ -87,12 +91,37 @@ def header(spec: JobSpec, what: str) -> list[str]:
     ranks = f"{spec.world_size} rank{'s' if spec.world_size > 1 else ''}"
     layout = f"{spec.nodes} node{'s' if spec.nodes > 1 else ''} x {spec.tasks_per_node} task{'s' if spec.tasks_per_node > 1 else ''}"
     inside = f", each in {spec.container.runtime} container {spec.container.image}" if spec.container else ""
-    return ["#!/bin/bash", f"# {what}: {ranks} ({layout}){inside}.", "# Written by dptrain launch; rerun it rather than editing this file."]
+    # (a line break inside an argument, e.g. of python -c, is shown as \n: it would end the comment)
+    runs = [f"# Every rank runs: {quote(list(spec.command))}".replace("\n", "\\n")] if spec.command else []
+    return ["#!/bin/bash", f"# {what}: {ranks} ({layout}){inside}.", *runs,
+            "# Written by dptrain launch; rerun it rather than editing this file."]
 
 
 def train_command(spec: JobSpec) -> list[str]:
-    """The words one rank runs: `dptrain train ARGS --out RUN_DIR`."""
+    """The words one rank runs: `dptrain train ARGS --out RUN_DIR`, or the spec's command."""
+    if spec.command:
+        return list(spec.command)
     return [*shlex.split(spec.dptrain), "train", *spec.train_args, "--out", spec.run_dir]
+
+
+def command_environment(spec: JobSpec, port: str) -> list[str]:
+    """Script lines that give a command job's ranks what torchrun gives its own (beside MASTER_ADDR, exported
+    already): MASTER_PORT (the shell arithmetic `port`), WORLD_SIZE, LOCAL_WORLD_SIZE and DPTRAIN_RUN_DIR.
+    RANK and LOCAL_RANK differ per rank: `rank_environment` sets them. None for a dptrain train job."""
+    if not spec.command:
+        return []
+    return ["",
+            "# The command meets its world as under torchrun: init_process_group(\"env://\") reads MASTER_ADDR,",
+            "# MASTER_PORT, WORLD_SIZE and RANK (each rank's own, set as it starts; LOCAL_RANK too).",
+            f"export MASTER_PORT={port} WORLD_SIZE={spec.world_size} LOCAL_WORLD_SIZE={spec.tasks_per_node} "
+            f"DPTRAIN_RUN_DIR={quote([spec.run_dir])}"]
+
+
+def rank_environment(rank: str, local_rank: str, *, ignore: str = "") -> str:
+    """A prefix for a rank's command that exports RANK and LOCAL_RANK from the launcher's own variables
+    (e.g. $SLURM_PROCID), and with `ignore` starts it with that signal ignored."""
+    trap = f'trap "" {ignore}; ' if ignore else ""
+    return f"bash -c 'export RANK={rank} LOCAL_RANK={local_rank}; {trap}exec \"$@\"' rank "
 
 
 def bind_paths(spec: JobSpec) -> list[str]:

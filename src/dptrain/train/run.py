@@ -16,7 +16,7 @@ from typing import Callable, Optional, Union
 
 import torch
 
-from dptrain.config import TrainConfig, build_config, to_yaml
+from dptrain.config import TrainConfig, build_config, to_yaml, with_absolute_paths
 from dptrain.data import Dataset, load_dataset, sharding
 from dptrain.data.images import is_image_folder, load_image_folder
 from dptrain.data.user import DataSplits, load_user_data
@@ -118,7 +118,7 @@ def validate(config: TrainConfig) -> torch.nn.Module:
 
 def prepare_run_dir(config: TrainConfig, out: str, world: int, model: torch.nn.Module) -> tuple[Path, bool]:
     """Open (or continue) the run directory; refuse unusable checkpoints before anything is written."""
-    run_dir, resuming = open_run_dir(out, config.model_dump(mode="json"), config.resume)
+    run_dir, resuming = open_run_dir(out, with_absolute_paths(config.model_dump(mode="json")), config.resume)
     if resuming and (run_dir / checkpoint.DIRECTORY).is_dir():
         epoch, notes = checkpoint.latest_complete(run_dir, world)
         if epoch is None and any(" is corrupt " in note for note in notes):
@@ -127,7 +127,9 @@ def prepare_run_dir(config: TrainConfig, out: str, world: int, model: torch.nn.M
                             f"remove its {checkpoint.DIRECTORY}/ folder to start the run over")
         if epoch is not None:
             load_model_state(model, checkpoint.load(run_dir, epoch, 0)["model"], epoch, out)
-    text = to_yaml(config.model_copy(update={"out": str(run_dir), "resume": False, "workers": world}))
+    # Data and model files as absolute paths: `dptrain train --config RUN/config.yaml` repeats the run from anywhere.
+    recorded = with_absolute_paths({"data": config.data, "model": config.model})
+    text = to_yaml(config.model_copy(update={**recorded, "out": str(run_dir), "resume": False, "workers": world}))
     saved_config = run_dir / "config.yaml"
     if not saved_config.exists() or saved_config.read_text() != text:
         write_text(saved_config, text)

@@ -16,7 +16,9 @@ from typing import Any, Iterator, Optional
 
 import yaml
 
+from dptrain.config import with_absolute_paths
 from dptrain.errors import UserError
+from dptrain.imports import spec_file
 from dptrain.io import disk_error, make_dirs, timestamped, write_text
 
 RUN_FILES = ("config.yaml", "metrics.jsonl", "summary.json", "model.pt")
@@ -194,6 +196,18 @@ def _remove_if_empty(path: str, created: bool) -> None:
             pass  # the run wrote something: keep it
 
 
+def _moved(key: str, recorded: Any, now: Any) -> bool:
+    """Whether --data or a model's file, recorded by an absolute path that is gone, is now named by another
+    path with the same file name (the project moved): then it is taken to be the same, as the names
+    are all that can be compared."""
+    if key not in ("data", "model") or not isinstance(recorded, str) or not isinstance(now, str):
+        return False
+    recorded_path, _, recorded_attribute = recorded.rpartition(":") if spec_file(recorded) else (recorded, "", "")
+    now_path, _, now_attribute = now.rpartition(":") if spec_file(now) else (now, "", "")
+    return (os.path.isabs(recorded_path) and not os.path.exists(recorded_path) and recorded_attribute == now_attribute
+            and os.path.basename(recorded_path.rstrip("/")) == os.path.basename(now_path.rstrip("/")))
+
+
 def open_run_dir(path: str, settings: dict[str, Any], resume: bool = False) -> tuple[Path, bool]:
     """(run directory, whether it continues an interrupted run with the same settings).
 
@@ -213,9 +227,10 @@ def open_run_dir(path: str, settings: dict[str, Any], resume: bool = False) -> t
         if resume:
             raise UserError(f"--resume: run directory '{path}' holds no run to continue")
         return claim_run_dir(path), False
-    previous = yaml.safe_load(saved.read_text()) or {}
+    # A run recorded before config.yaml held absolute paths named its files relative to the same directory.
+    previous = with_absolute_paths(yaml.safe_load(saved.read_text()) or {})
     for key, value in settings.items():
-        if key not in RESUMABLE_CHANGES and previous.get(key) != value:
+        if key not in RESUMABLE_CHANGES and previous.get(key) != value and not _moved(key, previous.get(key), value):
             raise UserError(f"run directory '{path}' holds a run with other settings ({key}: {previous.get(key)!r} "
                             f"there, {value!r} now); give --out a new directory, or the same settings to continue it")
     if resume and not (directory / "checkpoints").is_dir():

@@ -4,6 +4,7 @@
 #PBS -N dptrain
 #PBS -l select=2:ncpus=8:mpiprocs=2:ngpus=2
 #PBS -l place=scatter
+#PBS -V
 #PBS -l walltime=01:30:00
 #PBS -q gpu
 #PBS -A proj42
@@ -24,5 +25,12 @@ echo "dptrain: job $PBS_JOBID on $(sort -u "$PBS_NODEFILE" | paste -sd,), rendez
 udocker=(udocker "--config=${UDOCKER_DIR:-$HOME/.udocker}/udocker.conf")
 if [ "$(id -u)" = 0 ]; then udocker+=(--allow-root); fi
 
+# Ranks on other nodes start in their own environment: mpirun hands them these variables, and
+# where the program and its modules are found (PATH, PYTHONPATH, the virtualenv) when set.
+forward=(-x MASTER_ADDR -x PBS_JOBID -x OMP_NUM_THREADS)
+for name in PATH PYTHONPATH VIRTUAL_ENV LD_LIBRARY_PATH; do
+    if [ -n "${!name:-}" ]; then forward+=(-x "$name"); fi
+done
+
 # One process per rank (one container each), started by the host's Open MPI.
-mpirun -np 4 --hostfile "$PBS_NODEFILE" --map-by ppr:2:node --bind-to none -x MASTER_ADDR -x PBS_JOBID -x OMP_NUM_THREADS -x PATH "${udocker[@]}" run --nobanner --hostenv -v /etc/hosts -v /home/ada/project -v /scratch/ada/data -w /home/ada/project dptrain dptrain train --dataset digits --strategy sync --epochs 10 --out /home/ada/project/runs/digits-sync
+mpirun -np 4 --hostfile "$PBS_NODEFILE" --map-by ppr:2:node --bind-to none "${forward[@]}" "${udocker[@]}" run --nobanner --hostenv -v /etc/hosts -v /home/ada/project -v /scratch/ada/data -w /home/ada/project dptrain dptrain train --dataset digits --strategy sync --epochs 10 --out /home/ada/project/runs/digits-sync

@@ -1,0 +1,39 @@
+#!/bin/bash
+# PBS job: 4 ranks (2 nodes x 2 tasks), each in apptainer container /home/ada/images/dptrain.sif.
+# Every rank runs: python train.py --epochs 3
+# Written by dptrain launch; rerun it rather than editing this file.
+#PBS -N dptrain
+#PBS -l select=2:ncpus=8:mpiprocs=2:ngpus=2
+#PBS -l place=scatter
+#PBS -V
+#PBS -l walltime=01:30:00
+#PBS -q gpu
+#PBS -A proj42
+#PBS -j oe
+#PBS -o /home/ada/project/runs/mine/pbs.out
+set -euo pipefail
+cd /home/ada/project
+
+# Rendezvous: rank 0 runs on the first host of PBS_NODEFILE; every rank derives the same port
+# from PBS_JOBID. mpirun hands both to the ranks on other nodes with -x.
+MASTER_ADDR=$(head -n 1 "$PBS_NODEFILE")
+export MASTER_ADDR
+export OMP_NUM_THREADS=4
+echo "dptrain: job $PBS_JOBID on $(sort -u "$PBS_NODEFILE" | paste -sd,), rendezvous $MASTER_ADDR"
+
+# The command meets its world as under torchrun: init_process_group("env://") reads MASTER_ADDR,
+# MASTER_PORT, WORLD_SIZE and RANK (each rank's own, set as it starts; LOCAL_RANK too).
+export MASTER_PORT=$((20000 + 10#0${PBS_JOBID//[!0-9]/} % 20000)) WORLD_SIZE=4 LOCAL_WORLD_SIZE=2 DPTRAIN_RUN_DIR=/home/ada/project/runs/mine
+
+# Apptainer: older sites call it singularity.
+apptainer=$(command -v apptainer || command -v singularity)
+
+# Ranks on other nodes start in their own environment: mpirun hands them these variables, and
+# where the program and its modules are found (PATH, PYTHONPATH, the virtualenv) when set.
+forward=(-x MASTER_ADDR -x PBS_JOBID -x OMP_NUM_THREADS -x MASTER_PORT -x WORLD_SIZE -x LOCAL_WORLD_SIZE -x DPTRAIN_RUN_DIR)
+for name in PATH PYTHONPATH VIRTUAL_ENV LD_LIBRARY_PATH; do
+    if [ -n "${!name:-}" ]; then forward+=(-x "$name"); fi
+done
+
+# One process per rank (one container each), started by the host's Open MPI.
+mpirun -np 4 --hostfile "$PBS_NODEFILE" --map-by ppr:2:node --bind-to none "${forward[@]}" bash -c 'export RANK=$OMPI_COMM_WORLD_RANK LOCAL_RANK=$OMPI_COMM_WORLD_LOCAL_RANK; exec "$@"' rank "$apptainer" exec --nv --bind /home/ada/project,/scratch/ada/data --pwd /home/ada/project /home/ada/images/dptrain.sif python train.py --epochs 3
