@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 
 import numpy as np
 import torch
@@ -131,19 +132,20 @@ def main() -> None:
     parser.add_argument("--strategy", choices=["allreduce", "sync"], default="sync")
     parser.add_argument("--lr", type=float, default=1e-3, help="per worker; multiplied by the number of workers")
     parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--out", default=None)
+    parser.add_argument("--out", default=os.environ.get("DPTRAIN_RUN_DIR"),
+                        help="run directory (default: the one `dptrain launch` made for this job, if any)")
     args = parser.parse_args()
 
     train, test = make_data(seed=0)
     torch.manual_seed(0)
     model = make_model()
-    world = int(__import__("os").environ.get("WORLD_SIZE", "1"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr * world)
     strategy = dptrain.Sync() if args.strategy == "sync" else dptrain.AllReduce()
     trainer = dptrain.Trainer(model, optimizer, bernoulli_gamma_nll, strategy, batch_size=args.batch_size,
                               out=args.out, checkpoint_every=1 if args.out else 0, resume=bool(args.out))
     summary = trainer.fit(train, test, epochs=args.epochs)
-    if int(__import__("os").environ.get("RANK", "0")) == 0:
+    if int(os.environ.get("RANK", "0")) == 0:
         floor = climatology_nll(train.tensors[1].numpy(), test.tensors[1].numpy())
         print(f"downscaling: test NLL {summary.test_loss:.4f} against climatology {floor:.4f} "
               f"({'better' if summary.test_loss < floor else 'not better'}; {math.exp(floor - summary.test_loss):.2f}x "

@@ -15,6 +15,7 @@ import torch
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 sys.path.insert(0, str(EXAMPLES))
 import downscaling  # noqa: E402 - the example, imported as a user's module
+from cluster_fixtures import slurm_cluster, udocker_container  # noqa: E402,F401 - pytest fixtures
 
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(EXAMPLES), os.environ.get("PYTHONPATH")]))}
 PARTS = ["--data", "downscaling:make_data", "--model", "downscaling:make_model",
@@ -48,6 +49,39 @@ def test_downscaling_trains_through_the_cli_with_its_own_loss_on_two_workers_and
     assert summary["workers"] == 2 and summary["test_accuracy"] is None
     assert summary["test_loss"] < floor, (summary["test_loss"], floor)
     assert "loss: downscaling:bernoulli_gamma_nll" in (tmp_path / "run" / "config.yaml").read_text()
+
+
+@pytest.mark.slow
+def test_downscaling_as_the_user_s_own_script_through_launch_on_two_slurm_nodes(slurm_cluster, tmp_path):
+    env = {**slurm_cluster.env, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{slurm_cluster.env['PATH']}"}
+    result = subprocess.run([sys.executable, "-m", "dptrain", "launch", "--scheduler", "slurm", "--nodes", "2",
+                             "--tasks-per-node", "1", "--out", "run", "--submit", "--wait", "--wait-timeout", "200", "--",
+                             "python", str(EXAMPLES / "downscaling.py"), "--epochs", "3"],
+                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output + slurm_cluster.logs()
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    # The job script exports the rendezvous (RANK, WORLD_SIZE, MASTER_ADDR...): the script joins that world.
+    assert summary["workers"] == 2 and summary["launcher"] == "env" and summary["strategy"] == "sync"
+    train, test = downscaling.make_data()
+    assert summary["test_loss"] < downscaling.climatology_nll(train.tensors[1].numpy(), test.tensors[1].numpy())
+    log = next((tmp_path / "run").glob("slurm-*.out")).read_text()
+    assert "downscaling: test NLL" in log and "(better;" in log
+
+
+@pytest.mark.slow
+def test_downscaling_in_one_udocker_container_per_rank_on_two_slurm_nodes(slurm_cluster, udocker_container, tmp_path):
+    env = {**udocker_container.env, "SLURM_CONF": slurm_cluster.env["SLURM_CONF"]}
+    binds = [word for path in udocker_container.binds for word in ("--bind", path)]
+    result = subprocess.run([sys.executable, "-m", "dptrain", "launch", "--scheduler", "slurm", "--nodes", "2",
+                             "--tasks-per-node", "1", "--container", f"udocker:{udocker_container.name}", *binds,
+                             "--out", "run", "--submit", "--wait", "--wait-timeout", "200", "--", sys.executable,
+                             str(EXAMPLES / "downscaling.py"), "--epochs", "1"],
+                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output + slurm_cluster.logs()
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["workers"] == 2 and summary["launcher"] == "env" and summary["test_loss"] < 3
 
 
 BAD_LOSSES = '''
