@@ -17,6 +17,10 @@ class Preempted(Exception):
     exit_code = 75  # EX_TEMPFAIL: try again later
 
 
+class Diverged(UserError):
+    """The model's weights became NaN or infinite: the settings (learning rate, clipping) do not hold training."""
+
+
 class Interrupted(Exception):
     """Ctrl-C (SIGINT) during training: the message says after which epoch and how to continue."""
 

@@ -12,6 +12,7 @@ recorder and the stop signals; each of them is tested on its own.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import time
 from pathlib import Path
@@ -22,7 +23,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from dptrain.data.sampler import PlanBatches, TrainData, as_dataset, evaluation_loader, labels_of, loader
-from dptrain.errors import Interrupted, Preempted, UserError
+from dptrain.errors import Diverged, Interrupted, Preempted, UserError
 from dptrain.runtime.distributed import DistContext, init_process_group
 from dptrain.runtime.env import detect
 from dptrain.runtime.guard import gather_objects, guard, sum_tensor
@@ -150,6 +151,7 @@ class Trainer:
             epoch_start = time.perf_counter()
             batches.set_epoch(epoch)
             samples, loss_sum, step = self._train_epoch(train_model, reader, epoch, epochs, step, scheduler)
+            self._check_finite(train_model, epoch, float(loss_sum) / max(samples, 1))
             is_global = guard(ctx, "end_epoch", lambda: strategy.end_epoch(epoch))
             stats = EpochStats(ctx.rank, samples, float(loss_sum) / max(samples, 1),
                                time.perf_counter() - epoch_start, strategy.comm_bytes)
@@ -197,6 +199,17 @@ class Trainer:
                 bar.set_postfix(loss=f"{loss.item():.4f}", refresh=False)
         bar.close()
         return seen, loss_sum, step
+
+    def _check_finite(self, model: nn.Module, epoch: int, loss: float) -> None:
+        """Stop a run whose weights became NaN or infinite (they never recover, and an average would spread
+        them to every replica): one line naming the rank and epoch; earlier checkpoints stay."""
+        if all(bool(torch.isfinite(p).all()) for p in model.parameters()):
+            return
+        before = next((f"; the epoch before, it was {r['train_loss']:.4g}" for r in reversed(self.recorder.history)
+                       if math.isfinite(r["train_loss"])), "")
+        raise Diverged(f"rank {self.ctx.rank}: training diverged in epoch {epoch + 1}: the weights became NaN or "
+                       f"infinite (training loss {loss:.4g}{before}); lower --lr, clip gradients (--grad-clip) or "
+                       "warm up (--warmup-epochs)")
 
     def _train_step(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         device = self.ctx.device
