@@ -106,6 +106,8 @@ def spawn_ranks(command: Sequence[str], world: int, *, port: int, master_addr: s
     exits: queue.Queue = queue.Queue()
     previous: dict[int, object] = {}
     forwarded: list[int] = []
+    # Set on Ctrl-C: what the ranks still print as they die (KeyboardInterrupt tracebacks) is not echoed.
+    interrupted = threading.Event()
     try:
         for rank in range(world):
             env = worker_env(rank, world, port, threads, base, master_addr=master_addr,
@@ -120,13 +122,17 @@ def spawn_ranks(command: Sequence[str], world: int, *, port: int, master_addr: s
                                         stdin=subprocess.DEVNULL)
                 label = f"[rank{rank}] ".encode()
                 for stream, sink in ((proc.stdout, sys.stdout.buffer), (proc.stderr, sys.stderr.buffer)):
-                    pumps.append(threading.Thread(target=_pump, args=(stream, label, sink), daemon=True))
+                    pumps.append(threading.Thread(target=_pump, args=(stream, label, sink, interrupted),
+                                                  daemon=True))
                     pumps[-1].start()
             procs.append(proc)
             threading.Thread(target=lambda r=rank, p=proc: exits.put((r, p.wait())), daemon=True).start()
         previous = _forward_signals(procs, forwarded)
         ended = _wait(exits, world, begun, timeout, linger)
         return replace(ended, stop_signal=forwarded[0]) if forwarded else ended
+    except KeyboardInterrupt:
+        interrupted.set()
+        raise
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
@@ -191,11 +197,12 @@ def _stop(procs: list[subprocess.Popen]) -> None:
         proc.wait()
 
 
-def _pump(stream: IO[bytes], prefix: bytes, sink: IO[bytes]) -> None:
+def _pump(stream: IO[bytes], prefix: bytes, sink: IO[bytes], silenced: Optional[threading.Event] = None) -> None:
     """Copy a worker's output to ours, prefixing every line (and every progress-bar redraw).
 
     Only whole lines (ending in \n or \r) are written, each batch in one write, so lines of
-    different ranks never interleave mid-line; a partial line waits for its end.
+    different ranks never interleave mid-line; a partial line waits for its end. Once `silenced`
+    is set, the rest is read and dropped.
     """
     pending = b""
     while True:
@@ -203,12 +210,15 @@ def _pump(stream: IO[bytes], prefix: bytes, sink: IO[bytes]) -> None:
         if not chunk:
             break
         pending += chunk
+        if silenced is not None and silenced.is_set():
+            pending = b""
+            continue
         cut = max(pending.rfind(b"\n"), pending.rfind(b"\r")) + 1
         if cut:
             sink.write(_prefixed(pending[:cut], prefix))
             sink.flush()
             pending = pending[cut:]
-    if pending:
+    if pending and not (silenced is not None and silenced.is_set()):
         sink.write(_prefixed(pending, prefix))
         sink.flush()
 
