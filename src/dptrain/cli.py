@@ -1,4 +1,4 @@
-"""The `dptrain` command: train, demo, info, and the commands of COMMAND_MODULES (launch, bench, plot ...).
+"""The `dptrain` command: train, demo, info, and the commands of COMMAND_MODULES (run, launch, bench, plot ...).
 
 Errors the user can cause print one line `dptrain: error: ...` and exit with code 2; with
 `--debug` the traceback is shown as well.
@@ -17,9 +17,12 @@ from dptrain.arguments import Parser, add_config_flags, config_from_args
 from dptrain.program import report_errors, run as run_program
 from dptrain.train.preemption import catch_stop_signals_early
 
-# Commands that live in their own subpackage: name -> (module with add_arguments(parser) and
-# main(args) -> exit code, one-line help).
+# Commands that live in their own module: name -> (module with add_arguments(parser) and
+# main(args) -> exit code, one-line help). A command that runs another program also has
+# split_argv(words) -> (its own words, the program's words): the program's words are passed on
+# untouched, as args.passthrough.
 COMMAND_MODULES: dict[str, tuple[str, str]] = {
+    "run": ("dptrain.run_command", "run your own training script as N ranks on this machine (like torchrun)"),
     "launch": ("dptrain.launch.commands", "write a job script for SLURM, PBS or this machine, and optionally submit it"),
     "container": ("dptrain.launch.container_commands", "prepare a rootless container (udocker, Apptainer) for launch"),
     "bench": ("dptrain.bench.commands", "benchmark strategies x workers (optionally on an emulated slow network) against plain PyTorch"),
@@ -52,19 +55,38 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    """Parse a whole command line; an unknown option is one line naming it (with a did-you-mean)."""
+def split_passthrough(argv: Sequence[str]) -> tuple[list[str], Optional[list[str]]]:
+    """(the words dptrain parses, the words its command passes on untouched, or None when it passes none on)."""
+    at = next((i for i, word in enumerate(argv) if not word.startswith("-")), None)
+    if at is None or argv[at] not in COMMAND_MODULES:
+        return list(argv), None
+    split = getattr(importlib.import_module(COMMAND_MODULES[argv[at]][0]), "split_argv", None)
+    if split is None:
+        return list(argv), None
+    ours, theirs = split(argv[at + 1:])
+    return [*argv[:at + 1], *ours], theirs
+
+
+def parse_args(argv: Sequence[str], passthrough: Optional[list[str]] = None) -> argparse.Namespace:
+    """Parse a whole command line; an unknown option is one line naming it (with a did-you-mean).
+
+    `passthrough`: the words split off argv already (split_passthrough); else they are split here.
+    """
+    if passthrough is None:
+        argv, passthrough = split_passthrough(argv)
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     if unknown:
         # argparse reports a subcommand's unknown options at the top level; search the subcommand's flags.
         subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
         (subparsers.choices.get(args.command) or parser).reject_unknown(unknown)
+    if passthrough is not None:
+        args.passthrough = passthrough
     return args
 
 
-def run(argv: Sequence[str]) -> int:
-    args = parse_args(argv)
+def run(argv: Sequence[str], passthrough: Optional[list[str]] = None) -> int:
+    args = parse_args(argv, passthrough)
     if args.command == "train":
         from dptrain.train.run import train
         return train(config_from_args(args))
@@ -81,9 +103,9 @@ def run(argv: Sequence[str]) -> int:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    # --debug may stand anywhere (but in a command that `dptrain launch` runs, after '--', which is the
-    # user's) and reaches spawned workers through the environment.
+    argv, passthrough = split_passthrough(list(sys.argv[1:] if argv is None else argv))
+    # --debug may stand anywhere among dptrain's words (not a script's under `dptrain run`, nor in a
+    # command that `dptrain launch` runs, after '--') and reaches spawned workers through the environment.
     end = len(argv)
     if "--" in argv:
         cut = argv.index("--")
@@ -91,7 +113,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if "--debug" in argv[:end]:
         os.environ["DPTRAIN_DEBUG"] = "1"
     argv = [arg for arg in argv[:end] if arg != "--debug"] + argv[end:]
-    return report_errors(lambda: run(argv))
+    return report_errors(lambda: run(argv, passthrough))
 
 
 def entry() -> None:

@@ -48,7 +48,8 @@ def report_errors(main: Callable[[], Any]) -> int:
             print(f"dptrain: {exc}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:  # outside training (starting up): rank 0 says so, unless our launcher does
-        if os.environ.get("DPTRAIN_LAUNCHER") != "local" and os.environ.get("RANK", "0") == "0":
+        from dptrain.runtime.env import launcher_reports_interrupts
+        if not launcher_reports_interrupts() and os.environ.get("RANK", "0") == "0":
             print("dptrain: interrupted", file=sys.stderr)
         return Interrupted.exit_code
     except Exception as exc:  # noqa: BLE001 - peer failures get one line; bugs keep their traceback

@@ -26,6 +26,11 @@ from dptrain.errors import UserError
 DEFAULT_PORT = 29500
 # Derived ports stay in [20000, 40000): above most services, below the usual ephemeral range.
 PORT_BASE, PORT_SPAN = 20000, 20000
+# DPTRAIN_LAUNCHER of the ranks dptrain itself started on this machine: `dptrain train`'s workers
+# ("local": the launcher opened the run directory, checked the data and prints the run's last
+# line) and the ranks of a user's script under `dptrain run` ("dptrain-run": nothing prepared).
+# Both launchers stop every rank on Ctrl-C and say so once, themselves.
+OWN_LAUNCHERS = ("local", "dptrain-run")
 
 
 @dataclass(frozen=True)
@@ -171,6 +176,11 @@ def detect_container(env: Optional[Mapping[str, str]] = None) -> Optional[str]:
     env = os.environ if env is None else env
     names = registry.names("container runtime")
     return next((name for name in names if registry.load("container runtime", name).running_inside(env)), None)
+
+
+def launcher_reports_interrupts(env: Optional[Mapping[str, str]] = None) -> bool:
+    """Whether dptrain's own launcher started this rank, and so says once that Ctrl-C stopped the ranks."""
+    return (os.environ if env is None else env).get("DPTRAIN_LAUNCHER") in OWN_LAUNCHERS
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -1,8 +1,10 @@
-"""The local launcher: spawn N worker processes on this machine, as torchrun would, but quieter.
+"""The local launchers: spawn N ranks on this machine, as torchrun would, but quieter.
 
-Every worker runs `python -m dptrain ARGV` through the one spawner (dptrain.runtime.spawn),
-its output prefixed with its rank. If any worker fails, the others are stopped and the
-launcher exits non-zero with one line naming the failed rank.
+`dptrain train` runs its workers as `python -m dptrain train ...` (launch_local); `dptrain run`
+runs a user's script (dptrain.run_command). Both go through the one spawner
+(dptrain.runtime.spawn), their output prefixed with the rank; if a rank fails, the others are
+stopped and one line (say_how_ranks_ended) names the rank that failed first, or the ranks
+still running long after another one ended well.
 """
 
 from __future__ import annotations
@@ -10,8 +12,13 @@ from __future__ import annotations
 import sys
 from typing import Sequence
 
+from dptrain.errors import Interrupted, Preempted, UserError
 from dptrain.runtime.env import free_port
-from dptrain.runtime.spawn import describe_exit, spawn_ranks
+from dptrain.runtime.spawn import RanksExit, describe_exit, spawn_ranks
+
+# Exit codes after which a launcher does not restart its ranks: done, bad input (the same again),
+# stopped on request to be requeued, Ctrl-C.
+NOT_RESTARTED = (0, UserError.exit_code, Preempted.exit_code, Interrupted.exit_code)
 
 
 def launch_local(workers: int, argv: Sequence[str], timeout: float = 300.0) -> int:
@@ -23,13 +30,23 @@ def launch_local(workers: int, argv: Sequence[str], timeout: float = 300.0) -> i
     try:
         ended = spawn_ranks([sys.executable, "-m", "dptrain", *argv], workers, port=free_port(), linger=timeout)
     except KeyboardInterrupt:
-        return 130
-    if ended.failed_rank is not None:
-        print(f"dptrain: worker rank {ended.failed_rank} {describe_exit(ended.failed_code)}; "
-              "stopping the other workers", file=sys.stderr, flush=True)
-    if ended.stuck_ranks:
-        names = ", ".join(map(str, ended.stuck_ranks))
-        print(f"dptrain: worker rank{'s' if len(ended.stuck_ranks) > 1 else ''} {names} had not ended {timeout:g} s "
-              f"after rank {ended.first_done} did (frozen or stuck); stopping {'them' if len(ended.stuck_ranks) > 1 else 'it'}",
-              file=sys.stderr, flush=True)
+        return Interrupted.exit_code
+    say_how_ranks_ended(ended, timeout)
     return ended.code
+
+
+def say_how_ranks_ended(ended: RanksExit, linger: float, *, noun: str = "worker rank", of: str = "",
+                        others: str = "the other workers") -> None:
+    """One line on stderr for a failed rank or for ranks still running `linger` s after one ended well; else nothing.
+
+    The ranks are named "`noun` N`of`" ("worker rank 1", "rank 1 of `python train.py`").
+    """
+    if ended.failed_rank is not None:
+        print(f"dptrain: {noun} {ended.failed_rank}{of} {describe_exit(ended.failed_code)}; stopping {others}",
+              file=sys.stderr, flush=True)
+    if ended.stuck_ranks:
+        many = len(ended.stuck_ranks) > 1
+        names = ", ".join(map(str, ended.stuck_ranks))
+        print(f"dptrain: {noun}{'s' if many else ''} {names}{of} had not ended {linger:g} s after rank "
+              f"{ended.first_done} did (frozen or stuck); stopping {'them' if many else 'it'}",
+              file=sys.stderr, flush=True)

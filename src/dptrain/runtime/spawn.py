@@ -1,7 +1,8 @@
 """The one process spawner: start the N ranks of a job on this machine and wait for them (train, run, bench).
 
 Each rank gets the torchrun-style variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
-MASTER_PORT) plus DPTRAIN_LAUNCHER=local and its share of the CPU threads. Its output is
+MASTER_PORT) plus DPTRAIN_LAUNCHER (`local` for `dptrain train`'s workers, `dptrain-run` for
+the ranks of a user's script) and its share of the CPU threads. Its output is
 either pumped to ours with a `[rankN] ` prefix or written to `rankN.log` in a directory. A
 scheduler's warning (SIGTERM, SIGUSR1) is passed on to every rank; the first rank to fail is
 reported and the others are stopped.
@@ -17,7 +18,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import IO, Callable, Optional, Sequence
 
@@ -40,6 +41,7 @@ class RanksExit:
     # last wait on each other was over when one could finish, so the rest had only local work left.
     stuck_ranks: tuple[int, ...] = ()
     first_done: Optional[int] = None  # the rank that finished first
+    stop_signal: Optional[int] = None  # a stop signal (SIGTERM, SIGUSR1) we received and passed on to the ranks
 
     @property
     def code(self) -> int:
@@ -52,13 +54,14 @@ class RanksExit:
 
 
 def worker_env(rank: int, world: int, port: int, threads: int, base: dict[str, str], *,
-               master_addr: str = "127.0.0.1", tty: Optional[bool] = None) -> dict[str, str]:
+               master_addr: str = "127.0.0.1", tty: Optional[bool] = None, launcher: str = "local") -> dict[str, str]:
     """A local worker's environment: torchrun's variables on top of `base`. `tty` (default: whether
-    our stderr is a terminal) lets rank 0 draw a progress bar although its output is piped."""
+    our stderr is a terminal) lets rank 0 draw a progress bar although its output is piped;
+    `launcher` is DPTRAIN_LAUNCHER, which tells the rank who started it (dptrain.runtime.env)."""
     env = dict(base)
     env.update(
         RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR=master_addr, MASTER_PORT=str(port), DPTRAIN_LAUNCHER="local",
+        MASTER_ADDR=master_addr, MASTER_PORT=str(port), DPTRAIN_LAUNCHER=launcher,
         OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1",
     )
     if sys.stderr.isatty() if tty is None else tty:
@@ -80,7 +83,8 @@ def describe_exit(code: int) -> str:
 def spawn_ranks(command: Sequence[str], world: int, *, port: int, master_addr: str = "127.0.0.1",
                 threads: Optional[int] = None, extra_env: Optional[dict[str, str]] = None,
                 prefix: Optional[Callable[[int], list[str]]] = None, log_dir: Optional[Path] = None,
-                timeout: Optional[float] = None, linger: Optional[float] = None) -> RanksExit:
+                timeout: Optional[float] = None, linger: Optional[float] = None,
+                launcher: str = "local") -> RanksExit:
     """Run `command` as ranks 0..world-1 and wait until all have exited, one has failed, `timeout` passed,
     or (with `linger`) some ranks are still running that long after the first one ended well.
 
@@ -89,7 +93,7 @@ def spawn_ranks(command: Sequence[str], world: int, *, port: int, master_addr: s
     rank. `threads` is each rank's OMP_NUM_THREADS (default: the cores divided by the ranks).
     On failure, time-out or Ctrl-C the surviving ranks are killed: a world that lost a rank can
     neither finish nor checkpoint consistently (the last complete checkpoint stays the one to
-    resume from).
+    resume from). `launcher` is the ranks' DPTRAIN_LAUNCHER.
     """
     threads = threads or max(1, (os.cpu_count() or 1) // world)
     base = {**os.environ, **(extra_env or {})}
@@ -101,10 +105,13 @@ def spawn_ranks(command: Sequence[str], world: int, *, port: int, master_addr: s
     # failed first is named, not a peer that failed because it lost that rank.
     exits: queue.Queue = queue.Queue()
     previous: dict[int, object] = {}
+    forwarded: list[int] = []
+    # Set on Ctrl-C: what the ranks still print as they die (KeyboardInterrupt tracebacks) is not echoed.
+    interrupted = threading.Event()
     try:
         for rank in range(world):
             env = worker_env(rank, world, port, threads, base, master_addr=master_addr,
-                             tty=False if log_dir is not None else None)
+                             tty=False if log_dir is not None else None, launcher=launcher)
             argv = [*(prefix(rank) if prefix else []), *command]
             if log_dir is not None:
                 logs.append(open(log_dir / f"rank{rank}.log", "wb"))
@@ -115,12 +122,17 @@ def spawn_ranks(command: Sequence[str], world: int, *, port: int, master_addr: s
                                         stdin=subprocess.DEVNULL)
                 label = f"[rank{rank}] ".encode()
                 for stream, sink in ((proc.stdout, sys.stdout.buffer), (proc.stderr, sys.stderr.buffer)):
-                    pumps.append(threading.Thread(target=_pump, args=(stream, label, sink), daemon=True))
+                    pumps.append(threading.Thread(target=_pump, args=(stream, label, sink, interrupted),
+                                                  daemon=True))
                     pumps[-1].start()
             procs.append(proc)
             threading.Thread(target=lambda r=rank, p=proc: exits.put((r, p.wait())), daemon=True).start()
-        previous = _forward_signals(procs)
-        return _wait(exits, world, begun, timeout, linger)
+        previous = _forward_signals(procs, forwarded)
+        ended = _wait(exits, world, begun, timeout, linger)
+        return replace(ended, stop_signal=forwarded[0]) if forwarded else ended
+    except KeyboardInterrupt:
+        interrupted.set()
+        raise
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
@@ -159,8 +171,9 @@ def _wait(exits: queue.Queue, world: int, begun: float, timeout: Optional[float]
     return RanksExit(time.perf_counter() - begun, preempted=preempted)
 
 
-def _forward_signals(procs: list[subprocess.Popen]) -> dict[int, object]:
-    """Pass a scheduler's warning on to the ranks (they checkpoint and stop); returns the previous handlers.
+def _forward_signals(procs: list[subprocess.Popen], forwarded: list[int]) -> dict[int, object]:
+    """Pass a scheduler's warning on to the ranks (they checkpoint and stop), noting it in `forwarded`;
+    returns the previous handlers.
 
     Only the main thread may install handlers; elsewhere the warning reaches whoever handles it there.
     """
@@ -168,6 +181,7 @@ def _forward_signals(procs: list[subprocess.Popen]) -> dict[int, object]:
         return {}
 
     def forward(signum, frame):
+        forwarded.append(signum)
         for proc in procs:
             if proc.poll() is None:
                 proc.send_signal(signum)
@@ -183,11 +197,12 @@ def _stop(procs: list[subprocess.Popen]) -> None:
         proc.wait()
 
 
-def _pump(stream: IO[bytes], prefix: bytes, sink: IO[bytes]) -> None:
+def _pump(stream: IO[bytes], prefix: bytes, sink: IO[bytes], silenced: Optional[threading.Event] = None) -> None:
     """Copy a worker's output to ours, prefixing every line (and every progress-bar redraw).
 
     Only whole lines (ending in \n or \r) are written, each batch in one write, so lines of
-    different ranks never interleave mid-line; a partial line waits for its end.
+    different ranks never interleave mid-line; a partial line waits for its end. Once `silenced`
+    is set, the rest is read and dropped.
     """
     pending = b""
     while True:
@@ -195,12 +210,15 @@ def _pump(stream: IO[bytes], prefix: bytes, sink: IO[bytes]) -> None:
         if not chunk:
             break
         pending += chunk
+        if silenced is not None and silenced.is_set():
+            pending = b""
+            continue
         cut = max(pending.rfind(b"\n"), pending.rfind(b"\r")) + 1
         if cut:
             sink.write(_prefixed(pending[:cut], prefix))
             sink.flush()
             pending = pending[cut:]
-    if pending:
+    if pending and not (silenced is not None and silenced.is_set()):
         sink.write(_prefixed(pending, prefix))
         sink.flush()
 

@@ -29,7 +29,7 @@ from dptrain.runtime.distributed import (choose_device, destroy_process_group, i
                                          quiet_cpp_logs_of_children, set_cpu_threads)
 from dptrain.runtime.env import DistEnv, detect
 from dptrain.runtime.guard import broadcast_object
-from dptrain.runtime.launcher import launch_local
+from dptrain.runtime.launcher import NOT_RESTARTED, launch_local
 from dptrain.strategies import build_strategy
 from dptrain.train.optim import build_optimizer, build_schedule
 from dptrain.train import checkpoint
@@ -187,8 +187,7 @@ def spawn_workers(config: TrainConfig, model: torch.nn.Module) -> tuple[int, Pat
             if code == 0:
                 summary = Summary.from_dict(json.loads((run_dir / "summary.json").read_text()))
                 print(summary_line(summary, run_dir), flush=True)
-            if code in (0, UserError.exit_code, Preempted.exit_code, Interrupted.exit_code) \
-                    or attempt == config.max_restarts:
+            if code in NOT_RESTARTED or attempt == config.max_restarts:
                 return code, run_dir
             print(f"dptrain: restarting the {config.workers} workers from the last checkpoint "
                   f"(restart {attempt + 1} of {config.max_restarts})", file=sys.stderr, flush=True)

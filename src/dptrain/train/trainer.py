@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import time
 from pathlib import Path
 from typing import Callable, Optional, Union
@@ -25,7 +24,7 @@ from torch.utils.data import DataLoader, Dataset
 from dptrain.data.sampler import PlanBatches, TrainData, as_dataset, evaluation_loader, labels_of, loader
 from dptrain.errors import Diverged, Interrupted, Preempted, UserError
 from dptrain.runtime.distributed import DistContext, init_process_group
-from dptrain.runtime.env import detect
+from dptrain.runtime.env import detect, launcher_reports_interrupts
 from dptrain.runtime.guard import gather_objects, guard, sum_tensor
 from dptrain.strategies.base import Strategy
 from dptrain.train.checkpointer import Checkpointer, describe_interruption
@@ -126,8 +125,8 @@ class Trainer:
             return self._fit(train, test, epochs)
         except KeyboardInterrupt:
             ctx = getattr(self, "ctx", None)
-            # dptrain's own launcher stops every worker and says it once; elsewhere rank 0 says it.
-            said_elsewhere = os.environ.get("DPTRAIN_LAUNCHER") == "local" or ctx is None or not ctx.is_main
+            # dptrain's own launchers stop every rank and say it once; elsewhere rank 0 says it.
+            said_elsewhere = launcher_reports_interrupts() or ctx is None or not ctx.is_main
             raise Interrupted("" if said_elsewhere else describe_interruption(
                 self.out, ctx.world_size, len(self.history), epochs)) from None
 
