@@ -241,3 +241,16 @@ def test_a_frozen_worker_is_named_after_the_timeout_instead_of_a_hang(tmp_path):
     assert result.returncode != 0
     assert "rank 0:" in result.stderr and "rank 1 stopped responding" in result.stderr, result.stderr[-2000:]
     assert "worker rank 0 exited with code 1" in result.stderr
+
+
+@pytest.mark.parametrize("strategy", ["allreduce", "sync"])
+def test_a_run_whose_weights_become_nan_stops_with_one_line_per_rank_and_no_summary(tmp_path, strategy):
+    result = dptrain("train", *DIGITS, "--lr", "1e4", "--strategy", strategy, "--workers", "2", "--no-progress",
+                     "--out", "run", cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    said = [line for line in result.stderr.splitlines() if "diverged" in line]
+    assert said and all(line.endswith("the weights became NaN or infinite (training loss nan); lower --lr, clip "
+                                      "gradients (--grad-clip) or warm up (--warmup-epochs)") for line in said)
+    assert "training diverged in epoch 1" in said[0]
+    assert not (tmp_path / "run" / "summary.json").exists() and not (tmp_path / "run" / "model.pt").exists()
