@@ -71,8 +71,9 @@ def test_a_file_that_is_not_an_image_is_named_in_one_line(tmp_path):
     # Found while training (files are read as batches need them): the rank that read it says which file.
     said = [line for line in done.stderr.splitlines() if "cannot be read as an image" in line]
     assert len(said) == 1 and said[0].startswith("[rank") and "] dptrain: error: item " in said[0]
-    assert said[0].endswith("of the training Dataset raised ValueError: 'pics/red/broken.png' cannot be read as an "
-                            "image (cannot identify image file 'pics/red/broken.png')")
+    broken = tmp_path / "pics" / "red" / "broken.png"  # config.yaml names --data by its absolute path
+    assert said[0].endswith(f"of the training Dataset raised ValueError: '{broken}' cannot be read as an image "
+                            f"(cannot identify image file '{broken}')")
 
 
 @pytest.mark.parametrize("layout, message", [
