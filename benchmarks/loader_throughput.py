@@ -180,19 +180,25 @@ def plot(summary: dict, rows: list[dict], title: str, out: Path) -> None:
         heights = [summary["median_samples_per_second"][fmt][run] for fmt in FORMATS]
         ax.bar(xs, heights, width, label=run)
         for i, fmt in enumerate(FORMATS):  # every repeat as a dot
-            ax.plot([xs[i]] * sum(1 for r in rows if r["format"] == fmt and r["run"] == run),
-                    [r["samples_per_second"] for r in rows if r["format"] == fmt and r["run"] == run],
-                    "k.", markersize=3)
+            each = [r["samples_per_second"] for r in rows if r["format"] == fmt and r["run"] == run]
+            ax.plot([xs[i]] * len(each), each, "k.", markersize=3)
             if run != "plain":
-                ax.annotate(f"{summary['ratio_to_plain'][fmt][run]:.2f}x", (xs[i], heights[i]), ha="center",
+                ax.annotate(f"{summary['ratio_to_plain'][fmt][run]:.2f}x", (xs[i], max(each)), ha="center",
                             va="bottom", fontsize=7, xytext=(0, 2), textcoords="offset points")
     ax.set_yscale("log")
+    low, high = ax.get_ylim()
+    ax.set_ylim(low, high * 4)  # room for the legend
     ax.set_xticks(np.arange(len(FORMATS)), FORMATS)
-    ax.set_ylabel("samples/s (median; dots: each repeat)")
-    ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=8)
+    ax.set_ylabel("samples/s (bars: median; dots: each repeat)")
+    ax.set_title(title + "\nlabels: median against the median of plain", fontsize=9)
+    ax.legend(fontsize=8, ncol=len(RUNS), loc="upper center")
     fig.tight_layout()
     fig.savefig(out, dpi=120)
+
+
+def title_of(settings: dict) -> str:
+    return (f"{settings['samples']} samples of 3x32x32 float32, batch {settings['batch_size']}, one rank, "
+            f"{'cold' if settings['cold'] else 'warm'} page cache, zarr chunks of {settings['chunk']}")
 
 
 def main() -> int:
@@ -204,8 +210,13 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--seconds", type=float, default=3.0)
     parser.add_argument("--cold", action="store_true", help="drop the page cache before each measurement")
+    parser.add_argument("--replot", action="store_true", help="only draw the PNG again from OUT")
     parser.add_argument("--measure", nargs=3, metavar=("FORMAT", "RUN", "PATH"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.replot:
+        saved = json.loads(args.out.read_text())
+        plot(saved, saved["runs"], title_of(saved["settings"]), args.out.with_suffix(".png"))
+        return 0
     if args.measure:
         fmt, run, path = args.measure
         print(json.dumps(measure(fmt, run, Path(path), args.batch_size, args.seconds, args.cold)))
@@ -237,9 +248,7 @@ def main() -> int:
                     when=time.strftime("%Y-%m-%d %H:%M"))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"settings": settings, **summary, "runs": rows}, indent=2) + "\n")
-    title = (f"{args.samples} samples of 3x32x32 float32, batch {args.batch_size}, one rank, "
-             f"{'cold' if args.cold else 'warm'} page cache, zarr chunks of {args.chunk}")
-    plot(summary, rows, title, args.out.with_suffix(".png"))
+    plot(summary, rows, title_of(settings), args.out.with_suffix(".png"))
     for fmt in FORMATS:
         cells = "  ".join(f"{run} {summary['median_samples_per_second'][fmt][run]:9,.0f}/s"
                           + ("" if run == "plain" else f" ({summary['ratio_to_plain'][fmt][run]:.2f}x)")
