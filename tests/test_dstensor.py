@@ -272,6 +272,29 @@ def test_file_tensor_pickles_by_reopening(tmp_path, kind):
     assert np.array_equal(pickle.loads(payload).to_numpy(), t.to_numpy())
 
 
+def test_contiguous_hdf5_datasets_are_memory_mapped_and_read_what_h5py_reads(tmp_path):
+    array = labelled(30, (4,))
+    path = tmp_path / "d.h5"
+    with h5py.File(path, "w", userblock_size=4096) as f:  # a user block moves every offset
+        f["contiguous"] = array
+        f["labels"] = np.arange(30, dtype=np.int16)
+        f["big_endian"] = array.astype(">f4")
+        f.create_dataset("chunked", data=array, chunks=(5, 4), compression="gzip")
+        f.create_dataset("unwritten", shape=(30, 4), dtype=np.float32)
+        f["strings"] = np.array([b"a", b"b"] * 15)
+    mapped = {"contiguous", "labels", "big_endian"}
+    with h5py.File(path, "r") as f:
+        for key in f:
+            t = DSTensor.from_file(path, key, block_size=8)
+            assert isinstance(t._source, np.memmap) == (key in mapped), key
+            if key == "strings":
+                continue
+            shuffled = t.shuffle(3)
+            assert t.dtype == f[key].dtype
+            assert np.array_equal(shuffled.to_numpy(), f[key][:][shuffled.source_rows()]), key
+            assert np.array_equal(pickle.loads(pickle.dumps(shuffled)).to_numpy(), shuffled.to_numpy())
+
+
 def test_npz_member_by_key(tmp_path):
     np.savez(tmp_path / "d.npz", x=np.arange(12).reshape(6, 2), labels=np.arange(6))
     t = DSTensor.from_file(tmp_path / "d.npz", key="labels", block_size=4)
