@@ -327,3 +327,20 @@ def test_file_errors_name_the_file_and_what_is_valid(tmp_path):
         with pytest.raises(UserError, match=message) as info:
             DSTensor.from_file(path, key=key)
         assert path.name in str(info.value)
+
+
+@pytest.mark.parametrize("kind", ["zarr", "h5-chunked"])
+def test_block_shuffled_batches_of_a_chunked_file_read_each_block_once(tmp_path, kind):
+    array = labelled(400, (3, 4, 4))
+    if kind == "zarr":
+        path, key = write_zarr(tmp_path / "data.zarr", array), "x"
+    else:  # chunked HDF5 is read through h5py (a contiguous one is memory-mapped instead)
+        import h5py
+        path, key = tmp_path / "data.h5", "x"
+        with h5py.File(path, "w") as handle:
+            handle.create_dataset("x", data=array, chunks=(10, 3, 4, 4))
+    t = DSTensor.from_file(path, key=key, block_size=100).block_shuffle(5)
+    rows = t.source_rows()
+    batches = [t.take(np.arange(start, start + 20)) for start in range(0, 400, 20)]  # 5 batches a block
+    assert np.array_equal(np.concatenate(batches), array[rows])  # the same rows as reading them one by one
+    assert t.rows_read == 400  # each 100-row block read once, not once per batch

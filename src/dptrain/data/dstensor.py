@@ -14,10 +14,15 @@ FILE_SUFFIXES = (".npy", ".npz", ".h5", ".hdf5", ".zarr")
 
 
 class _ReadCounter:
-    """Source rows read, shared by a DSTensor and every tensor derived from it."""
+    """Source rows read, shared by a DSTensor and every tensor derived from it, and the window of
+    source rows last read whole from a chunked file (see DSTensor._window)."""
 
     def __init__(self) -> None:
         self.rows = 0
+        self.window: tuple[int, np.ndarray] | None = None  # (first source row, its rows)
+
+    def __getstate__(self) -> dict:  # a copy sent to a DataLoader worker starts without the window
+        return {"rows": self.rows, "window": None}
 
 
 class DSTensor:
@@ -194,9 +199,34 @@ class DSTensor:
             rows_slice = self._source[first : last + 1]
             # A numpy slice is a view; copy so callers can never write into the source.
             return np.array(rows_slice) if isinstance(self._source, np.ndarray) else np.asarray(rows_slice)
+        window = self._window(first, last)
+        if window is not None:
+            self._counter.rows -= int(rows.size)  # counted when the window was read
+            start, data = window
+            return data[rows - start]
         if hasattr(self._source, "oindex"):  # zarr: plain [] does not take integer arrays everywhere
             return np.asarray(self._source.oindex[rows])
         return np.asarray(self._source[rows])
+
+    def _window(self, first: int, last: int) -> tuple[int, np.ndarray] | None:
+        """For a chunked file (zarr, HDF5 through h5py): the aligned window of `block_size` source rows
+        holding rows first..last, read whole once and kept, or None when they span two windows.
+
+        Scattered rows of a chunked array cost a decode of every chunk they touch; under `--shuffle
+        block` the batches of one block all fall in one window, so the block is decoded once rather
+        than once per batch. Arrays and memory maps are read row by row as asked."""
+        if isinstance(self._source, np.ndarray):
+            return None
+        size = self._block_size
+        start = first // size * size
+        if last >= start + size:
+            return None
+        cached = self._counter.window
+        if cached is None or cached[0] != start:
+            stop = min(start + size, int(self._source.shape[0]))
+            cached = self._counter.window = (start, np.asarray(self._source[start:stop]))
+            self._counter.rows += stop - start
+        return cached
 
     # -------------------------------------------------------------- transformations
 
