@@ -27,7 +27,9 @@ COMMAND_MODULES: dict[str, tuple[str, str]] = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: Optional[str] = None) -> argparse.ArgumentParser:
+    """The whole command line; with `only`, the commands of COMMAND_MODULES other than that one get
+    no arguments (their modules are not imported: a worker parsing `train` needs none of them)."""
     parser = Parser(prog="dptrain", description="Data-parallel PyTorch training from a laptop to an HPC cluster.",
                     allow_abbrev=False)
     parser.add_argument("--version", action="version", version=f"dptrain {__version__}")
@@ -47,13 +49,16 @@ def build_parser() -> argparse.ArgumentParser:
     commands.add_parser("info", help="print what the runtime detects: launcher, ranks, devices, versions",
                         allow_abbrev=False)
     for name, (module, help_text) in COMMAND_MODULES.items():
-        importlib.import_module(module).add_arguments(commands.add_parser(name, help=help_text, allow_abbrev=False))
+        command = commands.add_parser(name, help=help_text, allow_abbrev=False)
+        if only is None or only == name:
+            importlib.import_module(module).add_arguments(command)
     return parser
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     """Parse a whole command line; an unknown option is one line naming it (with a did-you-mean)."""
-    parser = build_parser()
+    # The top level has no option that takes a value, so the first word that is not an option is the command.
+    parser = build_parser(only=next((arg for arg in argv if not arg.startswith("-")), None))
     args, unknown = parser.parse_known_args(argv)
     if unknown:
         # argparse reports a subcommand's unknown options at the top level; search the subcommand's flags.
