@@ -13,6 +13,7 @@ import pytest
 
 from dptrain.runtime.env import detect, free_port
 from dptrain.runtime.launcher import launch_local
+from dptrain.runtime.prestart import prestart, release
 from dptrain.runtime.spawn import _pump, describe_exit, spawn_ranks, worker_env
 
 
@@ -157,6 +158,38 @@ def test_launch_local_returns_the_failed_worker_code_and_names_its_rank(capfd):
     failed = re.search(r"^dptrain: worker rank ([01]) exited with code 2; stopping the other workers$", err, re.M)
     assert failed, err
     assert re.search(rf"^\[rank{failed.group(1)}\] dptrain: error: .*/nonexistent\.yaml", err, re.M), err
+
+
+@pytest.mark.slow
+def test_prestarted_workers_run_what_they_are_released_with_and_exit_unheard_without_it(capfd):
+    # Released: the ranks run `dptrain ARGV` with the environment sent, as spawned ones would.
+    ranks = prestart(2)
+    try:
+        release(ranks, ["info"], {"MASTER_PORT": "29130"})
+        ended = ranks.wait(timeout=120)
+    finally:
+        ranks.close()
+    assert ended.code == 0
+    out, err = capfd.readouterr()
+    for rank in (0, 1):
+        mine = "\n".join(line for line in out.splitlines() if line.startswith(f"[rank{rank}] "))
+        assert re.search(rf"\brank\b\W+{rank}\b", mine) and re.search(r"\blauncher\b\W+local\b", mine), out
+    # Their launcher gone (stdin closed without a line): each exits at once, code 0, saying nothing.
+    ranks = prestart(2)
+    try:
+        for proc in ranks.procs:
+            proc.stdin.close()
+        ended = ranks.wait(timeout=120)
+    finally:
+        ranks.close()
+    assert (ended.code, ended.timed_out) == (0, False)
+    assert capfd.readouterr() == ("", "")
+    # Bad input: the launcher closes them unreleased, which kills them at once, with nothing said.
+    started = time.monotonic()
+    ranks = prestart(2)
+    ranks.close()
+    assert time.monotonic() - started < 10 and all(proc.returncode is not None for proc in ranks.procs)
+    assert capfd.readouterr() == ("", "")
 
 
 def python(code: str) -> list[str]:

@@ -70,8 +70,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 def run(argv: Sequence[str]) -> int:
     args = parse_args(argv)
     if args.command == "train":
-        from dptrain.train.run import train
-        return train(config_from_args(args))
+        return _train(config_from_args(args))
     if args.command == "demo":
         from dptrain.demo import demo
         return demo(workers=args.workers, epochs=args.epochs, out=args.out)
@@ -82,6 +81,23 @@ def run(argv: Sequence[str]) -> int:
         return importlib.import_module(COMMAND_MODULES[args.command][0]).main(args)
     build_parser().print_help()
     return 2
+
+
+def _train(config) -> int:
+    """`dptrain train`: local workers are started before this process imports torch and validates the
+    run, so that their start-up (mostly importing torch) overlaps its own (dptrain.runtime.prestart)."""
+    from dptrain.runtime.env import detect
+
+    prestarted = None
+    if config.workers > 1 and not detect().launched:
+        from dptrain.runtime.prestart import prestart
+        prestarted = prestart(config.workers)
+    try:
+        from dptrain.train.run import train
+        return train(config, prestarted)
+    finally:
+        if prestarted is not None:
+            prestarted.close()
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -217,17 +217,6 @@ def _cpp_log_hidden():
         os.close(saved)
 
 
-def quiet_cpp_logs_of_children() -> None:
-    """Keep torch's C++ warnings with stacks out of the workers this process is about to start.
-
-    When rank 0 dies, a survivor's store connection logs a 20-line C++ stack before dptrain's
-    one line. torch reads TORCH_CPP_LOG_LEVEL once, at import, so it is set in the environment
-    the workers inherit, not in a running rank; a value the user set is kept.
-    """
-    if not debugging():
-        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-
-
 _HEARTBEATS: list[Heartbeat] = []  # at most one: this process's, until the group is destroyed
 
 

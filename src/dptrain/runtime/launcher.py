@@ -1,27 +1,38 @@
 """The local launcher: spawn N worker processes on this machine, as torchrun would, but quieter.
 
 Every worker runs `python -m dptrain ARGV` through the one spawner (dptrain.runtime.spawn),
-its output prefixed with its rank. If any worker fails, the others are stopped and the
+its output prefixed with its rank; workers started ahead of time (dptrain.runtime.prestart)
+are given ARGV instead. If any worker fails, the others are stopped and the
 launcher exits non-zero with one line naming the failed rank.
 """
 
 from __future__ import annotations
 
 import sys
-from typing import Sequence
+from typing import Optional, Sequence
 
 from dptrain.runtime.env import free_port
-from dptrain.runtime.spawn import describe_exit, spawn_ranks
+from dptrain.runtime.prestart import release
+from dptrain.runtime.spawn import Ranks, describe_exit, spawn_ranks
 
 
-def launch_local(workers: int, argv: Sequence[str], timeout: float = 300.0) -> int:
+def launch_local(workers: int, argv: Sequence[str], timeout: float = 300.0, prestarted: Optional[Ranks] = None) -> int:
     """Run `python -m dptrain ARGV` as `workers` ranks; return 0, 75 (stopped at a checkpoint) or the first failure's code.
 
-    Once one rank has ended well, the others must end within `timeout` seconds (they have no
-    one left to wait for): a rank frozen after the last collective is stopped and named.
+    `prestarted`: ranks started by dptrain.runtime.prestart.prestart(workers), released here
+    with ARGV (and closed). Once one rank has ended well, the others must end within `timeout`
+    seconds (they have no one left to wait for): a rank frozen after the last collective is
+    stopped and named.
     """
     try:
-        ended = spawn_ranks([sys.executable, "-m", "dptrain", *argv], workers, port=free_port(), linger=timeout)
+        if prestarted is None:
+            ended = spawn_ranks([sys.executable, "-m", "dptrain", *argv], workers, port=free_port(), linger=timeout)
+        else:
+            try:
+                release(prestarted, list(argv), {"MASTER_PORT": str(free_port())})
+                ended = prestarted.wait(linger=timeout)
+            finally:
+                prestarted.close()
     except KeyboardInterrupt:
         return 130
     if ended.failed_rank is not None:

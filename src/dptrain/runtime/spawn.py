@@ -4,7 +4,8 @@ Each rank gets the torchrun-style variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTE
 MASTER_PORT) plus DPTRAIN_LAUNCHER=local and its share of the CPU threads. Its output is
 either pumped to ours with a `[rankN] ` prefix or written to `rankN.log` in a directory. A
 scheduler's warning (SIGTERM, SIGUSR1) is passed on to every rank; the first rank to fail is
-reported and the others are stopped.
+reported and the others are stopped. `spawn_ranks` starts and waits; `start_ranks` only starts,
+optionally holding the ranks until they are given one line on stdin (dptrain.runtime.prestart).
 """
 
 from __future__ import annotations
@@ -91,43 +92,103 @@ def spawn_ranks(command: Sequence[str], world: int, *, port: int, master_addr: s
     neither finish nor checkpoint consistently (the last complete checkpoint stays the one to
     resume from).
     """
+    ranks = start_ranks(command, world, port=port, master_addr=master_addr, threads=threads, extra_env=extra_env,
+                        prefix=prefix, log_dir=log_dir)
+    try:
+        return ranks.wait(timeout=timeout, linger=linger)
+    finally:
+        ranks.close()
+
+
+def start_ranks(command: Sequence[str], world: int, *, port: int, master_addr: str = "127.0.0.1",
+                threads: Optional[int] = None, extra_env: Optional[dict[str, str]] = None,
+                prefix: Optional[Callable[[int], list[str]]] = None, log_dir: Optional[Path] = None,
+                held: bool = False) -> "Ranks":
+    """Start `command` as ranks 0..world-1 (see spawn_ranks) and return them running; `Ranks.wait` waits.
+
+    With `held`, each rank's stdin is a pipe and the ranks are meant to wait for one line on it
+    (`Ranks.release`), so they can start (import torch) while this process still prepares the run;
+    closing the ranks unreleased kills them.
+    """
     threads = threads or max(1, (os.cpu_count() or 1) // world)
     base = {**os.environ, **(extra_env or {})}
-    procs: list[subprocess.Popen] = []
-    pumps: list[threading.Thread] = []
-    logs: list[IO[bytes]] = []
-    begun = time.perf_counter()
-    # One waiter thread per rank reports exits in the order they happen, so the rank that
-    # failed first is named, not a peer that failed because it lost that rank.
-    exits: queue.Queue = queue.Queue()
-    previous: dict[int, object] = {}
+    ranks = Ranks(world)
     try:
         for rank in range(world):
             env = worker_env(rank, world, port, threads, base, master_addr=master_addr,
                              tty=False if log_dir is not None else None)
             argv = [*(prefix(rank) if prefix else []), *command]
+            stdin = subprocess.PIPE if held else subprocess.DEVNULL
             if log_dir is not None:
-                logs.append(open(log_dir / f"rank{rank}.log", "wb"))
-                proc = subprocess.Popen(argv, env=env, stdout=logs[-1], stderr=subprocess.STDOUT,
-                                        stdin=subprocess.DEVNULL)
+                ranks.logs.append(open(log_dir / f"rank{rank}.log", "wb"))
+                proc = subprocess.Popen(argv, env=env, stdout=ranks.logs[-1], stderr=subprocess.STDOUT, stdin=stdin)
             else:
-                proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                        stdin=subprocess.DEVNULL)
+                proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=stdin)
                 label = f"[rank{rank}] ".encode()
                 for stream, sink in ((proc.stdout, sys.stdout.buffer), (proc.stderr, sys.stderr.buffer)):
-                    pumps.append(threading.Thread(target=_pump, args=(stream, label, sink), daemon=True))
-                    pumps[-1].start()
-            procs.append(proc)
-            threading.Thread(target=lambda r=rank, p=proc: exits.put((r, p.wait())), daemon=True).start()
-        previous = _forward_signals(procs)
-        return _wait(exits, world, begun, timeout, linger)
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
-        _stop(procs)
-        for pump in pumps:
+                    ranks.pumps.append(threading.Thread(target=_pump, args=(stream, label, sink), daemon=True))
+                    ranks.pumps[-1].start()
+            ranks.procs.append(proc)
+            threading.Thread(target=lambda r=rank, p=proc: ranks.exits.put((r, p.wait())), daemon=True).start()
+    except BaseException:
+        ranks.close()
+        raise
+    return ranks
+
+
+class Ranks:
+    """Rank processes that were started: release them (if held), wait for them, close (kill what is left)."""
+
+    def __init__(self, world: int) -> None:
+        self.world = world
+        self.procs: list[subprocess.Popen] = []
+        self.pumps: list[threading.Thread] = []
+        self.logs: list[IO[bytes]] = []
+        # One waiter thread per rank reports exits in the order they happen, so the rank that
+        # failed first is named, not a peer that failed because it lost that rank.
+        self.exits: queue.Queue = queue.Queue()
+        self.begun = time.perf_counter()
+        self.closed = False
+
+    def release(self, message: bytes) -> None:
+        """Give held ranks their one line (`message`, without its newline) and close their stdin.
+
+        A rank that already died is not written to: `wait` reports its exit as a failure.
+        """
+        self.begun = time.perf_counter()  # the time limits count from here, when the ranks have their work
+        for proc in self.procs:
+            if proc.stdin is None:
+                continue
+            try:
+                proc.stdin.write(message + b"\n")
+                proc.stdin.close()
+            except OSError:  # it died before its release (BrokenPipeError)
+                pass
+
+    def wait(self, timeout: Optional[float] = None, linger: Optional[float] = None) -> RanksExit:
+        """Until all have exited, one has failed, `timeout` passed, or one has lingered (see spawn_ranks)."""
+        previous = _forward_signals(self.procs)
+        try:
+            return _wait(self.exits, self.world, self.begun, timeout, linger)
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+
+    def close(self) -> None:
+        """Kill the ranks still running, then collect their output threads and logs (again: nothing)."""
+        if self.closed:
+            return
+        self.closed = True
+        _stop(self.procs)
+        for proc in self.procs:
+            if proc.stdin is not None and not proc.stdin.closed:
+                try:
+                    proc.stdin.close()
+                except OSError:
+                    pass
+        for pump in self.pumps:
             pump.join(timeout=5)
-        for log in logs:
+        for log in self.logs:
             log.close()
 
 
