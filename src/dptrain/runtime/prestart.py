@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 from typing import Optional
 
@@ -53,20 +54,22 @@ def wait_for_launcher() -> None:
     """In a pre-started worker: import the runtime, then take sys.argv and environment from the launcher's line.
 
     Without a line (stdin closed: the launcher refused the input, was interrupted or died) the
-    process exits here with nothing said; Ctrl-C, which reaches the whole process group, too
-    (the launcher reports it).
+    process exits here with nothing said. Ctrl-C, which reaches the whole process group, is
+    left to the launcher until the release: it reports it and stops this process.
     """
+    # start_ranks(held=True) started this process with SIGINT blocked, so that not even a Ctrl-C
+    # during the interpreter's start-up interrupts it: one that came meanwhile is dropped here.
+    previous_sigint = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     os.environ.pop(PRESTARTED, None)  # not inherited by whatever this worker starts
     from dptrain.train.preemption import catch_stop_signals_early
 
     catch_stop_signals_early()  # a stop signal from now on is honoured at the first epoch end
-    try:
-        _preload()
-        line: Optional[bytes] = sys.stdin.buffer.readline()
-    except KeyboardInterrupt:
-        os._exit(130)
+    _preload()
+    line: Optional[bytes] = sys.stdin.buffer.readline()
     if not line:
         os._exit(0)
+    signal.signal(signal.SIGINT, previous_sigint)
     message = json.loads(line)
     os.environ.update(message["env"])
     sys.argv[1:] = message["argv"]
