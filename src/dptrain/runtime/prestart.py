@@ -57,14 +57,15 @@ def wait_for_launcher() -> None:
     process exits here with nothing said. Ctrl-C, which reaches the whole process group, is
     left to the launcher until the release: it reports it and stops this process.
     """
-    # start_ranks(held=True) started this process with SIGINT blocked, so that not even a Ctrl-C
-    # during the interpreter's start-up interrupts it: one that came meanwhile is dropped here.
+    # start_ranks(held=True) started this process with SIGINT, SIGTERM and SIGUSR1 blocked, so
+    # that none of them ends it during the interpreter's own start-up: now a Ctrl-C that came
+    # meanwhile is dropped, and a stop signal is remembered, to be honoured at the first epoch end.
     previous_sigint = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
-    os.environ.pop(PRESTARTED, None)  # not inherited by whatever this worker starts
-    from dptrain.train.preemption import catch_stop_signals_early
+    from dptrain.train.preemption import STOP_SIGNALS, catch_stop_signals_early
 
-    catch_stop_signals_early()  # a stop signal from now on is honoured at the first epoch end
+    catch_stop_signals_early()
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, *STOP_SIGNALS})
+    os.environ.pop(PRESTARTED, None)  # not inherited by whatever this worker starts
     _preload()
     line: Optional[bytes] = sys.stdin.buffer.readline()
     if not line:

@@ -108,8 +108,10 @@ def start_ranks(command: Sequence[str], world: int, *, port: int, master_addr: s
 
     With `held`, each rank's stdin is a pipe and the ranks are meant to wait for one line on it
     (`Ranks.release`), so they can start (import torch) while this process still prepares the run;
-    closing the ranks unreleased kills them. Held ranks start with SIGINT blocked (a Ctrl-C is
-    ours to report until they are released; dptrain.runtime.prestart unblocks and ignores it).
+    closing the ranks unreleased kills them. Held ranks start with SIGINT, SIGTERM and SIGUSR1
+    blocked, to be unblocked by the rank once it handles them (dptrain.runtime.prestart): a Ctrl-C
+    is ours to report until they are released, and a scheduler's stop signal that comes while the
+    interpreter starts is kept for the rank to honour, not fatal.
     """
     threads = threads or max(1, (os.cpu_count() or 1) // world)
     base = {**os.environ, **(extra_env or {})}
@@ -117,7 +119,7 @@ def start_ranks(command: Sequence[str], world: int, *, port: int, master_addr: s
     # Children inherit the signal mask (through exec); ours is restored below, delivering a Ctrl-C
     # that came meanwhile. Threads started meanwhile (output pumps, waiters) keep it blocked: Python
     # runs signal handlers on the main thread anyway.
-    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT}) if held else None
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, *FORWARDED_SIGNALS}) if held else None
     try:
         for rank in range(world):
             env = worker_env(rank, world, port, threads, base, master_addr=master_addr,
