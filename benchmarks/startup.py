@@ -13,7 +13,8 @@ shared machine falls on all of them alike), and times the whole process from sta
   digits, a DistributedSampler, DDP, gloo, the same MLP, batch size and epoch, test accuracy at
   the end; nothing of dptrain);
 * `torchrun plain_ddp[NAME]`: the bench's plain-DDP baseline (`baselines/plain_ddp.py --epochs 1`),
-  which takes its data set and model from the first dptrain tree (leave out with --no-plain-ddp).
+  which takes its data set and model from dptrain: from each tree named by --plain-ddp NAME
+  (default: the first tree; --no-plain-ddp leaves it out).
 
 Every tree is byte-compiled first (`compileall`), as an installed package is, so no process
 pays for compiling dptrain's sources. Also recorded per run: when the first line of output
@@ -79,11 +80,11 @@ def variants(args) -> list[tuple[str, list[str], dict[str, str], dict[str, str]]
                     {"starting": "starting", "first_epoch": "epoch 1/1"}))
     out.append(("torchrun textbook", [torchrun, "--nproc-per-node", "2", str(HERE / "baselines" / "textbook_ddp.py")],
                 {}, {"accuracy": "test accuracy"}))
-    if args.plain_ddp and args.dptrain:
-        name, src = args.dptrain[0]
+    trees = dict(args.dptrain)
+    for name in (args.plain_ddp or [args.dptrain[0][0]]) if args.plain_ddp is not False else []:
         out.append((f"torchrun plain_ddp[{name}]", [torchrun, "--nproc-per-node", "2",
                                                    str(HERE / "baselines" / "plain_ddp.py"), "--epochs", "1",
-                                                   "--out", "{tmp}"], {"PYTHONPATH": src}, {}))
+                                                   "--out", "{tmp}"], {"PYTHONPATH": trees[name]}, {}))
     return out
 
 
@@ -94,6 +95,8 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--dptrain", action="append", default=[], metavar="NAME=SRC",
                         help="a dptrain source tree to time (repeatable); default: this repository's src")
+    parser.add_argument("--plain-ddp", action="append", default=[], metavar="NAME",
+                        help="time the plain-DDP baseline with this dptrain tree's data set and model (repeatable)")
     parser.add_argument("--no-plain-ddp", dest="plain_ddp", action="store_false")
     parser.add_argument("--note", default="", help="free text kept with the entry (e.g. how busy the machine was)")
     args = parser.parse_args()
