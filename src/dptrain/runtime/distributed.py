@@ -24,6 +24,7 @@ import torch.distributed as dist
 from dptrain.errors import UserError
 from dptrain.runtime.env import DistEnv
 from dptrain.runtime.heartbeat import Heartbeat, StoreUnanswered, bounded, default_store, store_abandoned
+from dptrain.runtime.spawn import STORE_FD
 
 
 @dataclass
@@ -120,11 +121,16 @@ def rendezvous_store(env: DistEnv, timeout: float, where: str) -> dist.TCPStore:
     """
     wait = datetime.timedelta(seconds=timeout)
     if env.rank == 0:
-        listener = _listen(env.master_addr, env.master_port, where)
+        handed = os.environ.pop(STORE_FD, None)  # dptrain's launcher listens on MASTER_PORT for us already
+        if handed:
+            listener_fd = int(handed)
+            os.set_inheritable(listener_fd, False)
+        else:
+            listener_fd = _listen(env.master_addr, env.master_port, where).detach()
         with _cpp_log_hidden():
-            # torch takes over the listening socket (detach: its fd is torch's to close).
+            # torch takes over the listening socket (its fd is torch's to close).
             return dist.TCPStore(env.master_addr, env.master_port, env.world_size, True, wait,
-                                 master_listen_fd=listener.detach())
+                                 master_listen_fd=listener_fd)
     try:
         with _cpp_log_hidden():
             return bounded(lambda: dist.TCPStore(env.master_addr, env.master_port, env.world_size, False, wait),

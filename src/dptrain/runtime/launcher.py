@@ -11,9 +11,8 @@ from __future__ import annotations
 import sys
 from typing import Optional, Sequence
 
-from dptrain.runtime.env import free_port
 from dptrain.runtime.prestart import release
-from dptrain.runtime.spawn import Ranks, describe_exit, spawn_ranks
+from dptrain.runtime.spawn import Ranks, describe_exit, spawn_ranks, store_listener
 
 
 def launch_local(workers: int, argv: Sequence[str], timeout: float = 300.0, prestarted: Optional[Ranks] = None) -> int:
@@ -26,10 +25,12 @@ def launch_local(workers: int, argv: Sequence[str], timeout: float = 300.0, pres
     """
     try:
         if prestarted is None:
-            ended = spawn_ranks([sys.executable, "-m", "dptrain", *argv], workers, port=free_port(), linger=timeout)
+            listener = store_listener()
+            ended = spawn_ranks([sys.executable, "-m", "dptrain", *argv], workers, port=listener.getsockname()[1],
+                                linger=timeout, listener=listener)
         else:
             try:
-                release(prestarted, list(argv), {"MASTER_PORT": str(free_port())})
+                release(prestarted, list(argv), {})
                 ended = prestarted.wait(linger=timeout)
             finally:
                 prestarted.close()

@@ -22,7 +22,7 @@ import signal
 import sys
 from typing import Optional
 
-from dptrain.runtime.spawn import Ranks, start_ranks
+from dptrain.runtime.spawn import Ranks, start_ranks, store_listener
 
 PRESTARTED = "DPTRAIN_PRESTARTED"  # set in a pre-started worker's environment until it is released
 
@@ -41,8 +41,9 @@ def quiet_cpp_logs_of_children() -> None:
 def prestart(workers: int) -> Ranks:
     """Start `workers` local ranks of `python -m dptrain` that import the runtime and wait for `release`."""
     quiet_cpp_logs_of_children()
-    # The real MASTER_PORT comes with the release: a port picked now would stay unbound for longer.
-    return start_ranks([sys.executable, "-m", "dptrain"], workers, port=0, extra_env={PRESTARTED: "1"}, held=True)
+    listener = store_listener()  # rank 0 serves the store on it: the port stays taken from now on
+    return start_ranks([sys.executable, "-m", "dptrain"], workers, port=listener.getsockname()[1],
+                       extra_env={PRESTARTED: "1"}, held=True, listener=listener)
 
 
 def release(ranks: Ranks, argv: list[str], env: dict[str, str]) -> None:

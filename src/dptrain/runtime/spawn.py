@@ -14,6 +14,7 @@ import os
 import queue
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -26,6 +27,8 @@ from dptrain.errors import Preempted
 
 PREEMPTED = Preempted.exit_code
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+# Rank 0 finds here the number of an inherited socket already listening on MASTER_PORT, to serve the store on.
+STORE_FD = "DPTRAIN_STORE_FD"
 
 
 @dataclass(frozen=True)
@@ -81,7 +84,8 @@ def describe_exit(code: int) -> str:
 def spawn_ranks(command: Sequence[str], world: int, *, port: int, master_addr: str = "127.0.0.1",
                 threads: Optional[int] = None, extra_env: Optional[dict[str, str]] = None,
                 prefix: Optional[Callable[[int], list[str]]] = None, log_dir: Optional[Path] = None,
-                timeout: Optional[float] = None, linger: Optional[float] = None) -> RanksExit:
+                timeout: Optional[float] = None, linger: Optional[float] = None,
+                listener: Optional[socket.socket] = None) -> RanksExit:
     """Run `command` as ranks 0..world-1 and wait until all have exited, one has failed, `timeout` passed,
     or (with `linger`) some ranks are still running that long after the first one ended well.
 
@@ -93,7 +97,7 @@ def spawn_ranks(command: Sequence[str], world: int, *, port: int, master_addr: s
     resume from).
     """
     ranks = start_ranks(command, world, port=port, master_addr=master_addr, threads=threads, extra_env=extra_env,
-                        prefix=prefix, log_dir=log_dir)
+                        prefix=prefix, log_dir=log_dir, listener=listener)
     try:
         return ranks.wait(timeout=timeout, linger=linger)
     finally:
@@ -103,7 +107,7 @@ def spawn_ranks(command: Sequence[str], world: int, *, port: int, master_addr: s
 def start_ranks(command: Sequence[str], world: int, *, port: int, master_addr: str = "127.0.0.1",
                 threads: Optional[int] = None, extra_env: Optional[dict[str, str]] = None,
                 prefix: Optional[Callable[[int], list[str]]] = None, log_dir: Optional[Path] = None,
-                held: bool = False) -> "Ranks":
+                held: bool = False, listener: Optional[socket.socket] = None) -> "Ranks":
     """Start `command` as ranks 0..world-1 (see spawn_ranks) and return them running; `Ranks.wait` waits.
 
     With `held`, each rank's stdin is a pipe and the ranks are meant to wait for one line on it
@@ -112,6 +116,9 @@ def start_ranks(command: Sequence[str], world: int, *, port: int, master_addr: s
     blocked, to be unblocked by the rank once it handles them (dptrain.runtime.prestart): a Ctrl-C
     is ours to report until they are released, and a scheduler's stop signal that comes while the
     interpreter starts is kept for the rank to honour, not fatal.
+
+    `listener` (see `store_listener`) is handed to rank 0, which serves the store on it, and
+    closed here: the port is never free between its choice and the store.
     """
     threads = threads or max(1, (os.cpu_count() or 1) // world)
     base = {**os.environ, **(extra_env or {})}
@@ -126,11 +133,17 @@ def start_ranks(command: Sequence[str], world: int, *, port: int, master_addr: s
                              tty=False if log_dir is not None else None)
             argv = [*(prefix(rank) if prefix else []), *command]
             stdin = subprocess.PIPE if held else subprocess.DEVNULL
+            handed: tuple[int, ...] = ()
+            if listener is not None and rank == 0:
+                handed = (listener.fileno(),)
+                env[STORE_FD] = str(listener.fileno())
             if log_dir is not None:
                 ranks.logs.append(open(log_dir / f"rank{rank}.log", "wb"))
-                proc = subprocess.Popen(argv, env=env, stdout=ranks.logs[-1], stderr=subprocess.STDOUT, stdin=stdin)
+                proc = subprocess.Popen(argv, env=env, stdout=ranks.logs[-1], stderr=subprocess.STDOUT, stdin=stdin,
+                                        pass_fds=handed)
             else:
-                proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=stdin)
+                proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=stdin,
+                                        pass_fds=handed)
                 label = f"[rank{rank}] ".encode()
                 for stream, sink in ((proc.stdout, sys.stdout.buffer), (proc.stderr, sys.stderr.buffer)):
                     ranks.pumps.append(threading.Thread(target=_pump, args=(stream, label, sink), daemon=True))
@@ -143,7 +156,19 @@ def start_ranks(command: Sequence[str], world: int, *, port: int, master_addr: s
     finally:
         if mask is not None:
             signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        if listener is not None:
+            listener.close()  # rank 0 holds it now (or, if it did not start, nobody needs it)
     return ranks
+
+
+def store_listener(host: str = "127.0.0.1") -> socket.socket:
+    """A socket listening on a port the OS picks on `host`, for rank 0's store (`start_ranks(listener=...)`).
+
+    A rank that comes to the rendezvous before rank 0 serves the store finds the port listening:
+    its connection waits in the backlog instead of being refused (torch retries a refused
+    connection only after a back-off of about half a second).
+    """
+    return socket.create_server((host, 0))
 
 
 class Ranks:
