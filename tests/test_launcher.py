@@ -14,7 +14,7 @@ import pytest
 from dptrain.runtime.env import detect, free_port
 from dptrain.runtime.launcher import launch_local
 from dptrain.runtime.prestart import prestart, release
-from dptrain.runtime.spawn import _pump, describe_exit, spawn_ranks, worker_env
+from dptrain.runtime.spawn import STORE_FD, _pump, describe_exit, spawn_ranks, store_listener, worker_env
 
 
 class ChunkedStream(io.BytesIO):
@@ -205,6 +205,19 @@ def test_spawn_ranks_writes_each_ranks_output_to_its_log_with_its_prefix_and_env
     assert ended.seconds > 0
     for rank in range(3):
         assert (tmp_path / f"rank{rank}.log").read_text() == f"rank {rank} of 3 host{rank} 2 False\n"
+
+
+def test_rank_0_is_handed_the_socket_listening_on_master_port_and_no_other_rank_has_it(tmp_path):
+    # Each rank says whether it has the socket and whether it listens on MASTER_PORT; the launcher keeps no copy.
+    code = ("import socket\nfd = os.environ.get('" + STORE_FD + "')\n"
+            "if fd:\n    s = socket.socket(fileno=int(fd))\n"
+            "    print('handed', s.getsockname()[1] == int(os.environ['MASTER_PORT']), "
+            "s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN))\n"
+            "else:\n    print('none')")
+    listener = store_listener()
+    ended = spawn_ranks(python(code), 2, port=listener.getsockname()[1], log_dir=tmp_path, listener=listener)
+    assert ended.code == 0 and listener.fileno() == -1
+    assert [(tmp_path / f"rank{rank}.log").read_text() for rank in range(2)] == ["handed True 1\n", "none\n"]
 
 
 def test_spawn_ranks_names_the_first_failed_rank_and_stops_the_others(tmp_path):
