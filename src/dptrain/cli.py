@@ -90,8 +90,10 @@ def _train(config) -> int:
 
     prestarted = None
     if config.workers > 1 and not detect().launched:
+        from dptrain.program import skip_finalization
         from dptrain.runtime.prestart import prestart
         prestarted = prestart(config.workers)
+        skip_finalization()  # this launcher ends when its workers have: nothing needs tearing down
     try:
         from dptrain.train.run import train
         return train(config, prestarted)

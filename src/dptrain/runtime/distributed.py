@@ -267,7 +267,7 @@ _JOINED = False  # whether this process ever joined a process group
 _JOINED_AS: Optional[DistEnv] = None  # what the environment said when this process joined it
 
 
-def exit_process(code: int) -> None:
+def exit_process(code: int, finalize: Optional[bool] = None) -> None:
     """End a program that used a process group without letting Python finalize the interpreter.
 
     Gloo's worker threads release each finished collective a moment after the caller sees it
@@ -277,8 +277,10 @@ def exit_process(code: int) -> None:
     exit code 134) after the work finished: about one run in thirty of a two-rank job with
     torch 2.13 on gloo, a plain DDP script included. atexit handlers still run, the standard
     streams are flushed, then the process leaves with `code` and no finalization.
+
+    A process that joined no group exits plainly (finalized), unless `finalize` is False.
     """
-    if not _JOINED:
+    if not _JOINED and finalize is not False:
         sys.exit(code)
     try:
         atexit._run_exitfuncs()
