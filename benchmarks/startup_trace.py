@@ -42,7 +42,7 @@ _stamp("interpreter up")
 # module -> functions (Class.method for methods) whose calls are phases
 _PHASES = {
     "dptrain.cli": ["parse_args"],
-    "dptrain.runtime.prestart": ["prestart", "_preload"],
+    "dptrain.runtime.prestart": ["prestart", "receive"],
     "dptrain.runtime.spawn": ["Ranks.release"],
     "dptrain.train.run": ["validate", "prepare_run_dir", "run_worker", "load_data", "make_model"],
     "dptrain.runtime.launcher": ["launch_local"],

@@ -6,7 +6,7 @@ import sys
 if os.environ.get("DPTRAIN_PRESTARTED") == "1":
     # A local worker started before its launcher validated the run: it imports torch now and
     # takes its arguments from the launcher's line (dptrain.runtime.prestart).
-    from dptrain.runtime.prestart import wait_for_launcher
+    from dptrain.cli import wait_for_launcher
 
     wait_for_launcher()
 

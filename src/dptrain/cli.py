@@ -9,13 +9,14 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import signal
 import sys
 from typing import Optional, Sequence
 
 from dptrain import __version__
 from dptrain.arguments import Parser, add_config_flags, config_from_args
 from dptrain.program import report_errors, run as run_program
-from dptrain.train.preemption import catch_stop_signals_early
+from dptrain.train.preemption import STOP_SIGNALS, catch_stop_signals_early
 
 # Commands that live in their own subpackage: name -> (module with add_arguments(parser) and
 # main(args) -> exit code, one-line help).
@@ -100,6 +101,33 @@ def _train(config) -> int:
     finally:
         if prestarted is not None:
             prestarted.close()
+
+
+def wait_for_launcher() -> None:
+    """In a pre-started worker (dptrain.runtime.prestart): import what a rank needs, then take sys.argv
+    from the launcher's line; exit at once, saying nothing, when there is none (the launcher refused
+    the input, was interrupted or died).
+
+    The launcher started this process with SIGINT, SIGTERM and SIGUSR1 blocked, so that none of
+    them ends it while the interpreter itself starts: now a stop signal that came meanwhile is
+    remembered, to be honoured at the first epoch end, and Ctrl-C (which reaches the whole
+    process group) is left to the launcher until the release: it reports it and stops this process.
+    """
+    from dptrain.runtime.prestart import receive
+
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    catch_stop_signals_early()
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, *STOP_SIGNALS})
+    try:  # what every `dptrain train` rank imports anyway; a failure happens again where it would
+        import dptrain.train.run  # noqa: F401 - torch, torch.distributed, the trainer
+        import torch._dynamo  # noqa: F401 - torch.optim imports it when the first optimizer is made (~1 s)
+    except Exception:  # noqa: BLE001
+        pass
+    argv = receive()
+    if argv is None:
+        os._exit(0)
+    signal.signal(signal.SIGINT, previous)
+    sys.argv[1:] = argv
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
