@@ -55,3 +55,26 @@ def test_the_dptrain_program_keeps_its_exit_code_for_bad_input(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
     assert done.stderr.startswith("dptrain: error:") and "Traceback" not in done.stderr
+
+
+def test_a_program_that_asked_to_skip_finalization_leaves_without_it_though_it_joined_no_group(tmp_path):
+    # dptrain's launcher (`dptrain train --workers 2`) joins no group; it still leaves without tearing torch down.
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent("""
+        import atexit, os, sys
+        import dptrain
+        import dptrain.runtime.distributed
+        from dptrain.program import skip_finalization
+
+        class Finalized:
+            def __del__(self, write=os.write):
+                write(2, b"finalized")
+
+        keep = Finalized()
+        atexit.register(lambda: print("atexit ran", end="", file=sys.stderr))
+        skip_finalization()
+        dptrain.run(lambda: print("unflushed output", end="") or 5)
+    """))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert (done.returncode, done.stdout) == (5, "unflushed output")
+    assert "atexit ran" in done.stderr and "finalized" not in done.stderr

@@ -13,7 +13,8 @@ import pytest
 
 from dptrain.runtime.env import detect, free_port
 from dptrain.runtime.launcher import launch_local
-from dptrain.runtime.spawn import _pump, describe_exit, spawn_ranks, worker_env
+from dptrain.runtime.prestart import prestart, release
+from dptrain.runtime.spawn import STORE_FD, _pump, describe_exit, spawn_ranks, store_listener, worker_env
 
 
 class ChunkedStream(io.BytesIO):
@@ -159,6 +160,38 @@ def test_launch_local_returns_the_failed_worker_code_and_names_its_rank(capfd):
     assert re.search(rf"^\[rank{failed.group(1)}\] dptrain: error: .*/nonexistent\.yaml", err, re.M), err
 
 
+@pytest.mark.slow
+def test_prestarted_workers_run_what_they_are_released_with_and_exit_unheard_without_it(capfd):
+    # Released: the ranks run `dptrain ARGV` with the environment sent, as spawned ones would.
+    ranks = prestart(2)
+    try:
+        release(ranks, ["info"], {"MASTER_PORT": "29130"})
+        ended = ranks.wait(timeout=120)
+    finally:
+        ranks.close()
+    assert ended.code == 0
+    out, err = capfd.readouterr()
+    for rank in (0, 1):
+        mine = "\n".join(line for line in out.splitlines() if line.startswith(f"[rank{rank}] "))
+        assert re.search(rf"\brank\b\W+{rank}\b", mine) and re.search(r"\blauncher\b\W+local\b", mine), out
+    # Their launcher gone (stdin closed without a line): each exits at once, code 0, saying nothing.
+    ranks = prestart(2)
+    try:
+        for proc in ranks.procs:
+            proc.stdin.close()
+        ended = ranks.wait(timeout=120)
+    finally:
+        ranks.close()
+    assert (ended.code, ended.timed_out) == (0, False)
+    assert capfd.readouterr() == ("", "")
+    # Bad input: the launcher closes them unreleased, which kills them at once, with nothing said.
+    started = time.monotonic()
+    ranks = prestart(2)
+    ranks.close()
+    assert time.monotonic() - started < 10 and all(proc.returncode is not None for proc in ranks.procs)
+    assert capfd.readouterr() == ("", "")
+
+
 def python(code: str) -> list[str]:
     """A rank's command: Python running `code`, which sees its RANK in os.environ."""
     return [sys.executable, "-c", "import os, sys, time, signal\n" + code]
@@ -172,6 +205,19 @@ def test_spawn_ranks_writes_each_ranks_output_to_its_log_with_its_prefix_and_env
     assert ended.seconds > 0
     for rank in range(3):
         assert (tmp_path / f"rank{rank}.log").read_text() == f"rank {rank} of 3 host{rank} 2 False\n"
+
+
+def test_rank_0_is_handed_the_socket_listening_on_master_port_and_no_other_rank_has_it(tmp_path):
+    # Each rank says whether it has the socket and whether it listens on MASTER_PORT; the launcher keeps no copy.
+    code = ("import socket\nfd = os.environ.get('" + STORE_FD + "')\n"
+            "if fd:\n    s = socket.socket(fileno=int(fd))\n"
+            "    print('handed', s.getsockname()[1] == int(os.environ['MASTER_PORT']), "
+            "s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN))\n"
+            "else:\n    print('none')")
+    listener = store_listener()
+    ended = spawn_ranks(python(code), 2, port=listener.getsockname()[1], log_dir=tmp_path, listener=listener)
+    assert ended.code == 0 and listener.fileno() == -1
+    assert [(tmp_path / f"rank{rank}.log").read_text() for rank in range(2)] == ["handed True 1\n", "none\n"]
 
 
 def test_spawn_ranks_names_the_first_failed_rank_and_stops_the_others(tmp_path):

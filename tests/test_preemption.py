@@ -38,7 +38,8 @@ def test_a_stop_signal_while_the_workers_start_up_ends_the_run_after_epoch_1(tmp
         time.sleep(0.01)
     workers = _children(proc.pid)
     assert len(workers) == 2
-    time.sleep(0.3)  # past the interpreter's own start: the workers are importing torch or meeting
+    # At once, while the interpreters themselves start: the launcher starts its workers with stop
+    # signals blocked, and a worker unblocks them once it remembers them (dptrain.runtime.prestart).
     for pid in workers:  # as SLURM signals every task
         os.kill(pid, signal.SIGUSR1)
     _, stderr = proc.communicate(timeout=180)

@@ -31,6 +31,39 @@ def test_digits_shapes_and_fixed_split():
     assert same(ds, load_dataset("digits", seed=5))
 
 
+def test_digits_are_scikit_learns_digits_and_split_read_without_importing_it():
+    # dptrain reads the file scikit-learn ships and splits it itself (importing scikit-learn
+    # costs each process about a second); the result must be what scikit-learn gives.
+    import subprocess
+    import sys
+
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    bunch = load_digits()
+    x, y = (bunch.data / 16.0).astype(np.float32).reshape(-1, 1, 8, 8), bunch.target.astype(np.int64)
+    train, test = train_test_split(np.arange(len(y)), test_size=0.2, random_state=0, stratify=y)
+    got = arrays(load_dataset("digits"))
+    assert all(np.array_equal(a, b) and a.dtype == b.dtype for a, b in zip(got, (x[train], y[train], x[test], y[test])))
+    code = "import sys; from dptrain.data import load_dataset; load_dataset('digits'); print('sklearn' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "False\n"
+
+
+@pytest.mark.parametrize("seed", [0, 1, 7])
+def test_stratified_split_is_scikit_learns_train_test_split(seed):
+    from sklearn.model_selection import train_test_split
+
+    from dptrain.data.sources import stratified_split
+
+    rng = np.random.default_rng(seed)
+    for classes, n, test_size in ((10, 1797, 0.2), (3, 50, 0.3), (7, 101, 0.25), (2, 9, 0.5)):
+        y = rng.integers(classes, size=n)
+        y[:classes * 2] = np.repeat(np.arange(classes), 2)  # every class at least twice, as scikit-learn needs
+        expected = train_test_split(np.arange(n), test_size=test_size, random_state=seed, stratify=y)
+        got = stratified_split(y, test_size, seed)
+        assert all(np.array_equal(a, b) for a, b in zip(got, expected)), (classes, n, test_size)
+
+
 def test_digits_rejects_samples():
     with pytest.raises(UserError, match="--samples 100 applies only to synthetic"):
         load_dataset("digits", samples=100)

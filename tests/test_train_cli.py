@@ -66,6 +66,9 @@ def test_two_workers_reach_90_percent_on_digits(digits_runs, strategy):
     assert summary["model_parameters"] == 64 * 128 + 128 + 128 * 64 + 64 + 64 * 10 + 10
     assert summary["comm_bytes"] == sum(summary["comm_bytes_per_worker"])
     assert "[rank0] epoch 10/10" in result.stdout
+    # One line says what the wait is for while the workers start, before anything they print.
+    starting = f"dptrain: run directory {run_dir}; starting 2 workers on this machine...\n"
+    assert result.stdout.startswith(starting), result.stdout[:500]
 
 
 @pytest.mark.parametrize("strategy", ["allreduce", "sync"])

@@ -1,6 +1,14 @@
 """`python -m dptrain` (and `torchrun -m dptrain`): the same as the `dptrain` command."""
 
+import os
 import sys
+
+if os.environ.get("DPTRAIN_PRESTARTED") == "1":
+    # A local worker started before its launcher validated the run: it imports torch now and
+    # takes its arguments from the launcher's line (dptrain.runtime.prestart).
+    from dptrain.cli import wait_for_launcher
+
+    wait_for_launcher()
 
 if sys.argv[1:2] == ["train"]:
     # Before anything heavy is imported: a scheduler's stop signal that arrives while this rank

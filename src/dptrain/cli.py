@@ -9,13 +9,14 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import signal
 import sys
 from typing import Optional, Sequence
 
 from dptrain import __version__
 from dptrain.arguments import Parser, add_config_flags, config_from_args
 from dptrain.program import report_errors, run as run_program
-from dptrain.train.preemption import catch_stop_signals_early
+from dptrain.train.preemption import STOP_SIGNALS, catch_stop_signals_early
 
 # Commands that live in their own module: name -> (module with add_arguments(parser) and
 # main(args) -> exit code, one-line help). A command that runs another program also has
@@ -31,7 +32,9 @@ COMMAND_MODULES: dict[str, tuple[str, str]] = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: Optional[str] = None) -> argparse.ArgumentParser:
+    """The whole command line; with `only`, the commands of COMMAND_MODULES other than that one get
+    no arguments (their modules are not imported: a worker parsing `train` needs none of them)."""
     parser = Parser(prog="dptrain", description="Data-parallel PyTorch training from a laptop to an HPC cluster.",
                     allow_abbrev=False)
     parser.add_argument("--version", action="version", version=f"dptrain {__version__}")
@@ -51,7 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     commands.add_parser("info", help="print what the runtime detects: launcher, ranks, devices, versions",
                         allow_abbrev=False)
     for name, (module, help_text) in COMMAND_MODULES.items():
-        importlib.import_module(module).add_arguments(commands.add_parser(name, help=help_text, allow_abbrev=False))
+        command = commands.add_parser(name, help=help_text, allow_abbrev=False)
+        if only is None or only == name:
+            importlib.import_module(module).add_arguments(command)
     return parser
 
 
@@ -74,7 +79,8 @@ def parse_args(argv: Sequence[str], passthrough: Optional[list[str]] = None) -> 
     """
     if passthrough is None:
         argv, passthrough = split_passthrough(argv)
-    parser = build_parser()
+    # The top level has no option that takes a value, so the first word that is not an option is the command.
+    parser = build_parser(only=next((arg for arg in argv if not arg.startswith("-")), None))
     args, unknown = parser.parse_known_args(argv)
     if unknown:
         # argparse reports a subcommand's unknown options at the top level; search the subcommand's flags.
@@ -88,8 +94,7 @@ def parse_args(argv: Sequence[str], passthrough: Optional[list[str]] = None) -> 
 def run(argv: Sequence[str], passthrough: Optional[list[str]] = None) -> int:
     args = parse_args(argv, passthrough)
     if args.command == "train":
-        from dptrain.train.run import train
-        return train(config_from_args(args))
+        return _train(config_from_args(args))
     if args.command == "demo":
         from dptrain.demo import demo
         return demo(workers=args.workers, epochs=args.epochs, out=args.out)
@@ -100,6 +105,52 @@ def run(argv: Sequence[str], passthrough: Optional[list[str]] = None) -> int:
         return importlib.import_module(COMMAND_MODULES[args.command][0]).main(args)
     build_parser().print_help()
     return 2
+
+
+def _train(config) -> int:
+    """`dptrain train`: local workers are started before this process imports torch and validates the
+    run, so that their start-up (mostly importing torch) overlaps its own (dptrain.runtime.prestart)."""
+    from dptrain.runtime.env import detect
+
+    prestarted = None
+    if config.workers > 1 and not detect().launched:
+        from dptrain.program import skip_finalization
+        from dptrain.runtime.prestart import prestart
+        prestarted = prestart(config.workers)
+        skip_finalization()  # this launcher ends when its workers have: nothing needs tearing down
+    try:
+        from dptrain.train.run import train
+        return train(config, prestarted)
+    finally:
+        if prestarted is not None:
+            prestarted.close()
+
+
+def wait_for_launcher() -> None:
+    """In a pre-started worker (dptrain.runtime.prestart): import what a rank needs, then take sys.argv
+    from the launcher's line; exit at once, saying nothing, when there is none (the launcher refused
+    the input, was interrupted or died).
+
+    The launcher started this process with SIGINT, SIGTERM and SIGUSR1 blocked, so that none of
+    them ends it while the interpreter itself starts: now a stop signal that came meanwhile is
+    remembered, to be honoured at the first epoch end, and Ctrl-C (which reaches the whole
+    process group) is left to the launcher until the release: it reports it and stops this process.
+    """
+    from dptrain.runtime.prestart import receive
+
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    catch_stop_signals_early()
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, *STOP_SIGNALS})
+    try:  # what every `dptrain train` rank imports anyway; a failure happens again where it would
+        import dptrain.train.run  # noqa: F401 - torch, torch.distributed, the trainer
+        import torch._dynamo  # noqa: F401 - torch.optim imports it when the first optimizer is made (~1 s)
+    except Exception:  # noqa: BLE001
+        pass
+    argv = receive()
+    if argv is None:
+        os._exit(0)
+    signal.signal(signal.SIGINT, previous)
+    sys.argv[1:] = argv
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

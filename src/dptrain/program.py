@@ -25,6 +25,20 @@ from typing import Any, Callable, NoReturn
 from dptrain.errors import Interrupted, Preempted, UserError
 
 
+_FINALIZE = True  # whether `run` lets a process that joined no process group finalize the interpreter
+
+
+def skip_finalization() -> None:
+    """Have `run` end this process without interpreter finalization although it joined no process group.
+
+    For dptrain's own launcher: once its workers have ended it has nothing left to do, and
+    tearing down torch's modules (imported to validate the run) would take half a second more
+    (atexit handlers still run and the standard streams are flushed).
+    """
+    global _FINALIZE
+    _FINALIZE = False
+
+
 def debugging() -> bool:
     """--debug anywhere on the command line, or DPTRAIN_DEBUG=1 (which spawned workers inherit)."""
     return os.environ.get("DPTRAIN_DEBUG") == "1"
@@ -77,4 +91,4 @@ def run(main: Callable[..., Any], *args: Any, **kwargs: Any) -> NoReturn:
     distributed = sys.modules.get("dptrain.runtime.distributed")
     if distributed is None:
         sys.exit(code or 0)
-    distributed.exit_process(code or 0)
+    distributed.exit_process(code or 0, finalize=None if _FINALIZE else False)

@@ -134,14 +134,9 @@ class BuiltinSettings:
 def digits(settings: BuiltinSettings) -> Dataset:
     if settings.samples is not None:
         raise UserError(f"--samples {settings.samples} applies only to synthetic data sets, not to digits.")
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
-
     block_size = settings.block_size
-    bunch = load_digits()
-    x = (bunch.data / 16.0).astype(np.float32).reshape(-1, 1, 8, 8)
-    y = bunch.target.astype(np.int64)
-    train, test = train_test_split(np.arange(len(y)), test_size=0.2, random_state=0, stratify=y)
+    x, y = _digits_arrays()
+    train, test = stratified_split(y, 0.2, 0)
     return Dataset(
         x_train=DSTensor.from_array(x[train], block_size),
         y_train=DSTensor.from_array(y[train], block_size),
@@ -152,6 +147,71 @@ def digits(settings: BuiltinSettings) -> Dataset:
         input_shape=(1, 8, 8),
         name="digits",
     )
+
+
+def _digits_arrays() -> tuple[np.ndarray, np.ndarray]:
+    """scikit-learn's digits as (x, y), read from the file it ships, without importing scikit-learn.
+
+    Importing scikit-learn (it imports SciPy) takes about a second, once in the launching process
+    and once in every worker; reading the 1,797 rows takes a few milliseconds. The values are
+    those of ``sklearn.datasets.load_digits()``: the same file, parsed by ``np.loadtxt`` as it
+    parses it. If the file is not where scikit-learn keeps it, scikit-learn loads it.
+    """
+    import gzip
+    from importlib.util import find_spec
+
+    spec = find_spec("sklearn")  # finds the package without running it
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    path = next((Path(p) / "datasets" / "data" / "digits.csv.gz" for p in locations
+                 if (Path(p) / "datasets" / "data" / "digits.csv.gz").is_file()), None)
+    if path is None:
+        from sklearn.datasets import load_digits
+        bunch = load_digits()
+        data, target = bunch.data, bunch.target
+    else:
+        with gzip.open(path, mode="rt", encoding="utf-8") as handle:
+            table = np.loadtxt(handle, delimiter=",")
+        data, target = table[:, :-1], table[:, -1].astype(int, copy=False)
+    return (data / 16.0).astype(np.float32).reshape(-1, 1, 8, 8), target.astype(np.int64)
+
+
+def stratified_split(y: np.ndarray, test_size: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(train, test) indices of ``sklearn.model_selection.train_test_split(..., test_size=test_size,
+    random_state=seed, stratify=y)``, in its order, computed as its StratifiedShuffleSplit does but
+    without importing scikit-learn (tests/test_datasets.py checks the two agree)."""
+    n = len(y)
+    n_test = int(np.ceil(test_size * n))
+    n_train = n - n_test
+    _, y_indices, class_counts = np.unique(y, return_inverse=True, return_counts=True)
+    class_indices = np.split(np.argsort(y_indices, kind="stable"), np.cumsum(class_counts)[:-1])
+    rng = np.random.RandomState(seed)
+    n_i = _approximate_mode(class_counts, n_train, rng)
+    t_i = _approximate_mode(class_counts - n_i, n_test, rng)
+    train: list[int] = []
+    test: list[int] = []
+    for i, count in enumerate(class_counts):
+        members = class_indices[i].take(rng.permutation(count), mode="clip")
+        train.extend(members[: n_i[i]])
+        test.extend(members[n_i[i]: n_i[i] + t_i[i]])
+    return rng.permutation(train), rng.permutation(test)
+
+
+def _approximate_mode(class_counts: np.ndarray, n_draws: int, rng: np.random.RandomState) -> np.ndarray:
+    """scikit-learn's ``sklearn.utils.extmath._approximate_mode``: draws per class, ties broken by ``rng``."""
+    continuous = class_counts / class_counts.sum() * n_draws
+    floored = np.floor(continuous)
+    need_to_add = int(n_draws - floored.sum())
+    if need_to_add > 0:
+        remainder = continuous - floored
+        for value in np.sort(np.unique(remainder))[::-1]:
+            (inds,) = np.where(remainder == value)
+            add_now = min(len(inds), need_to_add)
+            inds = rng.choice(inds, size=add_now, replace=False)
+            floored[inds] += 1
+            need_to_add -= add_now
+            if need_to_add == 0:
+                break
+    return floored.astype(int)
 
 
 def synthetic_images(settings: BuiltinSettings) -> Dataset:

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from dptrain.errors import UserError
 from dptrain.runtime.env import DistEnv
 from dptrain.runtime.heartbeat import Heartbeat, StoreUnanswered, bounded, default_store, store_abandoned
+from dptrain.runtime.spawn import STORE_FD
 
 
 @dataclass
@@ -120,11 +121,16 @@ def rendezvous_store(env: DistEnv, timeout: float, where: str) -> dist.TCPStore:
     """
     wait = datetime.timedelta(seconds=timeout)
     if env.rank == 0:
-        listener = _listen(env.master_addr, env.master_port, where)
+        handed = os.environ.pop(STORE_FD, None)  # dptrain's launcher listens on MASTER_PORT for us already
+        if handed:
+            listener_fd = int(handed)
+            os.set_inheritable(listener_fd, False)
+        else:
+            listener_fd = _listen(env.master_addr, env.master_port, where).detach()
         with _cpp_log_hidden():
-            # torch takes over the listening socket (detach: its fd is torch's to close).
+            # torch takes over the listening socket (its fd is torch's to close).
             return dist.TCPStore(env.master_addr, env.master_port, env.world_size, True, wait,
-                                 master_listen_fd=listener.detach())
+                                 master_listen_fd=listener_fd)
     try:
         with _cpp_log_hidden():
             return bounded(lambda: dist.TCPStore(env.master_addr, env.master_port, env.world_size, False, wait),
@@ -217,17 +223,6 @@ def _cpp_log_hidden():
         os.close(saved)
 
 
-def quiet_cpp_logs_of_children() -> None:
-    """Keep torch's C++ warnings with stacks out of the workers this process is about to start.
-
-    When rank 0 dies, a survivor's store connection logs a 20-line C++ stack before dptrain's
-    one line. torch reads TORCH_CPP_LOG_LEVEL once, at import, so it is set in the environment
-    the workers inherit, not in a running rank; a value the user set is kept.
-    """
-    if not debugging():
-        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-
-
 _HEARTBEATS: list[Heartbeat] = []  # at most one: this process's, until the group is destroyed
 
 
@@ -272,7 +267,7 @@ _JOINED = False  # whether this process ever joined a process group
 _JOINED_AS: Optional[DistEnv] = None  # what the environment said when this process joined it
 
 
-def exit_process(code: int) -> None:
+def exit_process(code: int, finalize: Optional[bool] = None) -> None:
     """End a program that used a process group without letting Python finalize the interpreter.
 
     Gloo's worker threads release each finished collective a moment after the caller sees it
@@ -282,8 +277,10 @@ def exit_process(code: int) -> None:
     exit code 134) after the work finished: about one run in thirty of a two-rank job with
     torch 2.13 on gloo, a plain DDP script included. atexit handlers still run, the standard
     streams are flushed, then the process leaves with `code` and no finalization.
+
+    A process that joined no group exits plainly (finalized), unless `finalize` is False.
     """
-    if not _JOINED:
+    if not _JOINED and finalize is not False:
         sys.exit(code)
     try:
         atexit._run_exitfuncs()

@@ -1,6 +1,7 @@
 """The local launchers: spawn N ranks on this machine, as torchrun would, but quieter.
 
-`dptrain train` runs its workers as `python -m dptrain train ...` (launch_local); `dptrain run`
+`dptrain train` runs its workers as `python -m dptrain train ...` (launch_local; or gives workers
+started ahead of time, dptrain.runtime.prestart, their arguments instead); `dptrain run`
 runs a user's script (dptrain.run_command). Both go through the one spawner
 (dptrain.runtime.spawn), their output prefixed with the rank; if a rank fails, the others are
 stopped and one line (say_how_ranks_ended) names the rank that failed first, or the ranks
@@ -10,25 +11,36 @@ still running long after another one ended well.
 from __future__ import annotations
 
 import sys
-from typing import Sequence
+from typing import Optional, Sequence
 
 from dptrain.errors import Interrupted, Preempted, UserError
-from dptrain.runtime.env import free_port
-from dptrain.runtime.spawn import RanksExit, describe_exit, spawn_ranks
+from dptrain.runtime.prestart import release
+from dptrain.runtime.spawn import Ranks, RanksExit, describe_exit, spawn_ranks, store_listener
 
 # Exit codes after which a launcher does not restart its ranks: done, bad input (the same again),
 # stopped on request to be requeued, Ctrl-C.
 NOT_RESTARTED = (0, UserError.exit_code, Preempted.exit_code, Interrupted.exit_code)
 
 
-def launch_local(workers: int, argv: Sequence[str], timeout: float = 300.0) -> int:
+def launch_local(workers: int, argv: Sequence[str], timeout: float = 300.0, prestarted: Optional[Ranks] = None) -> int:
     """Run `python -m dptrain ARGV` as `workers` ranks; return 0, 75 (stopped at a checkpoint) or the first failure's code.
 
-    Once one rank has ended well, the others must end within `timeout` seconds (they have no
-    one left to wait for): a rank frozen after the last collective is stopped and named.
+    `prestarted`: ranks started by dptrain.runtime.prestart.prestart(workers), released here
+    with ARGV (and closed). Once one rank has ended well, the others must end within `timeout`
+    seconds (they have no one left to wait for): a rank frozen after the last collective is
+    stopped and named.
     """
     try:
-        ended = spawn_ranks([sys.executable, "-m", "dptrain", *argv], workers, port=free_port(), linger=timeout)
+        if prestarted is None:
+            listener = store_listener()
+            ended = spawn_ranks([sys.executable, "-m", "dptrain", *argv], workers, port=listener.getsockname()[1],
+                                linger=timeout, listener=listener)
+        else:
+            try:
+                release(prestarted, list(argv), {})
+                ended = prestarted.wait(linger=timeout)
+            finally:
+                prestarted.close()
     except KeyboardInterrupt:
         return Interrupted.exit_code
     say_how_ranks_ended(ended, timeout)

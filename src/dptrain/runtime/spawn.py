@@ -5,7 +5,8 @@ MASTER_PORT) plus DPTRAIN_LAUNCHER (`local` for `dptrain train`'s workers, `dptr
 the ranks of a user's script) and its share of the CPU threads. Its output is
 either pumped to ours with a `[rankN] ` prefix or written to `rankN.log` in a directory. A
 scheduler's warning (SIGTERM, SIGUSR1) is passed on to every rank; the first rank to fail is
-reported and the others are stopped.
+reported and the others are stopped. `spawn_ranks` starts and waits; `start_ranks` only starts,
+optionally holding the ranks until they are given one line on stdin (dptrain.runtime.prestart).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import os
 import queue
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -26,6 +28,8 @@ from dptrain.errors import Preempted
 
 PREEMPTED = Preempted.exit_code
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+# Rank 0 finds here the number of an inherited socket already listening on MASTER_PORT, to serve the store on.
+STORE_FD = "DPTRAIN_STORE_FD"
 
 
 @dataclass(frozen=True)
@@ -84,7 +88,7 @@ def spawn_ranks(command: Sequence[str], world: int, *, port: int, master_addr: s
                 threads: Optional[int] = None, extra_env: Optional[dict[str, str]] = None,
                 prefix: Optional[Callable[[int], list[str]]] = None, log_dir: Optional[Path] = None,
                 timeout: Optional[float] = None, linger: Optional[float] = None,
-                launcher: str = "local") -> RanksExit:
+                listener: Optional[socket.socket] = None, launcher: str = "local") -> RanksExit:
     """Run `command` as ranks 0..world-1 and wait until all have exited, one has failed, `timeout` passed,
     or (with `linger`) some ranks are still running that long after the first one ended well.
 
@@ -95,51 +99,142 @@ def spawn_ranks(command: Sequence[str], world: int, *, port: int, master_addr: s
     neither finish nor checkpoint consistently (the last complete checkpoint stays the one to
     resume from). `launcher` is the ranks' DPTRAIN_LAUNCHER.
     """
+    ranks = start_ranks(command, world, port=port, master_addr=master_addr, threads=threads, extra_env=extra_env,
+                        prefix=prefix, log_dir=log_dir, listener=listener, launcher=launcher)
+    try:
+        return ranks.wait(timeout=timeout, linger=linger)
+    finally:
+        ranks.close()
+
+
+def start_ranks(command: Sequence[str], world: int, *, port: int, master_addr: str = "127.0.0.1",
+                threads: Optional[int] = None, extra_env: Optional[dict[str, str]] = None,
+                prefix: Optional[Callable[[int], list[str]]] = None, log_dir: Optional[Path] = None,
+                held: bool = False, listener: Optional[socket.socket] = None, launcher: str = "local") -> "Ranks":
+    """Start `command` as ranks 0..world-1 (see spawn_ranks) and return them running; `Ranks.wait` waits.
+
+    With `held`, each rank's stdin is a pipe and the ranks are meant to wait for one line on it
+    (`Ranks.release`), so they can start (import torch) while this process still prepares the run;
+    closing the ranks unreleased kills them. Held ranks start with SIGINT, SIGTERM and SIGUSR1
+    blocked, to be unblocked by the rank once it handles them (dptrain.runtime.prestart): a Ctrl-C
+    is ours to report until they are released, and a scheduler's stop signal that comes while the
+    interpreter starts is kept for the rank to honour, not fatal.
+
+    `listener` (see `store_listener`) is handed to rank 0, which serves the store on it, and
+    closed here: the port is never free between its choice and the store.
+    """
     threads = threads or max(1, (os.cpu_count() or 1) // world)
     base = {**os.environ, **(extra_env or {})}
-    procs: list[subprocess.Popen] = []
-    pumps: list[threading.Thread] = []
-    logs: list[IO[bytes]] = []
-    begun = time.perf_counter()
-    # One waiter thread per rank reports exits in the order they happen, so the rank that
-    # failed first is named, not a peer that failed because it lost that rank.
-    exits: queue.Queue = queue.Queue()
-    previous: dict[int, object] = {}
-    forwarded: list[int] = []
-    # Set on Ctrl-C: what the ranks still print as they die (KeyboardInterrupt tracebacks) is not echoed.
-    interrupted = threading.Event()
+    ranks = Ranks(world)
+    # Children inherit the signal mask (through exec); ours is restored below, delivering a Ctrl-C
+    # that came meanwhile. Threads started meanwhile (output pumps, waiters) keep it blocked: Python
+    # runs signal handlers on the main thread anyway.
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, *FORWARDED_SIGNALS}) if held else None
     try:
         for rank in range(world):
             env = worker_env(rank, world, port, threads, base, master_addr=master_addr,
                              tty=False if log_dir is not None else None, launcher=launcher)
             argv = [*(prefix(rank) if prefix else []), *command]
+            stdin = subprocess.PIPE if held else subprocess.DEVNULL
+            handed: tuple[int, ...] = ()
+            if listener is not None and rank == 0:
+                handed = (listener.fileno(),)
+                env[STORE_FD] = str(listener.fileno())
             if log_dir is not None:
-                logs.append(open(log_dir / f"rank{rank}.log", "wb"))
-                proc = subprocess.Popen(argv, env=env, stdout=logs[-1], stderr=subprocess.STDOUT,
-                                        stdin=subprocess.DEVNULL)
+                ranks.logs.append(open(log_dir / f"rank{rank}.log", "wb"))
+                proc = subprocess.Popen(argv, env=env, stdout=ranks.logs[-1], stderr=subprocess.STDOUT, stdin=stdin,
+                                        pass_fds=handed)
             else:
-                proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                        stdin=subprocess.DEVNULL)
+                proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=stdin,
+                                        pass_fds=handed)
                 label = f"[rank{rank}] ".encode()
                 for stream, sink in ((proc.stdout, sys.stdout.buffer), (proc.stderr, sys.stderr.buffer)):
-                    pumps.append(threading.Thread(target=_pump, args=(stream, label, sink, interrupted),
-                                                  daemon=True))
-                    pumps[-1].start()
-            procs.append(proc)
-            threading.Thread(target=lambda r=rank, p=proc: exits.put((r, p.wait())), daemon=True).start()
-        previous = _forward_signals(procs, forwarded)
-        ended = _wait(exits, world, begun, timeout, linger)
-        return replace(ended, stop_signal=forwarded[0]) if forwarded else ended
-    except KeyboardInterrupt:
-        interrupted.set()
+                    ranks.pumps.append(threading.Thread(target=_pump, args=(stream, label, sink, ranks.interrupted),
+                                                        daemon=True))
+                    ranks.pumps[-1].start()
+            ranks.procs.append(proc)
+            threading.Thread(target=lambda r=rank, p=proc: ranks.exits.put((r, p.wait())), daemon=True).start()
+    except BaseException:
+        ranks.close()
         raise
     finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
-        _stop(procs)
-        for pump in pumps:
+        if mask is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        if listener is not None:
+            listener.close()  # rank 0 holds it now (or, if it did not start, nobody needs it)
+    return ranks
+
+
+def store_listener(host: str = "127.0.0.1") -> socket.socket:
+    """A socket listening on a port the OS picks on `host`, for rank 0's store (`start_ranks(listener=...)`).
+
+    A rank that comes to the rendezvous before rank 0 serves the store finds the port listening:
+    its connection waits in the backlog instead of being refused (torch retries a refused
+    connection only after a back-off of about half a second).
+    """
+    return socket.create_server((host, 0))
+
+
+class Ranks:
+    """Rank processes that were started: release them (if held), wait for them, close (kill what is left)."""
+
+    def __init__(self, world: int) -> None:
+        self.world = world
+        self.procs: list[subprocess.Popen] = []
+        self.pumps: list[threading.Thread] = []
+        self.logs: list[IO[bytes]] = []
+        # One waiter thread per rank reports exits in the order they happen, so the rank that
+        # failed first is named, not a peer that failed because it lost that rank.
+        self.exits: queue.Queue = queue.Queue()
+        self.begun = time.perf_counter()
+        self.closed = False
+        # Set on Ctrl-C: what the ranks still print as they die (KeyboardInterrupt tracebacks) is not echoed.
+        self.interrupted = threading.Event()
+
+    def release(self, message: bytes) -> None:
+        """Give held ranks their one line (`message`, without its newline) and close their stdin.
+
+        A rank that already died is not written to: `wait` reports its exit as a failure.
+        """
+        self.begun = time.perf_counter()  # the time limits count from here, when the ranks have their work
+        for proc in self.procs:
+            if proc.stdin is None:
+                continue
+            try:
+                proc.stdin.write(message + b"\n")
+                proc.stdin.close()
+            except OSError:  # it died before its release (BrokenPipeError)
+                pass
+
+    def wait(self, timeout: Optional[float] = None, linger: Optional[float] = None) -> RanksExit:
+        """Until all have exited, one has failed, `timeout` passed, or one has lingered (see spawn_ranks)."""
+        forwarded: list[int] = []
+        previous = _forward_signals(self.procs, forwarded)
+        try:
+            ended = _wait(self.exits, self.world, self.begun, timeout, linger)
+            return replace(ended, stop_signal=forwarded[0]) if forwarded else ended
+        except KeyboardInterrupt:
+            self.interrupted.set()
+            raise
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+
+    def close(self) -> None:
+        """Kill the ranks still running, then collect their output threads and logs (again: nothing)."""
+        if self.closed:
+            return
+        self.closed = True
+        _stop(self.procs)
+        for proc in self.procs:
+            if proc.stdin is not None and not proc.stdin.closed:
+                try:
+                    proc.stdin.close()
+                except OSError:
+                    pass
+        for pump in self.pumps:
             pump.join(timeout=5)
-        for log in logs:
+        for log in self.logs:
             log.close()
 
 

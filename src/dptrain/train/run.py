@@ -1,7 +1,9 @@
 """`dptrain train` from a TrainConfig: validate up front, spawn or join the workers, train, write the run.
 
 The launching process validates everything a user can get wrong (config, data, model, run
-directory) before any worker starts, so bad input fails once, with one line and exit code 2.
+directory) before any worker trains, so bad input fails once, with one line and exit code 2.
+The local workers are started first and import torch meanwhile (dptrain.runtime.prestart);
+they begin only once the run is valid, and are stopped unheard when it is not.
 """
 
 from __future__ import annotations
@@ -25,11 +27,12 @@ from dptrain.imports import load_callable, looks_like_spec
 from dptrain.errors import Interrupted, Preempted, UserError
 from dptrain.io import write_text
 from dptrain.models import build_model, check_output_shape
-from dptrain.runtime.distributed import (choose_device, destroy_process_group, init_process_group,
-                                         quiet_cpp_logs_of_children, set_cpu_threads)
+from dptrain.runtime.distributed import choose_device, destroy_process_group, init_process_group, set_cpu_threads
 from dptrain.runtime.env import DistEnv, detect
 from dptrain.runtime.guard import broadcast_object
 from dptrain.runtime.launcher import NOT_RESTARTED, launch_local
+from dptrain.runtime.prestart import prestart, quiet_cpp_logs_of_children
+from dptrain.runtime.spawn import Ranks
 from dptrain.strategies import build_strategy
 from dptrain.train.optim import build_optimizer, build_schedule
 from dptrain.train import checkpoint
@@ -136,22 +139,34 @@ def prepare_run_dir(config: TrainConfig, out: str, world: int, model: torch.nn.M
     return run_dir, resuming
 
 
-def _train(config: TrainConfig) -> tuple[int, Union[Summary, Path]]:
-    """Join the launcher's world, train alone, or spawn local workers: (exit code, Summary or run directory)."""
+def _train(config: TrainConfig, prestarted: Optional[Ranks] = None) -> tuple[int, Union[Summary, Path]]:
+    """Join the launcher's world, train alone, or spawn local workers: (exit code, Summary or run directory).
+
+    `prestarted`: the local workers, started already by the caller (see `train`); else they are
+    started here, before validation, and whoever started them closes them.
+    """
     env = detect()
     if env.launched:
         return 0, run_worker(config, env)
+    own = None
     if config.workers > 1:
         release_early_stop_signals()  # this process spawns the workers and passes signals on to them
-    model = validate(config)
-    if config.workers == 1:
-        return 0, run_worker(config, env)
-    return spawn_workers(config, model)
+        if prestarted is None:
+            prestarted = own = prestart(config.workers)
+    try:
+        model = validate(config)
+        if config.workers == 1:
+            return 0, run_worker(config, env)
+        return spawn_workers(config, model, prestarted)
+    finally:
+        if own is not None:
+            own.close()
 
 
-def train(config: TrainConfig) -> int:
-    """Entry point of `dptrain train`: its exit code."""
-    return _train(config)[0]
+def train(config: TrainConfig, prestarted: Optional[Ranks] = None) -> int:
+    """Entry point of `dptrain train`: its exit code. `prestarted`: its local workers, when `dptrain`
+    started them before importing this module (and torch)."""
+    return _train(config, prestarted)[0]
 
 
 def train_from_config(config: Union[TrainConfig, dict]) -> Summary:
@@ -170,17 +185,21 @@ def train_from_config(config: Union[TrainConfig, dict]) -> Summary:
     return Summary.from_dict(json.loads((result / "summary.json").read_text()))
 
 
-def spawn_workers(config: TrainConfig, model: torch.nn.Module) -> tuple[int, Path]:
-    """Run `config.workers` local ranks (restarting up to --max-restarts times); (exit code, run directory)."""
+def spawn_workers(config: TrainConfig, model: torch.nn.Module,
+                  prestarted: Optional[Ranks] = None) -> tuple[int, Path]:
+    """Run `config.workers` local ranks (restarting up to --max-restarts times); (exit code, run directory).
+
+    `prestarted`: the first attempt's ranks, already importing (dptrain.runtime.prestart).
+    """
     out = config.out or default_run_dir(config.strategy)
     with lock_run_dir(out):  # the launcher holds the run directory while its workers run
         run_dir, resuming = prepare_run_dir(config, out, config.workers, model)
         verb = "continuing the run in" if resuming else "run directory"
-        print(f"dptrain: {config.workers} workers on this machine, {verb} {run_dir}", flush=True)
+        print(f"dptrain: {verb} {run_dir}; starting {config.workers} workers on this machine...", flush=True)
         argv = ["train", "--config", str(run_dir / "config.yaml")]
         quiet_cpp_logs_of_children()
         for attempt in range(config.max_restarts + 1):
-            code = launch_local(config.workers, argv, config.timeout)
+            code = launch_local(config.workers, argv, config.timeout, prestarted if attempt == 0 else None)
             if code == Interrupted.exit_code:  # Ctrl-C: the workers are stopped; say where the run stands
                 print(f"dptrain: {describe_interruption(run_dir, config.workers, epochs_recorded(run_dir), config.epochs)}",
                       file=sys.stderr, flush=True)
