@@ -106,7 +106,7 @@ def make(input_shape, num_outputs):
 @pytest.mark.parametrize("strategy", ["sync"])  # one strategy keeps the suite short: all share _checkpoint/_restore
 def test_a_restart_after_a_killed_worker_ends_bitwise_equal_to_an_uninterrupted_run(tmp_path, strategy):
     (tmp_path / "once_failing.py").write_text(textwrap.dedent(ONCE_FAILING_MODEL))
-    env = {"PYTHONPATH": str(tmp_path)}
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))}
     args = ["train", *DIGITS, "--epochs", "5", "--model", "once_failing:make", "--strategy", strategy]
     clean = dptrain(*args, "--out", "clean", cwd=tmp_path, env=env)
     assert clean.returncode == 0, clean.stderr

@@ -208,7 +208,8 @@ def misbehave(tmp_path, how: str, *args: str, timeout: float = 120) -> subproces
     """`dptrain train` on digits whose rank 1 fails in the way `how` names."""
     (tmp_path / "misbehaving_model.py").write_text(textwrap.dedent(MISBEHAVING_MODEL))
     return dptrain("train", *DIGITS, "--model", "misbehaving_model:make", *args, cwd=tmp_path,
-                   env={"PYTHONPATH": str(tmp_path), "FAIL_HOW": how}, timeout=timeout)
+                   env={"PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])),
+                        "FAIL_HOW": how}, timeout=timeout)
 
 
 @pytest.mark.parametrize("how,expected", [("kill", "worker rank 1 was killed by SIGKILL"),
