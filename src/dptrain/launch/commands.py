@@ -50,7 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bind", action="append", default=[], metavar="PATH[:DEST]",
                         help="extra path to bind into the container (repeatable); the project and run "
                              "directories and --data are bound anyway")
-    parser.add_argument("--dptrain", default="dptrain", metavar="COMMAND",
+    parser.add_argument("--dptrain", default=None, metavar="COMMAND",
                         help="how a rank runs dptrain train (default: dptrain from the PATH; e.g. "
                              "'/opt/venv/bin/python -m dptrain')")
     parser.add_argument("--stop-before", type=int, default=300, metavar="SECONDS",
@@ -146,6 +146,9 @@ def build_spec(args: argparse.Namespace, workdir: Path) -> JobSpec:
     container = ContainerSpec.parse(args.container) if args.container else None
     binds = list(args.bind)
     if command:
+        if args.dptrain is not None:
+            raise UserError(f"--dptrain '{args.dptrain}' says how ranks run dptrain train, but this job runs the "
+                            f"command '{command[0]}' itself; leave --dptrain out")
         if container is None:  # inside a container the program is the image's, not this machine's
             check_command(command, workdir)
         out = args.out or timestamped("runs", "command")
@@ -167,7 +170,7 @@ def build_spec(args: argparse.Namespace, workdir: Path) -> JobSpec:
                    train_args=tuple(without_out(train_args)), command=tuple(command), nodes=args.nodes,
                    tasks_per_node=args.tasks_per_node, gpus_per_node=args.gpus_per_node,
                    cpus_per_task=args.cpus_per_task, time=args.time, partition=args.partition, account=args.account,
-                   job_name=args.job_name, container=container, binds=tuple(binds), dptrain=args.dptrain,
+                   job_name=args.job_name, container=container, binds=tuple(binds), dptrain=args.dptrain or "dptrain",
                    stop_before=args.stop_before)
 
 
