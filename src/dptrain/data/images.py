@@ -98,7 +98,7 @@ def _labelled(top: Path, classes: list[str], where: str) -> tuple[list[Path], li
 def load_image_folder(path: str, seed: int, image_size: Optional[int], augment: bool,
                       log: Callable[[str], None], task: str = "auto"):
     """The DataSplits of an image folder (see the module docstring)."""
-    from dptrain.data.user import describe_splits
+    from dptrain.data.user import describe_splits, held_out
 
     root = Path(path)
     split = (root / "train").is_dir() and (root / "test").is_dir()
@@ -127,10 +127,8 @@ def load_image_folder(path: str, seed: int, image_size: Optional[int], augment: 
         train = ImageFolder(files, targets, size, augment)
         test = ImageFolder(*_labelled(root / "test", classes, str(root / "test")), size)
     else:  # held out here rather than by describe_splits: test images are never augmented
-        held_out = max(1, round(TEST_FRACTION * len(files)))
-        order = np.random.default_rng(seed).permutation(len(files))
-        keep, hold = sorted(order[held_out:]), sorted(order[:held_out])
-        log(f"dptrain: '{path}' has no train/ and test/ subfolders: holding out {held_out} of its {len(files)} "
+        keep, hold = (sorted(part) for part in held_out(len(files), TEST_FRACTION, seed))
+        log(f"dptrain: '{path}' has no train/ and test/ subfolders: holding out {len(hold)} of its {len(files)} "
             f"images ({TEST_FRACTION:.0%}, chosen by the seed) for testing")
         train = ImageFolder([files[i] for i in keep], [targets[i] for i in keep], size, augment)
         test = ImageFolder([files[i] for i in hold], [targets[i] for i in hold], size)

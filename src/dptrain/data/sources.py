@@ -368,11 +368,16 @@ def decide_task(asked: str, integer: bool, dtype_name: str, shape: tuple, what: 
 def _check_whole_labels(path: Path, key: str, tensor: DSTensor) -> None:
     """--task classify on float labels: each must be a whole number (it becomes a class index)."""
     for i in range(tensor.n_blocks):
-        block = tensor.block(i)
-        fractional = block[block != np.round(block)]
-        if fractional.size:
-            raise UserError(f"--task classify: array '{key}' in '{path}' holds the label {fractional[0].item()!r}, "
+        fraction = first_fraction(tensor.block(i))
+        if fraction is not None:
+            raise UserError(f"--task classify: array '{key}' in '{path}' holds the label {fraction!r}, "
                             "which is not a whole number; class labels must be 0..C-1")
+
+
+def first_fraction(labels: np.ndarray) -> float | None:
+    """The first label that is not a whole number (it cannot be a class index), or None."""
+    fractional = labels[labels != np.round(labels)]
+    return fractional.flat[0].item() if fractional.size else None
 
 
 def _check_array(path: Path, key: str, tensor: DSTensor, opened: dict[str, DSTensor]) -> None:

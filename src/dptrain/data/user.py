@@ -17,7 +17,7 @@ import torch
 from torch.utils.data import Dataset, Subset
 
 from dptrain.data.sampler import CheckedItems, labels_of
-from dptrain.data.sources import decide_task
+from dptrain.data.sources import decide_task, first_fraction
 from dptrain.errors import UserError
 from dptrain.imports import load_callable
 
@@ -73,6 +73,13 @@ def load_user_data(spec: str, seed: int, test_fraction: float = 0.2,
     return describe_splits(train, test, spec, f"{spec} gave no test set", seed, test_fraction, log, task)
 
 
+def held_out(n: int, test_fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """(kept, held-out) positions of n samples: round(test_fraction * n) of them (at least 1), chosen by the seed."""
+    count = max(1, round(test_fraction * n))
+    order = np.random.default_rng(seed).permutation(n).tolist()
+    return order[count:], order[:count]
+
+
 def describe_splits(train: Dataset, test: Optional[Dataset], spec: str, no_test: str, seed: int,
                     test_fraction: float, log: Callable[[str], None], task: str) -> DataSplits:
     """Checked train and test Datasets (test held out of train when there is none, said as `no_test`:
@@ -80,11 +87,10 @@ def describe_splits(train: Dataset, test: Optional[Dataset], spec: str, no_test:
     train = CheckedItems(train, "training")
     test = CheckedItems(test, "test") if test is not None else None
     if test is None:
-        held_out = max(1, round(test_fraction * len(train)))
-        order = np.random.default_rng(seed).permutation(len(train)).tolist()
-        log(f"dptrain: {no_test}: holding out {held_out} of its {len(train)} samples "
+        keep, hold = held_out(len(train), test_fraction, seed)
+        log(f"dptrain: {no_test}: holding out {len(hold)} of its {len(train)} samples "
             f"({test_fraction:.0%}, chosen by the seed) for testing")
-        train, test = Subset(train, order[held_out:]), Subset(train, order[:held_out])
+        train, test = Subset(train, keep), Subset(train, hold)
     x, y = _item(train, spec, "training")
     task = decide_task(task, not (y.is_floating_point() or y.is_complex()), str(y.dtype).removeprefix("torch."),
                        (len(train), *y.shape), f"y of {spec}", log)
@@ -92,9 +98,9 @@ def describe_splits(train: Dataset, test: Optional[Dataset], spec: str, no_test:
         classes, outputs = None, max(1, y.numel())
     else:
         labels = labels_of(train, log)
-        fractional = labels[labels != np.round(labels)]
-        if fractional.size:
-            raise UserError(f"--task classify: {spec} has the label {fractional.flat[0].item()!r}, which is not a whole "
+        fraction = first_fraction(labels)
+        if fraction is not None:
+            raise UserError(f"--task classify: {spec} has the label {fraction!r}, which is not a whole "
                             "number; class labels must be 0..C-1")
         classes = outputs = int(np.max(labels)) + 1
     return DataSplits(train, test, task, classes, tuple(x.shape), outputs, spec)

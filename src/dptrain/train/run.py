@@ -18,7 +18,7 @@ from typing import Callable, Optional, Union
 
 import torch
 
-from dptrain.config import TrainConfig, build_config, to_yaml, with_absolute_paths
+from dptrain.config import BUILTIN_LOSSES, TrainConfig, build_config, to_yaml, with_absolute_paths
 from dptrain.data import Dataset, load_dataset, sharding
 from dptrain.data.images import is_image_folder, load_image_folder
 from dptrain.data.user import DataSplits, load_user_data
@@ -64,7 +64,7 @@ def make_model(config: TrainConfig, data: Dataset) -> torch.nn.Module:
     """The model, initialised identically on every rank (seeded before construction)."""
     torch.manual_seed(config.seed)
     model = build_model(config.model, data.input_shape, data.num_outputs, options=config.model_options)
-    if config.loss in ("auto", "cross-entropy", "mse"):  # a loss of the user's own decides what outputs it needs
+    if config.loss in BUILTIN_LOSSES:  # a loss of the user's own decides what outputs it needs
         check_output_shape(model, data.input_shape, data.num_outputs)
     return model
 
@@ -83,7 +83,7 @@ def build_loss(config: TrainConfig, data: Dataset) -> Union[str, Callable]:
     return load_callable(name, "--loss", "loss", "takes (output, target) and returns the loss")
 
 
-def check_loss(loss: Union[str, Callable], model: torch.nn.Module, data: Dataset) -> None:
+def check_loss(loss: Union[str, Callable], spec: str, model: torch.nn.Module, data: Dataset) -> None:
     """A built-in loss must fit the task; the user's must turn the model's output on two samples into one number."""
     if isinstance(loss, str):
         if (loss == "cross-entropy") != (data.task == "classification"):
@@ -95,10 +95,10 @@ def check_loss(loss: Union[str, Callable], model: torch.nn.Module, data: Dataset
         with torch.no_grad():
             value = loss(model(batch[0]).float(), batch[1])
     except Exception as error:  # noqa: BLE001 - the user's function: its failure in one line
-        raise UserError(f"--loss {loss.__module__}:{loss.__name__} failed on the model's output for two samples: "
+        raise UserError(f"--loss {spec} failed on the model's output for two samples: "
                         f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}") from error
     if not isinstance(value, torch.Tensor) or value.numel() != 1:
-        raise UserError(f"--loss {loss.__module__}:{loss.__name__} returned "
+        raise UserError(f"--loss {spec} returned "
                         f"{type(value).__name__ if not isinstance(value, torch.Tensor) else f'a tensor of shape {tuple(value.shape)}'}; "
                         "it must return one number (a 0-d tensor), e.g. the mean over the batch")
 
@@ -109,7 +109,7 @@ def validate(config: TrainConfig) -> torch.nn.Module:
     check_amp(config.amp, device)
     data = load_data(config)
     model = make_model(config, data)
-    check_loss(build_loss(config, data), model, data)
+    check_loss(build_loss(config, data), config.loss, model, data)
     samples = len(data.train_set())
     sharding.check_workers(samples, config.workers)
     if config.batch_size > samples // config.workers:
@@ -121,7 +121,10 @@ def validate(config: TrainConfig) -> torch.nn.Module:
 
 def prepare_run_dir(config: TrainConfig, out: str, world: int, model: torch.nn.Module) -> tuple[Path, bool]:
     """Open (or continue) the run directory; refuse unusable checkpoints before anything is written."""
-    run_dir, resuming = open_run_dir(out, with_absolute_paths(config.model_dump(mode="json")), config.resume)
+    # Data, model and loss files as absolute paths: `dptrain train --config RUN/config.yaml` repeats the run
+    # from anywhere (and an interrupted run is recognised whichever directory it is continued from).
+    settings = with_absolute_paths(config.model_dump(mode="json"))
+    run_dir, resuming = open_run_dir(out, settings, config.resume)
     if resuming and (run_dir / checkpoint.DIRECTORY).is_dir():
         epoch, notes = checkpoint.latest_complete(run_dir, world)
         if epoch is None and any(" is corrupt " in note for note in notes):
@@ -130,8 +133,7 @@ def prepare_run_dir(config: TrainConfig, out: str, world: int, model: torch.nn.M
                             f"remove its {checkpoint.DIRECTORY}/ folder to start the run over")
         if epoch is not None:
             load_model_state(model, checkpoint.load(run_dir, epoch, 0)["model"], epoch, out)
-    # Data and model files as absolute paths: `dptrain train --config RUN/config.yaml` repeats the run from anywhere.
-    recorded = with_absolute_paths({"data": config.data, "model": config.model})
+    recorded = {key: settings[key] for key in ("data", "model", "loss")}
     text = to_yaml(config.model_copy(update={**recorded, "out": str(run_dir), "resume": False, "workers": world}))
     saved_config = run_dir / "config.yaml"
     if not saved_config.exists() or saved_config.read_text() != text:

@@ -150,9 +150,10 @@ class Trainer:
             epoch_start = time.perf_counter()
             batches.set_epoch(epoch)
             samples, loss_sum, step = self._train_epoch(train_model, reader, epoch, epochs, step, scheduler)
-            self._check_finite(train_model, epoch, float(loss_sum) / max(samples, 1))
+            train_loss = float(loss_sum) / max(samples, 1)
+            self._check_finite(train_model, epoch, train_loss)
             is_global = guard(ctx, "end_epoch", lambda: strategy.end_epoch(epoch))
-            stats = EpochStats(ctx.rank, samples, float(loss_sum) / max(samples, 1),
+            stats = EpochStats(ctx.rank, samples, train_loss,
                                time.perf_counter() - epoch_start, strategy.comm_bytes)
             test_metrics = self._evaluate_global(test) if (test is not None and is_global) else None
             evaluated = test_metrics is not None
@@ -202,7 +203,8 @@ class Trainer:
     def _check_finite(self, model: nn.Module, epoch: int, loss: float) -> None:
         """Stop a run whose weights became NaN or infinite (they never recover, and an average would spread
         them to every replica): one line naming the rank and epoch; earlier checkpoints stay."""
-        if all(bool(torch.isfinite(p).all()) for p in model.parameters()):
+        finite = [torch.isfinite(p).all() for p in model.parameters()]
+        if not finite or bool(torch.stack(finite).all()):  # one device sync, not one a tensor
             return
         before = next((f"; the epoch before, it was {r['train_loss']:.4g}" for r in reversed(self.recorder.history)
                        if math.isfinite(r["train_loss"])), "")
