@@ -67,7 +67,6 @@ class Federation:
     """What the clients and the server need: the data, each client's partition and batches, the model."""
 
     def __init__(self, args):
-        torch.set_num_threads(1)
         self.args = args
         train_set, self.x_test, self.y_test, self.model = data_and_model(args)
         self.x_train, self.y_train = train_set.tensors
@@ -215,6 +214,7 @@ def run_inprocess(federation):
 
 def main(argv=None):
     args = arguments(argv)
+    torch.set_num_threads(1)
     federation = Federation(args)
     history, wall = (run_simulation if args.mode == "simulation" else run_inprocess)(federation)
     records = [r for r in history if r["epoch"] >= 1]
