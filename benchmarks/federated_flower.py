@@ -45,10 +45,14 @@ VARIANTS = {
                   "label": "Flower FedAvg (Ray simulation), no momentum"},
     "flower-carry": {"tool": "flower", "momentum": 0.9, "mode": "inprocess", "carry": True,
                      "label": "Flower FedAvg (in-process), momentum 0.9 carried across rounds"},
+    # Not run by default: needs a dptrain whose fedavg takes --optimizer-state (checked after the run).
+    "dptrain-reset": {"tool": "dptrain", "momentum": 0.9, "extra": ["--optimizer-state", "reset"],
+                      "label": "dptrain fedavg, momentum 0.9, --optimizer-state reset"},
 }
+DEFAULT_VARIANTS = ["dptrain", "flower", "dptrain-m0", "flower-m0", "flower-carry"]
 # (a, b, whether they are the same computation and must agree to rounding)
 PAIRS = [("dptrain", "flower", False), ("dptrain-m0", "flower-m0", True), ("dptrain", "flower-carry", True),
-         ("flower-carry", "flower", False)]
+         ("flower-carry", "flower", False), ("dptrain-reset", "flower", True)]
 
 
 def arguments(argv=None):
@@ -59,7 +63,7 @@ def arguments(argv=None):
     parser.add_argument("--clients", type=int, default=4)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--lr", type=float, default=0.05)
-    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help=f"of {','.join(VARIANTS)}")
     parser.add_argument("--work", default="runs/federated_flower", help="run directories (kept out of the repository)")
     parser.add_argument("--reuse", action="store_true", help="keep run directories that already hold a summary.json")
     parser.add_argument("--out", required=True)
@@ -77,7 +81,7 @@ def command(variant: dict, alpha: float, seed: int, args, out: Path) -> list[str
         return [sys.executable, "-m", "dptrain", "train", "--strategy", "fedavg", "--partition", "dirichlet",
                 "--workers", str(args.clients), "--local-epochs", "1", "--epochs", str(args.rounds),
                 "--dataset", "digits", "--model", "mlp", "--optimizer", "sgd", "--checkpoint-every", "0",
-                "--no-progress", *common]
+                "--no-progress", *variant.get("extra", []), *common]
     return [sys.executable, str(BASELINE), "--partition", "dirichlet", "--clients", str(args.clients),
             "--rounds", str(args.rounds), "--dataset", "digits", "--model", "mlp", "--mode", variant["mode"],
             *(["--carry-momentum"] if variant.get("carry") else []), *common]
@@ -100,6 +104,10 @@ def run(cmd: list[str], out: Path, reuse: bool) -> dict:
         (out / "process_seconds.txt").write_text(f"{time.perf_counter() - started:.3f}\n")
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     summary = json.loads((out / "summary.json").read_text())
+    if "--optimizer-state" in cmd and summary.get("strategy_options", {}).get("optimizer_state") != \
+            cmd[cmd.index("--optimizer-state") + 1]:
+        raise SystemExit(f"{out}: this dptrain's fedavg does not record --optimizer-state in summary.json "
+                         "(strategy_options), so it did not apply it; run the variants without dptrain-reset")
     return {"accuracy": [r["test_accuracy"] for r in records], "rounds": [r["epoch"] for r in records],
             "wall_seconds": summary["wall_seconds"],
             "process_seconds": float((out / "process_seconds.txt").read_text())}
@@ -202,7 +210,7 @@ def plot(results: dict, path: Path) -> None:
     alphas = list(next(iter(results["means"].values())).keys())
     figure, axes = plt.subplots(1, len(alphas), figsize=(6.5 * len(alphas), 4.5), squeeze=False)
     styles = {"dptrain": ("C0", "-"), "flower": ("C1", "-"), "dptrain-m0": ("C0", ":"), "flower-m0": ("C1", ":"),
-              "flower-carry": ("C2", "--")}
+              "flower-carry": ("C2", "--"), "dptrain-reset": ("C3", "-.")}
     for axis, alpha in zip(axes[0], alphas):
         for name, by_alpha in results["means"].items():
             m = by_alpha[alpha]

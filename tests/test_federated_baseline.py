@@ -59,7 +59,7 @@ def test_unknown_variant_is_refused_with_exit_code_2(compare, capsys):
     with pytest.raises(SystemExit) as exit_info:
         compare.arguments(["--out", "x", "--variants", "dptrain,flwoer"])
     assert exit_info.value.code == 2
-    assert "--variants flwoer unknown; valid: dptrain,flower,dptrain-m0,flower-m0,flower-carry" in capsys.readouterr().err
+    assert "--variants flwoer unknown; valid: dptrain,flower,dptrain-m0,flower-m0,flower-carry,dptrain-reset" in capsys.readouterr().err
 
 
 def test_dptrain_and_flower_commands_name_the_same_settings(compare):
@@ -79,6 +79,23 @@ def test_dptrain_and_flower_commands_name_the_same_settings(compare):
     flower = compare.command(compare.VARIANTS["flower-m0"], 0.1, 4, args, Path("run"))
     assert dict(zip(flower, flower[1:]))["--momentum"] == "0.0"
     assert dict(zip(flower, flower[1:]))["--rounds"] == "7"
+
+
+def test_a_dptrain_that_ignores_optimizer_state_is_refused(compare, tmp_path):
+    # A recorded run (reused, nothing is trained) whose fedavg did not take --optimizer-state.
+    run = tmp_path / "dptrain-reset-alpha0.1-seed0"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"epoch": 1, "test_accuracy": 0.5}\n')
+    (run / "process_seconds.txt").write_text("1.0\n")
+    (run / "summary.json").write_text(json.dumps({"wall_seconds": 1.0, "strategy_options": {"name": "fedavg"}}))
+    args = compare.arguments(["--out", "x", "--rounds", "1", "--variants", "dptrain-reset"])
+    cmd = compare.command(compare.VARIANTS["dptrain-reset"], 0.1, 0, args, run)
+    assert cmd[cmd.index("--optimizer-state") + 1] == "reset"
+    with pytest.raises(SystemExit, match="does not record --optimizer-state"):
+        compare.run(cmd, run, reuse=True)
+    (run / "summary.json").write_text(json.dumps({"wall_seconds": 1.0, "strategy_options": {
+        "name": "fedavg", "optimizer_state": "reset"}}))
+    assert compare.run(cmd, run, reuse=True)["accuracy"] == [0.5]
 
 
 def test_clients_hold_dptrain_s_dirichlet_partition(baseline):
