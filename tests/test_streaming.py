@@ -224,3 +224,48 @@ def test_bad_values_are_one_sentence(values, message):
         build_config({"strategy": "streaming", **values}, "the command line", flags=values)
     assert message in str(error.value)
     assert "\n" not in str(error.value)
+
+
+def _checkpointed_worker(rank, world, out, epochs, resume):
+    x, y = _data()
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5)
+    strategy = Streaming(every_steps=3)  # the send after step 3 is still in flight at the end of epoch 1
+    trainer = Trainer(model, optimizer, "cross-entropy", strategy, batch_size=BATCH, seed=SEED, verbose=False,
+                      out=out, checkpoint_every=1 if out else 0, resume=resume)
+    trainer.fit((x, y), epochs=epochs)
+    return _state(strategy.finish()), strategy.comm_bytes, strategy.averages
+
+
+def test_a_resumed_run_ends_bitwise_equal_to_an_uninterrupted_one(tmp_path):
+    # end_epoch drains the average in flight before the checkpoint, and the checkpoint holds g.
+    (clean, clean_bytes, clean_averages), _ = run_distributed(_checkpointed_worker, 2, None, 3, False)
+    run_distributed(_checkpointed_worker, 2, str(tmp_path / "run"), 1, False)
+    (resumed, resumed_bytes, resumed_averages), _ = run_distributed(_checkpointed_worker, 2, str(tmp_path / "run"), 3,
+                                                                    True)
+    assert all(torch.equal(clean[key], resumed[key]) for key in clean)
+    assert (resumed_bytes, resumed_averages) == (clean_bytes, clean_averages) == (MODEL_BYTES * 5, 4)
+
+
+def test_bench_checks_each_strategy_with_its_own_settings():
+    # `--option sync_every_steps=4` applies to sync and streaming only: the bench validates those runs with it
+    # and names a strategy that cannot take it before any run starts.
+    from dptrain.bench.matrix import BenchSpec, check
+
+    train = {"model": "mlp", "dataset": "digits", "epochs": 1, "sync_every_steps": 4}
+    check(BenchSpec(strategies=["sync", "streaming"], workers=[2], train=train, baselines=False))
+    with pytest.raises(UserError, match="sync_every_steps applies to strategy sync or streaming, not allreduce"):
+        check(BenchSpec(strategies=["streaming", "allreduce"], workers=[2], train=train, baselines=False))
+
+
+def test_a_wait_for_an_average_that_never_comes_names_the_frozen_rank(tmp_path):
+    # Rank 1 freezes (SIGSTOP) at its 30th step; rank 0 sends after step 32 and waits at step 34 (K = 4,
+    # D = 2): the wait times out after --timeout and becomes one line naming rank 1, not a hang.
+    from test_train_cli import misbehave
+
+    result = misbehave(tmp_path, "stop", "--strategy", "streaming", "--sync-every-steps", "4", "--timeout", "8",
+                       "--out", "frozen")
+    assert result.returncode != 0
+    assert "rank 0: after_step failed" in result.stderr, result.stderr[-2000:]
+    assert "rank 1 stopped responding" in result.stderr, result.stderr[-2000:]
+    assert not (tmp_path / "frozen" / "summary.json").exists()
