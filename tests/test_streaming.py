@@ -269,3 +269,17 @@ def test_a_wait_for_an_average_that_never_comes_names_the_frozen_rank(tmp_path):
     assert "rank 0: after_step failed" in result.stderr, result.stderr[-2000:]
     assert "rank 1 stopped responding" in result.stderr, result.stderr[-2000:]
     assert not (tmp_path / "frozen" / "summary.json").exists()
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--fragments", "50"], "--fragments 50 is more than the model's 6 tensors (parameters and buffers); use at most 6"),
+    (["--sync-every-steps", "4", "--overlap-steps", "5"], "overlap_steps 5 is more than sync_every_steps 4"),
+])
+def test_bad_streaming_flags_exit_2_with_one_line_before_anything_is_written(tmp_path, args, message):
+    from test_train_cli import DIGITS, dptrain
+
+    result = dptrain("train", *DIGITS, "--strategy", "streaming", *args, "--out", "bad", cwd=tmp_path, timeout=60)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("dptrain: error:") and message in lines[0], result.stderr
+    assert not (tmp_path / "bad").exists()

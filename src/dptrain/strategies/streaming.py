@@ -115,6 +115,12 @@ def split_fragments(tensors: list[torch.Tensor], fragments: int) -> list[list[in
     return groups
 
 
+def check_fragments(model: nn.Module, fragments: int) -> None:
+    """Raise the UserError of split_fragments when `model` has fewer tensors than `fragments` (before workers start)."""
+    floating, integer = module_state(model)
+    split_fragments(floating + integer, fragments)
+
+
 class Streaming(Strategy):
     """Weight averaging every K steps (or E epochs) overlapped with D steps of training, with the
     delay correction w <- mean(w_s) + (w_now - w_s); optionally one of F fragments per period."""
