@@ -2,7 +2,9 @@
 
 Like `sync`, workers train alone and average their weights once a period; unlike `sync`, the
 average travels while they keep training, and the local progress made meanwhile is kept on top
-of it (the delay correction of streaming DiLoCo and "eager updates"):
+of it (the delay correction of "eager updates" for overlapped DiLoCo; the torchft streaming DiLoCo
+code we read instead restores a fragment to its last global value before applying the average,
+dropping those steps):
 
 Period and overlap. A period is `every_steps` = K steps (local SGD), or `every` epochs (K = every
 x steps per epoch). The overlap is D steps (`overlap_steps`, default ceil(K/2)): at step t_s a
@@ -28,7 +30,9 @@ D steps before that epoch's last step (D is at most K - 1 there) and the wait is
 Epoch ends drain. A collective never stays in flight across an epoch end: `end_epoch` waits for
 any average still travelling and applies it (early, with the correction for the steps taken so
 far) before the trainer evaluates and checkpoints, so a checkpoint never holds a collective in
-flight and a resumed run continues exactly (the global model g is part of the checkpoint).
+flight and a resumed run continues exactly (the global model g is part of the checkpoint). The
+price: a send within D steps of an epoch end is covered by fewer than D steps, one sent after an
+epoch's last step by none (it is waited for at once).
 
 Fragments. With `fragments` = F > 1 the model's tensors (parameters, then buffers, in module
 order) are cut into F contiguous groups of roughly equal bytes, and each send carries one group,
