@@ -209,3 +209,59 @@ def test_a_bad_ranks_per_node_is_one_sentence_and_exit_code_2(tmp_path, args, me
     assert result.returncode == 2
     assert result.stderr == message
     assert not (tmp_path / "run").exists()
+
+
+# -- the emulated-network benchmark's placement ---------------------------------------------------
+
+def test_bench_ranks_per_host_places_the_nodes_and_tells_hierarchical_where_they_end():
+    import argparse
+
+    from dptrain.bench import matrix
+    from dptrain.bench.commands import add_arguments, spec_from
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    spec = spec_from(parser.parse_args(["--workers", "1,4", "--ranks-per-host", "2",
+                                        "--strategies", "allreduce,hierarchical"]))
+    assert spec.ranks_per_host == 2
+    assert matrix._config(spec, "hierarchical", 4, None).ranks_per_node == 2
+    assert matrix._config(spec, "hierarchical", 1, None).ranks_per_node is None
+    assert matrix._config(spec, "allreduce", 4, None).ranks_per_node is None
+    with pytest.raises(UserError, match=r"^--ranks-per-host 2 does not divide --workers 3; use worker counts that "
+                                        r"are 1 or multiples of 2$"):
+        spec_from(parser.parse_args(["--workers", "1,3", "--ranks-per-host", "2"]))
+
+
+# -- nodes of unequal size -----------------------------------------------------------------------
+
+class _TwoAndOne(Hierarchical):
+    """Nodes {0, 1} and {2}, as srun's "2,1" tasks per node would give on two hosts."""
+
+    def _find_nodes(self, ctx):
+        return [[0, 1], [2]]
+
+
+def _unequal_worker(rank, world):
+    from dptrain.runtime.distributed import init_process_group
+    from dptrain.runtime.env import detect
+
+    model = nn.Linear(3, 2)
+    strategy = _TwoAndOne()
+    strategy.setup(model, _optimizer(model), init_process_group(detect()))
+    with torch.no_grad():
+        for param in model.parameters():
+            param.fill_(1.0 if rank < 2 else 4.0)  # node 0's replicas equal, node 1 different
+    strategy.synchronise()
+    return [p.detach().clone() for p in model.parameters()], strategy.intra_node_bytes, strategy.inter_node_bytes
+
+
+def test_nodes_of_unequal_size_average_by_their_ranks():
+    results = run_distributed(_unequal_worker, 3)
+    model_bytes = (3 * 2 + 2) * 4
+    for rank, (params, intra, inter) in enumerate(results):
+        assert all(torch.allclose(p, torch.full_like(p, 2.0)) for p in params)  # (2 x 1 + 1 x 4) / 3
+        assert all(torch.equal(p, q) for p, q in zip(params, results[0][0]))
+        # start-up: rank 0's model to the leaders, DDP's broadcast in node 0; the average: the
+        # weighted all-reduce (and its total weight, one float64) among the leaders, the broadcast in node 0
+        assert intra == (2 * model_bytes if rank < 2 else 0)
+        assert inter == ((2 * model_bytes + 8) if rank in (0, 2) else 0)

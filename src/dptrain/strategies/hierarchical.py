@@ -65,7 +65,8 @@ def check_ranks_per_node(ranks_per_node: Optional[int], world: int) -> None:
         return
     if ranks_per_node < 1 or world % ranks_per_node:
         divisors = [n for n in range(1, world + 1) if world % n == 0]
-        raise UserError(f"--ranks-per-node {ranks_per_node} does not divide the {world} ranks into equal nodes; "
+        ranks = f"{world} ranks" if world != 1 else "1 rank"
+        raise UserError(f"--ranks-per-node {ranks_per_node} does not divide the {ranks} into equal nodes; "
                         f"use one of {', '.join(map(str, divisors))}")
 
 
