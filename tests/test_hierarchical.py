@@ -265,3 +265,23 @@ def test_nodes_of_unequal_size_average_by_their_ranks():
         # weighted all-reduce (and its total weight, one float64) among the leaders, the broadcast in node 0
         assert intra == (2 * model_bytes if rank < 2 else 0)
         assert inter == ((2 * model_bytes + 8) if rank in (0, 2) else 0)
+
+
+# -- nodes from the launcher's environment -------------------------------------------------------
+
+def _torchrun_like_worker(rank, world):
+    import os
+
+    # What two torchrun agents (--nnodes 2 --nproc-per-node 2) on one machine give each rank.
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank % 2), LOCAL_WORLD_SIZE="2",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT="29400")  # the group is joined already
+    return _train_worker(rank, world, Hierarchical(), 1)
+
+
+def test_nodes_from_the_launchers_local_world_size_equal_the_override():
+    from_env = run_distributed(_torchrun_like_worker, 4)
+    overridden = run_distributed(_train_worker, 4, Hierarchical(ranks_per_node=2), 1)
+    assert from_env[0][4]["nodes"] == [[0, 1], [2, 3]]
+    for env_result, override_result in zip(from_env, overridden):
+        assert all(torch.equal(env_result[0][key], override_result[0][key]) for key in env_result[0])
+        assert env_result[3] == override_result[3]

@@ -26,8 +26,9 @@ counters), as in `sync`. Optimizer state stays per rank (equal inside a node, as
 Which ranks share a node (`assign_nodes`):
   1. `ranks_per_node` (--ranks-per-node N), when given: ranks [kN, (k+1)N) form node k.
   2. Otherwise every rank tells its host name and the local world size its launcher set
-     (LOCAL_WORLD_SIZE under torchrun and dptrain's launcher, SLURM_NTASKS_PER_NODE/
-     SLURM_TASKS_PER_NODE under srun, OMPI_COMM_WORLD_LOCAL_SIZE under mpirun): ranks with the same
+     (dptrain.runtime.env: LOCAL_WORLD_SIZE under torchrun and dptrain's launcher,
+     SLURM_STEP_TASKS_PER_NODE or SLURM_TASKS_PER_NODE under srun, OMPI_COMM_WORLD_LOCAL_SIZE
+     under mpirun, MPI_LOCALNRANKS under MPICH/Intel MPI): ranks with the same
      host name form a node, and a host whose launcher says fewer local ranks than it holds (two
      torchrun agents on one machine) is split into blocks of that size in rank order.
 
