@@ -36,6 +36,10 @@ STRATEGIES: dict[str, StrategyEntry] = {
     "async": StrategyEntry("dptrain.strategies.asynchronous:Async", "merges into a global model, no barrier",
                            "merge-service"),
     "fedavg": StrategyEntry("dptrain.strategies.fedavg:FedAvg", "federated", "periodic-allreduce"),
+    # The cost model sees its average across nodes only (the per-step all-reduce inside a node is taken as free).
+    "hierarchical": StrategyEntry("dptrain.strategies.hierarchical:Hierarchical",
+                                  "gradients every step inside a node, weights across nodes every few epochs/steps",
+                                  "periodic-allreduce"),
 }
 
 # Each a module satisfying dptrain.launch.base.Scheduler.
