@@ -93,7 +93,7 @@ class Sync(Strategy):
     @property
     def allreducing(self) -> bool:
         """Whether gradients are still all-reduced every step (the first `allreduce_epochs` epochs)."""
-        return self._ddp is not None and self.epochs_done < self.allreduce_epochs
+        return self.epochs_done < self.allreduce_epochs
 
     def _wrap(self, model: nn.Module, ctx: DistContext) -> DistributedDataParallel:
         # DDP's constructor broadcasts rank 0's parameters and buffers; while it all-reduces it
@@ -126,8 +126,9 @@ class Sync(Strategy):
 
     def _start_local_phase(self) -> None:
         """The switch: rank 0's buffers everywhere (what DDP's next forward would do), a new anchor."""
-        self._ddp.broadcast_buffers = False
-        self.comm_bytes += _apply_flat(list(self.model.buffers()), lambda flat: dist.broadcast(flat, src=0))
+        if self._ddp is not None:
+            self._ddp.broadcast_buffers = False
+            self.comm_bytes += _apply_flat(list(self.model.buffers()), lambda flat: dist.broadcast(flat, src=0))
         self.averager.attach(self.model)
 
     # -- the hooks -----------------------------------------------------------------------------
