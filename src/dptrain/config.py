@@ -20,6 +20,11 @@ from dptrain.imports import FILE_SPEC, looks_like_spec
 BUILTIN_LOSSES = ("auto", "cross-entropy", "mse")
 
 
+# --outer-lr when not given: DiLoCo's 0.7 (also recorded for `none`, where it is unused), FedAvgM's
+# server learning rate 1, and for FedAdam a step of about 0.01 per coordinate (Reddi et al. tune it per task).
+OUTER_LR_DEFAULTS = {"none": 0.7, "nesterov": 0.7, "sgd": 1.0, "adam": 0.01}
+
+
 class TrainConfig(BaseModel):
     """All settings of one training run. Field descriptions double as `--help` text."""
 
@@ -89,7 +94,9 @@ class TrainConfig(BaseModel):
     outer: Literal["none", "sgd", "nesterov", "adam"] = Field(
         "none", description="sync, fedavg: outer (server) optimizer on the mean change: none (adopt the average), "
                             "sgd (FedAvgM with --outer-lr 1), nesterov (DiLoCo), adam (FedAdam)")
-    outer_lr: float = Field(0.7, gt=0, description="sync, fedavg: outer learning rate")
+    outer_lr: Optional[float] = Field(None, gt=0, description="sync, fedavg: outer learning rate (default: 0.7 for "
+                                                               "none and nesterov as DiLoCo, 1 for sgd as FedAvgM, "
+                                                               "0.01 for adam)")
     outer_momentum: float = Field(0.9, ge=0, lt=1, description="sync, fedavg: outer momentum (sgd, nesterov)")
     outer_betas: tuple[float, float] = Field((0.9, 0.99), description="sync, fedavg: --outer adam's B1,B2 (FedAdam)")
     outer_eps: float = Field(1e-3, gt=0, description="sync, fedavg: --outer adam's tau added to sqrt(v) (FedAdam)")
@@ -176,6 +183,8 @@ class TrainConfig(BaseModel):
                              "(clients_per_round 1): a client that sat a round out has no state to average")
         if self.compression != "none" and self.strategy in ("streaming", "hierarchical"):
             raise ValueError(f"compression applies to strategies allreduce, sync, fedavg and async, not {self.strategy}")
+        if self.outer_lr is None:
+            self.outer_lr = OUTER_LR_DEFAULTS[self.outer]
         if self.resume and not self.out:
             raise ValueError("resume needs out, the run directory to continue")
         for rank, factor in self.slow_workers().items():
