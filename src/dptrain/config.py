@@ -7,6 +7,8 @@ the field, the bad value and what is valid (dptrain.errors.UserError).
 
 from __future__ import annotations
 
+import math
+
 import os
 from typing import Any, Iterable, Literal, Optional, get_args, get_origin
 
@@ -19,6 +21,9 @@ from dptrain.imports import FILE_SPEC, looks_like_spec
 
 BUILTIN_LOSSES = ("auto", "cross-entropy", "mse")
 
+
+# Strategies whose replicas train alone between averages: --lr-scaling auto scales their LR.
+WEIGHT_AVERAGING = ("sync", "streaming", "async")
 
 # --outer-lr when not given: DiLoCo's 0.7 (also recorded for `none`, where it is unused), FedAvgM's
 # server learning rate 1, and for FedAdam a step of about 0.01 per coordinate (Reddi et al. tune it per task).
@@ -68,7 +73,11 @@ class TrainConfig(BaseModel):
     lr_step_epochs: int = Field(30, ge=1, description="step schedule: epochs between decays")
     lr_gamma: float = Field(0.1, gt=0, le=1, description="step schedule: decay factor")
     warmup_epochs: float = Field(0.0, ge=0, description="linear LR warm-up length in epochs (fractions allowed)")
-    scale_lr: bool = Field(False, description="multiply the LR by the number of workers (linear scaling rule)")
+    lr_scaling: Literal["auto", "none", "linear", "sqrt"] = Field(
+        "auto", description="the LR for W workers: linear (x W), sqrt (x sqrt(W)) or none; auto: linear for sgd and "
+                            "sqrt for adam/adamw under the weight-averaging strategies (sync, streaming, async), "
+                            "none under the others")
+    scale_lr: bool = Field(False, description="short for --lr-scaling linear")
     loss: str = Field("auto", description="auto (cross-entropy for classes, mse for regression), cross-entropy, "
                                           "mse, or package.module:function(output, target) returning the loss")
     amp: Literal["none", "bf16", "fp16"] = Field("none", description="autocast precision; fp16 needs a GPU")
@@ -183,6 +192,9 @@ class TrainConfig(BaseModel):
                              "(clients_per_round 1): a client that sat a round out has no state to average")
         if self.compression != "none" and self.strategy in ("streaming", "hierarchical"):
             raise ValueError(f"compression applies to strategies allreduce, sync, fedavg and async, not {self.strategy}")
+        if self.scale_lr and self.lr_scaling not in ("auto", "linear"):
+            raise ValueError(f"scale_lr is short for lr_scaling linear and contradicts lr_scaling {self.lr_scaling}; "
+                             "give one of them")
         if self.outer_lr is None:
             self.outer_lr = OUTER_LR_DEFAULTS[self.outer]
         if self.resume and not self.out:
@@ -191,6 +203,22 @@ class TrainConfig(BaseModel):
             if factor < 1:
                 raise ValueError(f"slow_worker factor {factor} for rank {rank} must be at least 1")
         return self
+
+    def lr_scale(self, world: int) -> tuple[float, str]:
+        """(factor the LR is multiplied by for `world` workers, the rule that gave it: none, linear or sqrt).
+
+        Replicas trained on disjoint shards and averaged behave like one model trained with a W times
+        larger batch at the same LR, and at equal epochs they lose accuracy against one worker; a larger
+        LR gives back the step size and noise (benchmarks/README.md, "Accuracy at equal epochs"). The
+        rules are the linear scaling rule for SGD (Goyal et al. 2017) and the square-root rule for
+        Adam-type optimizers (Malladi et al. 2022). allreduce keeps its LR, so that it stays identical
+        to one process training on the union of the batches; fedavg's clients keep theirs."""
+        rule = "linear" if self.scale_lr else self.lr_scaling
+        if rule == "auto":
+            rule = ("linear" if self.optimizer == "sgd" else "sqrt") if self.strategy in WEIGHT_AVERAGING else "none"
+        if world == 1:
+            return 1.0, rule
+        return {"none": 1.0, "linear": float(world), "sqrt": math.sqrt(world)}[rule], rule
 
     def slow_workers(self) -> dict[int, float]:
         """--slow-worker as {rank: factor}."""

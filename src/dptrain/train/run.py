@@ -260,7 +260,12 @@ def run_worker(config: TrainConfig, env: DistEnv) -> Summary:
         data = load_data(config, check_values=not said_by_launcher and ctx.is_main,
                          log=print if ctx.is_main and not said_by_launcher else (lambda message: None))
         model = make_model(config, data)
-        lr = config.lr * (ctx.world_size if config.scale_lr else 1)
+        factor, rule = config.lr_scale(ctx.world_size)
+        lr = config.lr * factor
+        if factor != 1 and ctx.is_main:
+            print(f"dptrain: {config.strategy} on {ctx.world_size} workers trains with learning rate {lr:g} "
+                  f"({config.lr:g} x {factor:.3g}, --lr-scaling {rule}); --lr-scaling none keeps {config.lr:g}",
+                  flush=True)
         optimizer = build_optimizer(config.optimizer, model.parameters(), lr=lr, momentum=config.momentum,
                                     nesterov=config.nesterov, weight_decay=config.weight_decay)
         schedule = partial(_schedule, config)
