@@ -77,7 +77,7 @@ class TrainConfig(BaseModel):
     # Strategy options
     slow_worker: Optional[str] = Field(None, pattern=r"^\d+:\d+(\.\d+)?(,\d+:\d+(\.\d+)?)*$",
                                        description="straggler emulation RANK:FACTOR[,RANK:FACTOR]: that rank's steps take FACTOR times as long")
-    compression: Literal["none", "fp16", "bf16"] = Field("none", description="allreduce: gradient compression through a DDP communication hook")
+    compression: Literal["none", "fp16", "bf16", "int8"] = Field("none", description="allreduce: gradient compression through a DDP communication hook; async: the encoding of the workers' deltas (with error feedback)")
     sync_every: int = Field(1, ge=1, description="sync, async: average (merge) the weights every E epochs")
     sync_every_steps: Optional[int] = Field(None, ge=1, description="sync: average every K steps instead (local SGD)")
     optimizer_state: Literal["keep", "reset", "average"] = Field("keep", description="sync: what happens to optimizer state at an average")
@@ -85,7 +85,11 @@ class TrainConfig(BaseModel):
     outer_lr: float = Field(0.7, gt=0, description="sync: outer learning rate")
     outer_momentum: float = Field(0.9, ge=0, lt=1, description="sync: outer Nesterov momentum")
 
-    merge: Literal["delta", "ema"] = Field("delta", description="async: global += delta/W (delta) or the reference's (G+P)/2 (ema)")
+    merge: Literal["delta", "ema", "delayed-nesterov"] = Field(
+        "delta", description="async: global += delta/W (delta), the reference's (G+P)/2 (ema), or delta/W plus "
+                             "server Nesterov momentum on the mean delta once every W merges (delayed-nesterov)")
+    server_momentum: float = Field(0.9, ge=0, lt=1, description="async, merge delayed-nesterov: server momentum")
+    server_lr: float = Field(1.0, gt=0, description="async, merge delayed-nesterov: server learning rate")
     max_staleness: Optional[int] = Field(None, ge=0, description="async: refresh from the global model when more than S versions behind")
     partition: Literal["iid", "contiguous", "dirichlet"] = Field("iid", description="fedavg: how samples are split over clients")
     alpha: float = Field(0.5, gt=0, description="fedavg: Dirichlet concentration of the label skew (small = strong skew)")
@@ -116,6 +120,11 @@ class TrainConfig(BaseModel):
             raise ValueError("give --dataset or --data")
         if self.sync_every_steps is not None and self.strategy != "sync":
             raise ValueError(f"sync_every_steps applies to strategy sync, not {self.strategy}")
+        if self.strategy == "async" and self.merge == "ema" and self.compression != "none":
+            raise ValueError(f"compression {self.compression} applies to async merges of deltas (delta, "
+                             "delayed-nesterov), not to merge ema, which sends whole models")
+        if self.compression == "int8" and self.strategy == "allreduce":
+            raise ValueError("compression int8 applies to strategy async; allreduce takes none, fp16 or bf16")
         if self.resume and not self.out:
             raise ValueError("resume needs out, the run directory to continue")
         for rank, factor in self.slow_workers().items():
