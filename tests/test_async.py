@@ -347,3 +347,27 @@ def test_compression_with_the_ema_merge_is_one_sentence(capsys, monkeypatch):
                         "merges of deltas (delta, delayed-nesterov), not to merge ema, which sends whole models")
     with pytest.raises(ValueError, match="compression fp16 needs a merge of deltas"):
         Async(merge="ema", compression="fp16")
+
+
+def _ordered_nesterov_worker(rank, world, delays):
+    x, y = _data()
+    strategy = DelayedAsync(delays, merge="delayed-nesterov", server_momentum=0.9, server_lr=0.7)
+    model = _model()
+    base = flat_state(model)
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "cross-entropy", strategy, batch_size=8,
+                      seed=5, verbose=False)
+    trainer.fit((x, y), epochs=1)
+    return base, strategy.sent[0], flat_state(model), strategy.max_staleness_seen
+
+
+@pytest.mark.parametrize("delays", [(0.0, 0.6), (0.6, 0.0)], ids=["order-01", "order-10"])
+def test_one_round_over_two_real_ranks_is_the_nesterov_step_on_the_average_in_either_order(delays):
+    # One merge each = one round: whichever rank merges first, the global after the round is
+    # base + lr * (mean + beta * mean) (the momentum starts at zero, so m = mean).
+    results = run_distributed(_ordered_nesterov_worker, 2, delays)
+    base = results[0][0]
+    mean = torch.stack([r[1] for r in results]).mean(dim=0) - base
+    for r in results:
+        assert torch.allclose(r[2], base + 0.7 * (mean + 0.9 * mean), atol=1e-6)
+    first = min(range(2), key=lambda rank: delays[rank])
+    assert [results[rank][3] for rank in (first, 1 - first)] == [0, 1]  # the forced order did happen
