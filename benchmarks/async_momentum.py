@@ -32,6 +32,7 @@ COMPRESSED = {  # label -> flags, measured at 2 workers without a straggler
     "delayed-nesterov int8": ["--merge", "delayed-nesterov", "--compression", "int8"],
 }
 STRAGGLERS = {"equal": [], "3x straggler": ["--slow-worker", "1:3"]}
+COLORS = dict(zip(MERGES, ["tab:blue", "tab:orange", "tab:green", "tab:red"]))  # the same in every plot
 
 
 def run(common: list[str], flags: list[str], workers: int, seed: int) -> dict:
@@ -87,7 +88,8 @@ def summarise(rows: list[dict]) -> list[dict]:
 
 
 def write_table(results: dict, out: Path) -> None:
-    lines = [f"Test accuracy after {results['epochs']} epochs ({results['model']} on {results['dataset']}), "
+    lines = [f"Test accuracy after {results['epochs']} epochs ({results['model']} on {results['dataset']}, "
+             f"flags {' '.join(results['common_flags'])}), "
              f"seeds {', '.join(map(str, results['seeds']))}; mean ± std (min–max) over the seeds.", "",
              "| merge | workers | workers' speed | runs | test accuracy | min–max | training wall (s) | bytes, rank 1 |",
              "|-------|--------:|----------------|-----:|--------------:|--------:|------------------:|--------------:|"]
@@ -116,7 +118,8 @@ def plot(results: dict, out: Path) -> None:
             if runs and all(None not in c for c in runs):
                 mean = [statistics.mean(values) for values in zip(*runs)]
                 axis.plot(range(1, len(mean) + 1), mean, label=merge,
-                          **({"color": "grey", "linestyle": ":"} if merge == "one worker" else {}))
+                          **({"color": "grey", "linestyle": ":"} if merge == "one worker" else
+                             {"color": COLORS[merge]}))
         axis.set_xlabel("epoch (rank 0's)", fontsize=8)
         axis.set_ylim(0.5, 1.0)
     curves[0].set_ylabel("global model's test accuracy")
@@ -126,7 +129,7 @@ def plot(results: dict, out: Path) -> None:
             values = [r["test_accuracy"] for r in results["runs"]
                       if (r["merge"], r["workers"], r["straggler"]) == (merge, workers, straggler)]
             if values:
-                axis.scatter([x] * len(values), values, s=18, alpha=0.7)
+                axis.scatter([x] * len(values), values, s=18, alpha=0.7, color=COLORS[merge])
                 axis.hlines(statistics.mean(values), x - 0.3, x + 0.3, color="black")
         if baseline:
             axis.axhline(statistics.mean(baseline), color="grey", linestyle=":", label="one worker")
@@ -147,6 +150,7 @@ def main() -> int:
     parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--workers", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--lr", help="the workers' learning rate (default: dptrain's, 0.05)")
     parser.add_argument("--merges", nargs="+", default=list(MERGES), choices=list(MERGES))
     parser.add_argument("--no-compressed", dest="compressed", action="store_false",
                         help="leave out the int8 runs (2 workers, equal speed)")
@@ -157,7 +161,7 @@ def main() -> int:
         results = json.loads(path.read_text())
     else:
         common = ["--dataset", args.dataset, "--model", args.model, "--epochs", str(args.epochs), "--no-progress",
-                  "--checkpoint-every", "0"]
+                  "--checkpoint-every", "0", *(["--lr", args.lr] if args.lr else [])]
         results = {"dataset": args.dataset, "model": args.model, "epochs": args.epochs, "workers": args.workers,
                    "seeds": args.seeds, "common_flags": common, "command": sys.argv[1:], "runs": []}
         for item in plan(args):
