@@ -59,6 +59,7 @@ class BenchSpec:
     baselines: bool = True
     timeout: float = 1800.0
     threads: Optional[int] = None  # OMP_NUM_THREADS of every rank; None: cores / ranks
+    ranks_per_host: int = 1  # ranks [kN, (k+1)N) share emulated host k; hierarchical runs get --ranks-per-node N
     notes: list[str] = field(default_factory=list)
 
 
@@ -86,15 +87,25 @@ def check(spec: BenchSpec) -> None:
     from dptrain.train.run import validate
 
     for workers in spec.workers:
-        validate(_config(spec, "allreduce", workers, out=None))
+        for strategy in spec.strategies:  # each strategy's settings, before any run (cheap)
+            _config(spec, strategy, workers, out=None)
+        validate(_config(spec, _reference_strategy(spec), workers, out=None))
     unsupported = sorted(key for key in spec.train if key not in BASELINE_OPTIONS and key not in DPTRAIN_ONLY)
     if spec.baselines and unsupported:
         raise UserError(f"the baseline scripts cannot reproduce {', '.join(unsupported)}; leave those options out "
                         "or add --no-baselines")
 
 
+def _reference_strategy(spec: BenchSpec) -> str:
+    """The strategy whose config check() validates and the baselines copy: the first one asked for, since a
+    setting such as sync_every_steps is valid for some strategies only (allreduce when none is asked for)."""
+    return spec.strategies[0] if spec.strategies else "allreduce"
+
+
 def _config(spec: BenchSpec, strategy: str, workers: int, out: Optional[str]):
     values = {**spec.train, "strategy": strategy, "workers": workers, "out": out, "progress": False}
+    if strategy == "hierarchical" and spec.ranks_per_host > 1 and workers > 1:
+        values["ranks_per_node"] = spec.ranks_per_host  # the namespaces share one host name: say where nodes end
     if spec.slow_worker and workers > 1:
         values["slow_worker"] = ",".join(part for part in spec.slow_worker.split(",") if int(part.split(":")[0]) < workers) or None
     return build_config(values, "the bench settings")
@@ -112,12 +123,12 @@ def run_matrix(spec: BenchSpec, out: Path) -> dict:
     elif spec.baselines and spec.bandwidth:
         spec.notes.append("horovod skipped: horovodrun cannot place ranks in the emulated hosts")
     runs = plan(spec, baselines_present, horovod)
-    base = _config(spec, "allreduce", 1, None)
+    base = _config(spec, _reference_strategy(spec), 1, None)
     data = load_dataset(base.dataset if base.data is None else None, data_path=base.data, seed=base.seed,
                         samples=base.samples, image_size=base.image_size, channels=base.channels,
                         classes=base.classes, features=base.features)
     train_samples = len(data.x_train)
-    hosts = max(spec.workers)
+    hosts = -(-max(spec.workers) // spec.ranks_per_host)
     network_info: dict = {"name": spec.bandwidth or "loopback"}
     rows = []
     network = EmulatedNetwork(hosts, spec.bandwidth) if spec.bandwidth else nullcontext(None)
@@ -150,7 +161,8 @@ def _execute(spec: BenchSpec, run: Run, run_dir: Path, net: Optional[EmulatedNet
     else:
         script = "plain_loop.py" if run.strategy == "plain-loop" else "plain_ddp.py"
         command = [sys.executable, str(BASELINES_DIR / script), *_baseline_flags(base, run_dir)]
-    hosts = {} if net is None else dict(master_addr=net.address(0), prefix=net.exec_prefix,
+    hosts = {} if net is None else dict(master_addr=net.address(0),
+                                        prefix=lambda rank: net.exec_prefix(rank // spec.ranks_per_host),
                                         extra_env={"GLOO_SOCKET_IFNAME": INTERFACE})
     return run_ranks(command, ranks, run_dir, port=free_port(), threads=spec.threads, timeout=spec.timeout, **hosts)
 
