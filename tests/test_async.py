@@ -1,4 +1,5 @@
-"""async: merges are commutative, never lost, staleness is bounded, ema follows its formula."""
+"""async: merges are commutative, never lost, staleness is bounded, ema and delayed-nesterov follow their
+formulas, compressed payloads are counted to the byte and resumes continue the service exactly."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from torch import nn
 
 from distributed import run_distributed
 from dptrain.strategies.asynchronous import Async, GlobalModel, flat_state
+from dptrain.strategies.compression import ErrorFeedback, decode, payload_bytes
 from dptrain.train.trainer import Trainer
 
 
@@ -122,3 +124,250 @@ def test_a_worker_behind_the_staleness_bound_refreshes_before_it_continues():
     assert merges == [4, 4]
     refreshes, _ = run_distributed(_staleness_worker, 2, None)[0]
     assert refreshes == [0, 0]
+
+
+# -- delayed-nesterov: server momentum on the merged deltas ------------------------------------
+
+def test_delayed_nesterov_follows_the_hand_computation():
+    # W = 2, beta = 0.5, lr = 0.8; deltas 1, 2, 3, 4, 5 (rounds {1, 2}, {3, 4}, then 5 alone):
+    #   d=1: G = 0 + 0.8*1/2                     = 0.4   (A = 1)
+    #   d=2: m = 0.5*0 + (1+2)/2 = 1.5;  G += 0.8*(2/2 + 0.5*1.5) = 1.4   -> 1.8
+    #   d=3: G += 0.8*3/2 = 1.2                  -> 3.0   (A = 3)
+    #   d=4: m = 0.5*1.5 + (3+4)/2 = 4.25; G += 0.8*(4/2 + 0.5*4.25) = 3.3 -> 6.3
+    #   d=5: G += 0.8*5/2 = 2.0                  -> 8.3   (A = 5, one merge into the round)
+    model = GlobalModel(torch.zeros(3), workers=2, merge="delayed-nesterov", server_momentum=0.5, server_lr=0.8)
+    states = []
+    for i, d in enumerate([1.0, 2.0, 3.0, 4.0, 5.0]):
+        state, version, _ = model.apply(i % 2, torch.full((3,), d), base_version=version if i else 0)
+        states.append(state[0].item())
+    assert states == pytest.approx([0.4, 1.8, 3.0, 6.3, 8.3], abs=1e-6)
+    assert torch.allclose(model.momentum, torch.full((3,), 4.25))
+    assert torch.equal(model.round_sum, torch.full((3,), 5.0)) and model.round_merges == 1
+    assert model.version == 5 and model.merges == [3, 2]
+
+
+def _rounds_by_torch_nesterov(base, rounds, beta, lr):
+    """The global at each round end computed independently: torch's Nesterov SGD on -mean(round's deltas)."""
+    anchor = base.clone().requires_grad_(True)
+    optimizer = torch.optim.SGD([anchor], lr=lr, momentum=beta, nesterov=True)
+    ends = []
+    for deltas in rounds:
+        anchor.grad = -torch.stack(deltas).mean(dim=0)
+        optimizer.step()
+        ends.append(anchor.detach().clone())
+    return ends
+
+
+def test_at_each_round_end_the_order_inside_the_round_does_not_matter_and_it_is_the_nesterov_step():
+    rng = np.random.default_rng(3)
+    base = torch.from_numpy(rng.normal(size=40).astype(np.float32))
+    rounds = [[torch.from_numpy(rng.normal(size=40).astype(np.float32)) for _ in range(3)] for _ in range(3)]
+    expected = _rounds_by_torch_nesterov(base, rounds, beta=0.9, lr=0.7)
+    for order in itertools.permutations(range(3)):
+        model = GlobalModel(base, workers=3, merge="delayed-nesterov", server_momentum=0.9, server_lr=0.7)
+        for number, deltas in enumerate(rounds):
+            for rank in order:
+                model.apply(rank, deltas[rank], base_version=0)
+            assert torch.allclose(model.state, expected[number], atol=1e-5), (order, number)
+
+
+def test_with_momentum_the_global_depends_on_how_merges_group_into_rounds_not_only_on_their_sum():
+    # Four deltas, W = 2. Under `delta` every order gives one global (their mean, added). Under
+    # delayed-nesterov the order inside a round does not matter, but which deltas form each round
+    # and which round comes first do: the 24 orders give 3 pairings x 2 orders of the pairs = 6.
+    rng = np.random.default_rng(4)
+    deltas = [torch.from_numpy(rng.normal(size=10).astype(np.float32)) for _ in range(4)]
+    finals = {"delta": {}, "delayed-nesterov": {}}
+    for merge in finals:
+        for order in itertools.permutations(range(4)):
+            model = GlobalModel(torch.zeros(10), workers=2, merge=merge)
+            for rank in order:
+                model.apply(rank % 2, deltas[rank], base_version=0)
+            finals[merge][order] = model.state
+
+    def groups(results):
+        distinct = []
+        for state in results.values():
+            if not any(torch.allclose(state, seen, atol=1e-5) for seen in distinct):
+                distinct.append(state)
+        return distinct
+
+    assert len(groups(finals["delta"])) == 1
+    assert len(groups(finals["delayed-nesterov"])) == 6
+    for order, state in finals["delayed-nesterov"].items():
+        swapped = (order[1], order[0], order[3], order[2])  # the same pairs, each in the other order
+        assert torch.allclose(state, finals["delayed-nesterov"][swapped], atol=1e-5)
+
+
+def test_delayed_nesterov_without_momentum_at_lr_1_is_the_delta_merge_merge_for_merge():
+    rng = np.random.default_rng(5)
+    base = torch.from_numpy(rng.normal(size=30).astype(np.float32))
+    plain = GlobalModel(base, workers=3)
+    nesterov = GlobalModel(base, workers=3, merge="delayed-nesterov", server_momentum=0.0, server_lr=1.0)
+    for i in range(7):
+        delta = torch.from_numpy(rng.normal(size=30).astype(np.float32))
+        assert torch.equal(plain.apply(i % 3, delta, 0)[0], nesterov.apply(i % 3, delta, 0)[0])
+
+
+def test_the_service_state_saved_mid_round_continues_exactly(tmp_path):
+    rng = np.random.default_rng(6)
+    base = torch.from_numpy(rng.normal(size=20).astype(np.float32))
+    deltas = [torch.from_numpy(rng.normal(size=20).astype(np.float32)) for _ in range(8)]
+
+    def fresh():
+        return GlobalModel(base, workers=3, merge="delayed-nesterov", server_momentum=0.9, server_lr=0.7)
+
+    uninterrupted = fresh()
+    for i, delta in enumerate(deltas):
+        uninterrupted.apply(i % 3, delta, 0)
+    first = fresh()
+    for i, delta in enumerate(deltas[:5]):  # one round and two merges into the next
+        first.apply(i % 3, delta, 0)
+    torch.save(first.state_dict(), tmp_path / "service.pt")
+    saved = torch.load(tmp_path / "service.pt", weights_only=True)
+    assert saved["round_merges"] == 2 and saved["version"] == 5
+    resumed, global_only = fresh(), fresh()
+    resumed.load_state_dict(saved)
+    global_only.state.copy_(saved["state"])  # what a checkpoint without the server momentum would continue
+    for i, delta in enumerate(deltas[5:], start=5):
+        resumed.apply(i % 3, delta, 0)
+        global_only.apply(i % 3, delta, 0)
+    assert torch.equal(resumed.state, uninterrupted.state)
+    assert torch.equal(resumed.momentum, uninterrupted.momentum) and resumed.version == 8
+    assert not torch.allclose(global_only.state, uninterrupted.state, atol=1e-3)
+
+
+# -- through real ranks: delayed-nesterov and compressed payloads ------------------------------
+
+class RecordingAsync(Async):
+    """Records each merge: (the delta this worker had, the global version its merge produced)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.record = []
+
+    def merge_now(self):
+        delta = flat_state(self.model) - self.base
+        staleness = super().merge_now()
+        self.record.append((delta, self.base_version))
+        return staleness
+
+
+def _recording_worker(rank, world, merge, compression, epochs):
+    x, y = _data(n=64, seed=rank)
+    strategy = RecordingAsync(merge=merge, compression=compression, server_momentum=0.9, server_lr=0.7)
+    model = _model()
+    initial = flat_state(model)
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "cross-entropy", strategy, batch_size=16,
+                      seed=rank, verbose=False).emulate_straggler(2.0 if rank == 1 else 1.0)
+    summary = trainer.fit((x, y), epochs=epochs)
+    return {"initial": initial, "record": strategy.record, "final": flat_state(model), "comm": strategy.comm_bytes,
+            "merges": summary.strategy_results["merges"], "residual": strategy.feedback.residual}
+
+
+def _replay(results, merge, compression, beta=0.9, lr=0.7):
+    """The global model from the merges in the order the service applied them, by the rule written out."""
+    workers = len(results)
+    feedback = [ErrorFeedback(compression) for _ in results]
+    merges = sorted((version, rank, delta) for rank, r in enumerate(results) for delta, version in r["record"])
+    assert [version for version, _, _ in merges] == list(range(1, len(merges) + 1))  # none lost, none twice
+    state = results[0]["initial"].clone()
+    momentum, round_sum, count = torch.zeros_like(state), torch.zeros_like(state), 0
+    for _, rank, delta in merges:
+        if compression != "none":  # what the service received: this worker's rounded delta + residual
+            delta = decode(compression, feedback[rank].encode(delta), delta.numel())
+        if merge == "delta":
+            state = state + delta / workers
+            continue
+        round_sum, count = round_sum + delta, count + 1
+        if count < workers:
+            state = state + lr * delta / workers
+        else:
+            momentum = beta * momentum + round_sum / workers
+            state = state + lr * (delta / workers + beta * momentum)
+            round_sum, count = torch.zeros_like(state), 0
+    return state, feedback
+
+
+# Rank 1 of _model(): its state is 75 float32 values (300 bytes); an exchange's header and reply are 4 int64 each.
+NUMEL, HEADER = 75, 32
+
+
+@pytest.mark.parametrize("merge,compression", [("delayed-nesterov", "none"), ("delayed-nesterov", "int8"),
+                                               ("delta", "fp16")])
+def test_two_ranks_merge_by_the_rule_and_count_the_encoded_bytes(merge, compression):
+    epochs = 3
+    results = run_distributed(_recording_worker, 2, merge, compression, epochs)
+    expected, feedback = _replay(results, merge, compression)
+    for r in results:
+        assert torch.allclose(r["final"], expected, atol=1e-5)
+    assert results[0]["merges"] == [epochs, epochs]
+    if compression != "none":  # each worker's residual is what its own payloads dropped
+        for rank, r in enumerate(results):
+            assert torch.allclose(r["residual"], feedback[rank].residual, atol=1e-7)
+            assert r["residual"].abs().max() > 0
+    # Rank 1's bytes: the initial broadcast, per merge its header and encoded delta out and the
+    # reply and float32 global back, its DONE and the answer, the final broadcast.
+    model_bytes = 4 * NUMEL
+    per_merge = HEADER + payload_bytes(compression, NUMEL) + HEADER + model_bytes
+    assert payload_bytes(compression, NUMEL) == {"none": 300, "int8": 75 + 4, "fp16": 150}[compression]
+    assert results[1]["comm"] == model_bytes + epochs * per_merge + 2 * HEADER + model_bytes
+
+
+def _resume_worker(rank, world, out, merge, compression, stop_after, epochs):
+    x, y = _data(n=64)
+    strategy = Async(merge=merge, compression=compression, server_momentum=0.9, server_lr=0.7)
+    model = _model()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), "cross-entropy", strategy,
+                      batch_size=16, seed=0, verbose=False, out=out, checkpoint_every=1, resume=stop_after is None)
+    trainer.fit((x, y), epochs=stop_after or epochs)
+    return flat_state(model), strategy.state_dict()
+
+
+@pytest.mark.parametrize("compression", ["none", "int8"])
+def test_a_resumed_run_continues_the_server_momentum_and_the_residual_exactly(tmp_path, compression):
+    # One worker: every merge ends a round, so the momentum moves the model every epoch.
+    merge = "delayed-nesterov"
+    straight, _ = run_distributed(_resume_worker, 1, str(tmp_path / "a"), merge, compression, 4, 4)[0]
+    _, saved = run_distributed(_resume_worker, 1, str(tmp_path / "b"), merge, compression, 2, 4)[0]
+    assert saved["global"]["momentum"].abs().max() > 0 and saved["global"]["version"] == 2
+    if compression != "none":
+        assert saved["feedback"]["residual"].abs().max() > 0
+    resumed, _ = run_distributed(_resume_worker, 1, str(tmp_path / "b"), merge, compression, None, 4)[0]
+    assert torch.equal(resumed, straight)
+
+
+def test_compression_with_the_ema_merge_is_one_sentence(capsys, monkeypatch):
+    from dptrain import cli
+    monkeypatch.setenv("DPTRAIN_DEBUG", "0")
+    code = cli.main(["train", "--strategy", "async", "--merge", "ema", "--compression", "int8"])
+    lines = capsys.readouterr().err.splitlines()
+    assert code == 2 and len(lines) == 1, lines
+    assert lines[0] == ("dptrain: error: invalid settings in the command line: compression int8 applies to async "
+                        "merges of deltas (delta, delayed-nesterov), not to merge ema, which sends whole models")
+    with pytest.raises(ValueError, match="compression fp16 needs a merge of deltas"):
+        Async(merge="ema", compression="fp16")
+
+
+def _ordered_nesterov_worker(rank, world, delays):
+    x, y = _data()
+    strategy = DelayedAsync(delays, merge="delayed-nesterov", server_momentum=0.9, server_lr=0.7)
+    model = _model()
+    base = flat_state(model)
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "cross-entropy", strategy, batch_size=8,
+                      seed=5, verbose=False)
+    trainer.fit((x, y), epochs=1)
+    return base, strategy.sent[0], flat_state(model), strategy.max_staleness_seen
+
+
+@pytest.mark.parametrize("delays", [(0.0, 0.6), (0.6, 0.0)], ids=["order-01", "order-10"])
+def test_one_round_over_two_real_ranks_is_the_nesterov_step_on_the_average_in_either_order(delays):
+    # One merge each = one round: whichever rank merges first, the global after the round is
+    # base + lr * (mean + beta * mean) (the momentum starts at zero, so m = mean).
+    results = run_distributed(_ordered_nesterov_worker, 2, delays)
+    base = results[0][0]
+    mean = torch.stack([r[1] for r in results]).mean(dim=0) - base
+    for r in results:
+        assert torch.allclose(r[2], base + 0.7 * (mean + 0.9 * mean), atol=1e-6)
+    first = min(range(2), key=lambda rank: delays[rank])
+    assert [results[rank][3] for rank in (first, 1 - first)] == [0, 1]  # the forced order did happen

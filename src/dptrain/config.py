@@ -120,7 +120,11 @@ class TrainConfig(BaseModel):
                                                                   "form node k), instead of the host names and the "
                                                                   "launcher's local world size")
 
-    merge: Literal["delta", "ema"] = Field("delta", description="async: global += delta/W (delta) or the reference's (G+P)/2 (ema)")
+    merge: Literal["delta", "ema", "delayed-nesterov"] = Field(
+        "delta", description="async: global += delta/W (delta), the reference's (G+P)/2 (ema), or delta/W plus "
+                             "server Nesterov momentum on the mean delta once every W merges (delayed-nesterov)")
+    server_momentum: float = Field(0.9, ge=0, lt=1, description="async, merge delayed-nesterov: server momentum")
+    server_lr: float = Field(1.0, gt=0, description="async, merge delayed-nesterov: server learning rate")
     max_staleness: Optional[int] = Field(None, ge=0, description="async: refresh from the global model when more than S versions behind")
     partition: Literal["iid", "contiguous", "dirichlet"] = Field("iid", description="fedavg: how samples are split over clients")
     alpha: float = Field(0.5, gt=0, description="fedavg: Dirichlet concentration of the label skew (small = strong skew)")
@@ -178,6 +182,9 @@ class TrainConfig(BaseModel):
         if self.compression == "int8" and self.strategy == "allreduce":
             raise ValueError("compression int8 applies to strategies sync, fedavg and async; allreduce compresses "
                              "its gradients with fp16 or bf16 only")
+        if self.strategy == "async" and self.merge == "ema" and self.compression != "none":
+            raise ValueError(f"compression {self.compression} applies to async merges of deltas (delta, "
+                             "delayed-nesterov), not to merge ema, which sends whole models")
         if self.outer != "none" and self.strategy not in ("sync", "fedavg"):
             raise ValueError(f"outer applies to strategies sync and fedavg, not {self.strategy}")
         if self.allreduce_epochs and self.strategy != "sync":

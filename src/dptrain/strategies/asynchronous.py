@@ -9,6 +9,36 @@ workers' models, as under `sync`, because the deltas add up commutatively.
 `merge="ema"` instead applies the reference system's rule `global = (global + local) / 2`, in
 which the first of W merges ends up weighted 2^-W (kept for comparison).
 
+`merge="delayed-nesterov"`: server momentum on the merged deltas, the delayed Nesterov (DN) update
+of Liu et al. 2024, "Asynchronous Local-SGD Training for Language Modeling" (arXiv:2401.09135,
+Algorithm 3), with its period N = W merges (one round's worth: each worker once, on average).
+The service keeps a momentum buffer m and a round buffer A (both zero at the start) and a count k
+of merges in the current round. With d the worker's delta, β = `server_momentum`, ε = `server_lr`:
+
+    A += d;  k += 1
+    if k == W:  m = β·m + A/W;  global += ε·(d/W + β·m);  A = 0;  k = 0     (the round's last merge)
+    else:       global += ε·d/W                                             (plain delta, scaled)
+
+Every merge moves the global model at once (no worker waits for a round to fill), but momentum
+is updated and applied only once per W merges, on the round's mean delta: over a round the
+global moves by ε·(A/W + β·m), exactly the Nesterov step torch.optim.SGD(nesterov=True) takes
+on the pseudo-gradient -A/W, i.e. sync's `outer="nesterov"` (DiLoCo) step on the round's average.
+Applying momentum at every merge instead would update the velocity W times per round, each time
+from one worker's delta computed on an older global, and carry every stale delta forward; the
+paper identifies momentum on stale updates as what makes naive asynchronous local SGD take more
+steps than synchronous local SGD, and proposes DN to repair it.
+With β = 0 and ε = 1 the rule is `delta` merge for merge. What still holds of commutativity:
+the global at the end of a round depends only on the *sum* of that round's deltas, not on their
+order; the states inside a round, and hence the bases the workers continue from, do depend on it.
+
+Compression (`compression` fp16, bf16 or int8; delta-type merges only, `ema` sends whole
+models): a worker encodes `delta + residual` with dptrain.strategies.compression, keeps what
+rounding dropped as its residual (error feedback, saved in its checkpoints), and sends the
+encoded bytes; the service decodes them and merges the float32 result. Rank 0's own delta goes
+through the same encoding (it is not sent), so every worker's contribution is rounded alike. The
+reply, the global model, stays float32: rounding it would put error into every worker's base
+that no residual carries forward.
+
 The service is a thread in rank 0's process. Remote workers talk to it over torch.distributed
 point-to-point messages in a process group of its own; rank 0's worker calls it directly.
 Merges are serialised by a lock, so none is lost. Only parameters and floating buffers are
@@ -38,8 +68,10 @@ from dptrain.runtime.distributed import DistContext, PeerFailure
 from dptrain.runtime.guard import gather_objects
 from dptrain.strategies.base import Strategy
 from dptrain.strategies.collectives import broadcast_module, module_state, unflatten_into
+from dptrain.strategies.compression import COMPRESSIONS, ErrorFeedback, decode, payload_bytes
 
-MERGES = ("delta", "ema")
+MERGES = ("delta", "ema", "delayed-nesterov")
+DELTA_MERGES = ("delta", "delayed-nesterov")  # merges of a change (which can be compressed), not a model
 # Message kinds (first header field) and tags (one per message role, so they never cross).
 MERGE, VERSION, REFRESH, DONE = 1, 2, 3, 4
 TAG_REQUEST, TAG_PAYLOAD, TAG_REPLY, TAG_GLOBAL = 11, 12, 13, 14
@@ -64,11 +96,21 @@ def load_flat_state(module: nn.Module, flat: torch.Tensor) -> None:
 class GlobalModel:
     """The global model and its version; merges are serialised and counted per worker."""
 
-    def __init__(self, initial: torch.Tensor, workers: int, merge: str = "delta") -> None:
+    def __init__(self, initial: torch.Tensor, workers: int, merge: str = "delta", server_momentum: float = 0.9,
+                 server_lr: float = 1.0) -> None:
         if merge not in MERGES:
             raise ValueError(f"merge must be one of {MERGES}, not {merge!r}")
+        if not 0 <= server_momentum < 1:
+            raise ValueError(f"server_momentum must be at least 0 and less than 1, not {server_momentum}")
+        if server_lr <= 0:
+            raise ValueError(f"server_lr must be greater than 0, not {server_lr}")
         self.state = initial.clone()
         self.workers, self.merge = workers, merge
+        self.server_momentum, self.server_lr = server_momentum, server_lr
+        # delayed-nesterov: momentum m, the round's summed deltas A and how many merges it holds (k)
+        self.momentum = torch.zeros_like(self.state) if merge == "delayed-nesterov" else None
+        self.round_sum = torch.zeros_like(self.state) if merge == "delayed-nesterov" else None
+        self.round_merges = 0
         self.version = 0
         self.merges = [0] * workers
         self.max_staleness_seen = 0
@@ -81,12 +123,50 @@ class GlobalModel:
             staleness = self.version - base_version
             if self.merge == "delta":
                 self.state.add_(payload, alpha=1.0 / self.workers)
-            else:
+            elif self.merge == "ema":
                 self.state.add_(payload).mul_(0.5)
+            else:
+                self._delayed_nesterov(payload)
             self.version += 1
             self.merges[rank] += 1
             self.max_staleness_seen = max(self.max_staleness_seen, staleness)
             return self.state.clone(), self.version, staleness
+
+    def _delayed_nesterov(self, delta: torch.Tensor) -> None:
+        """One merge of the delayed Nesterov rule (see the module docstring)."""
+        beta, lr, workers = self.server_momentum, self.server_lr, self.workers
+        self.round_sum.add_(delta)
+        self.round_merges += 1
+        if self.round_merges < workers:
+            self.state.add_(delta, alpha=lr / workers)
+            return
+        self.momentum.mul_(beta).add_(self.round_sum, alpha=1.0 / workers)
+        self.state.add_(delta, alpha=lr / workers).add_(self.momentum, alpha=lr * beta)
+        self.round_sum.zero_()
+        self.round_merges = 0
+
+    def state_dict(self) -> dict:
+        """Everything needed to continue merging exactly (the global, its version and the server momentum)."""
+        with self.lock:
+            state = {"state": self.state.clone(), "version": self.version, "merges": list(self.merges),
+                     "max_staleness_seen": self.max_staleness_seen}
+            if self.momentum is not None:
+                state.update(momentum=self.momentum.clone(), round_sum=self.round_sum.clone(),
+                             round_merges=self.round_merges)
+            return state
+
+    def load_state_dict(self, saved: dict) -> None:
+        with self.lock:
+            self.state.copy_(saved["state"])
+            self.version = saved["version"]
+            self.merges = list(saved["merges"])
+            self.max_staleness_seen = saved["max_staleness_seen"]
+            if self.momentum is not None:
+                if "momentum" not in saved:
+                    raise ValueError("the checkpoint has no server momentum: it was saved by a run with another merge")
+                self.momentum.copy_(saved["momentum"])
+                self.round_sum.copy_(saved["round_sum"])
+                self.round_merges = saved["round_merges"]
 
     def snapshot(self, copy: bool = True) -> tuple[Optional[torch.Tensor], int]:
         """(a copy of the global state, its version); only the version when `copy` is False."""
@@ -97,8 +177,9 @@ class GlobalModel:
 class MergeService:
     """Rank 0's thread: answers remote workers' merge, version and refresh requests until all are done."""
 
-    def __init__(self, model: GlobalModel, group, ctx: DistContext) -> None:
+    def __init__(self, model: GlobalModel, group, ctx: DistContext, compression: str = "none") -> None:
         self.model, self.group, self.ctx = model, group, ctx
+        self.compression = compression
         self.pending = set(range(1, ctx.world_size))
         self.finished: list[int] = []  # ranks done with training that wait for rank 0's conclusion
         self.error: Optional[str] = None
@@ -130,8 +211,7 @@ class MergeService:
                         self.finished.append(rank)
                     continue
                 if kind == MERGE:
-                    payload = torch.empty_like(self.model.state)
-                    dist.recv(payload, src=rank, group=self.group, tag=TAG_PAYLOAD)
+                    payload = self._receive_payload(rank)
                     state, version, staleness = self.model.apply(rank, payload, base_version)
                 else:
                     state, version = self.model.snapshot(copy=kind == REFRESH)
@@ -142,6 +222,17 @@ class MergeService:
                     dist.send(state, dst=rank, group=self.group, tag=TAG_GLOBAL)
         except Exception as exc:  # noqa: BLE001 - reported by rank 0's training thread
             self.error = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+
+    def _receive_payload(self, rank: int) -> torch.Tensor:
+        """A worker's merge payload as float32: received as is, or as encoded bytes and decoded."""
+        numel = self.model.state.numel()
+        if self.compression == "none":
+            payload = torch.empty_like(self.model.state)
+            dist.recv(payload, src=rank, group=self.group, tag=TAG_PAYLOAD)
+            return payload
+        encoded = torch.empty(payload_bytes(self.compression, numel), dtype=torch.uint8)
+        dist.recv(encoded, src=rank, group=self.group, tag=TAG_PAYLOAD)
+        return decode(self.compression, encoded, numel)
 
     def _conclude_for(self, rank: int, outcome: int) -> None:
         dist.send(torch.tensor([outcome, 0, 0, 0], dtype=torch.int64), dst=rank, group=self.group, tag=TAG_REPLY)
@@ -174,7 +265,8 @@ class Async(Strategy):
     # Other ranks may still merge after rank 0's last epoch, so finish() has a newer global model.
     final_model_is_last_evaluated = False
 
-    def __init__(self, every: int = 1, merge: str = "delta", max_staleness: Optional[int] = None) -> None:
+    def __init__(self, every: int = 1, merge: str = "delta", max_staleness: Optional[int] = None,
+                 server_momentum: float = 0.9, server_lr: float = 1.0, compression: str = "none") -> None:
         super().__init__()
         if every < 1:
             raise ValueError("every must be at least 1")
@@ -182,7 +274,18 @@ class Async(Strategy):
             raise ValueError(f"merge must be one of {MERGES}, not {merge!r}")
         if max_staleness is not None and max_staleness < 0:
             raise ValueError("max_staleness must be at least 0")
+        if compression not in COMPRESSIONS:
+            raise ValueError(f"compression must be one of {COMPRESSIONS}, not {compression!r}")
+        if compression != "none" and merge not in DELTA_MERGES:
+            raise ValueError(f"compression {compression} needs a merge of deltas ({' or '.join(DELTA_MERGES)}); "
+                             f"merge {merge} sends whole models")
+        if not 0 <= server_momentum < 1:
+            raise ValueError(f"server_momentum must be at least 0 and less than 1, not {server_momentum}")
+        if server_lr <= 0:
+            raise ValueError(f"server_lr must be greater than 0, not {server_lr}")
         self.every, self.merge, self.max_staleness = every, merge, max_staleness
+        self.server_momentum, self.server_lr, self.compression = server_momentum, server_lr, compression
+        self.feedback = ErrorFeedback(compression)  # this worker's residual (error feedback)
         self.base: Optional[torch.Tensor] = None
         self.base_version = 0
         self.merges = 0
@@ -197,7 +300,8 @@ class Async(Strategy):
 
     @classmethod
     def from_config(cls, config) -> "Async":
-        return cls(every=config.sync_every, merge=config.merge, max_staleness=config.max_staleness)
+        return cls(every=config.sync_every, merge=config.merge, max_staleness=config.max_staleness,
+                   server_momentum=config.server_momentum, server_lr=config.server_lr, compression=config.compression)
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, ctx: DistContext) -> nn.Module:
         super().setup(model, optimizer, ctx)
@@ -206,9 +310,10 @@ class Async(Strategy):
             self.group = dist.new_group(backend="gloo", timeout=SERVICE_GROUP_TIMEOUT)
         self.base = flat_state(model)
         if ctx.rank == 0:
-            self.global_model = GlobalModel(self.base, ctx.world_size, self.merge)
+            self.global_model = GlobalModel(self.base, ctx.world_size, self.merge, self.server_momentum,
+                                            self.server_lr)
             if ctx.world_size > 1:
-                self.service = MergeService(self.global_model, self.group, ctx).start()
+                self.service = MergeService(self.global_model, self.group, ctx, self.compression).start()
         return model
 
     # -- talking to the service ----------------------------------------------------------------
@@ -218,6 +323,8 @@ class Async(Strategy):
         for DONE, (None, the outcome rank 0 concluded, 0)."""
         if self.ctx.rank == 0:  # the service lives in this process
             if kind == MERGE:
+                if self.compression != "none":  # rounded as a remote worker's would be, but not sent
+                    payload = decode(self.compression, payload, self.global_model.state.numel())
                 return self.global_model.apply(0, payload, self.base_version)
             state, version = self.global_model.snapshot(copy=kind == REFRESH)
             return state, version, version - self.base_version
@@ -249,7 +356,12 @@ class Async(Strategy):
     def merge_now(self) -> int:
         """Send this worker's progress, continue from the new global; returns the staleness of the merge."""
         local = flat_state(self.model)
-        payload = local - self.base if self.merge == "delta" else local
+        if self.merge not in DELTA_MERGES:
+            payload = local
+        elif self.compression == "none":
+            payload = local - self.base
+        else:  # encoded bytes of delta + residual; the residual keeps what they drop
+            payload = self.feedback.encode(local - self.base)
         state, version, staleness = self._request(MERGE, payload)
         load_flat_state(self.model, state)
         self.base, self.base_version = state, version
@@ -353,11 +465,10 @@ class Async(Strategy):
         state = super().state_dict()
         state.update(base=self.base, base_version=self.base_version, merges=self.merges, refreshes=self.refreshes,
                      max_staleness_seen=self.max_staleness_seen, diverged=self._diverged)
+        if self.compression != "none":
+            state["feedback"] = self.feedback.state_dict()
         if self.global_model is not None:
-            with self.global_model.lock:
-                state["global"] = {"state": self.global_model.state.clone(), "version": self.global_model.version,
-                                   "merges": list(self.global_model.merges),
-                                   "max_staleness_seen": self.global_model.max_staleness_seen}
+            state["global"] = self.global_model.state_dict()
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -365,13 +476,10 @@ class Async(Strategy):
         self.base, self.base_version = state["base"], state["base_version"]
         self.merges, self.refreshes = state["merges"], state["refreshes"]
         self.max_staleness_seen, self._diverged = state["max_staleness_seen"], state["diverged"]
+        if self.compression != "none" and "feedback" in state:
+            self.feedback.load_state_dict(state["feedback"])
         if self.global_model is not None and "global" in state:
-            with self.global_model.lock:
-                saved = state["global"]
-                self.global_model.state.copy_(saved["state"])
-                self.global_model.version = saved["version"]
-                self.global_model.merges = list(saved["merges"])
-                self.global_model.max_staleness_seen = saved["max_staleness_seen"]
+            self.global_model.load_state_dict(state["global"])
         # A rank that resumes at a newer version than rank 0's saved global sees negative
         # staleness once; clamp it so the refresh rule stays meaningful.
         if self.global_model is not None:
@@ -381,4 +489,8 @@ class Async(Strategy):
         return dict(self._final or {})
 
     def describe(self) -> dict:
-        return {"name": self.name, "every": self.every, "merge": self.merge, "max_staleness": self.max_staleness}
+        described = {"name": self.name, "every": self.every, "merge": self.merge, "max_staleness": self.max_staleness,
+                     "compression": self.compression}
+        if self.merge == "delayed-nesterov":
+            described.update(server_momentum=self.server_momentum, server_lr=self.server_lr)
+        return described
