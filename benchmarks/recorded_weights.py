@@ -25,12 +25,14 @@ COMMON = ["--dataset", "digits", "--epochs", "3", "--batch-size", "32", "--lr", 
 CASES = {
     "single": ["--workers", "1"],
     "allreduce": ["--strategy", "allreduce", "--workers", "2"],
-    "sync": ["--strategy", "sync", "--workers", "2"],
+    # --lr-scaling none: the settings as recorded before the LR scaling default (the old behaviour, by flag).
+    "sync": ["--strategy", "sync", "--workers", "2", "--lr-scaling", "none"],
     "local-sgd-outer-nesterov": ["--strategy", "sync", "--workers", "2", "--sync-every-steps", "5",
-                                 "--outer", "nesterov"],
+                                 "--outer", "nesterov", "--lr-scaling", "none"],
     "fedavg-dirichlet": ["--strategy", "fedavg", "--workers", "2", "--partition", "dirichlet", "--alpha", "0.5"],
     "cnn-sync-adam": ["--strategy", "sync", "--workers", "2", "--model", "cnn", "--optimizer", "adam",
-                      "--lr", "0.001", "--lr-schedule", "cosine", "--warmup-epochs", "1"],
+                      "--lr", "0.001", "--lr-schedule", "cosine", "--warmup-epochs", "1", "--lr-scaling", "none"],
+    "sync-default": ["--strategy", "sync", "--workers", "2"],
 }
 
 

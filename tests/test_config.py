@@ -269,6 +269,28 @@ def test_a_run_recorded_before_a_setting_existed_continues_when_that_setting_is_
         open_run_dir("run", settings(outer_betas="0.5,0.99"))
 
 
+@pytest.mark.parametrize("settings, world, expected", [
+    ({"strategy": "sync"}, 4, (4.0, "linear")),  # SGD is the default optimizer
+    ({"strategy": "sync", "optimizer": "adam"}, 4, (2.0, "sqrt")),
+    ({"strategy": "async", "optimizer": "adamw"}, 9, (3.0, "sqrt")),
+    ({"strategy": "streaming"}, 3, (3.0, "linear")),
+    ({"strategy": "allreduce"}, 4, (1.0, "none")),
+    ({"strategy": "fedavg"}, 4, (1.0, "none")),
+    ({"strategy": "hierarchical"}, 4, (1.0, "none")),
+    ({"strategy": "sync"}, 1, (1.0, "linear")),  # one worker: nothing to scale
+    ({"strategy": "sync", "lr_scaling": "none"}, 4, (1.0, "none")),
+    ({"strategy": "allreduce", "lr_scaling": "sqrt"}, 16, (4.0, "sqrt")),
+    ({"strategy": "allreduce", "scale_lr": True}, 4, (4.0, "linear")),
+])
+def test_lr_scaling_rules(settings, world, expected):
+    assert build_config({"dataset": "digits", **settings}).lr_scale(world) == expected
+
+
+def test_scale_lr_contradicting_lr_scaling_is_one_sentence():
+    with pytest.raises(UserError, match="scale_lr is short for lr_scaling linear and contradicts lr_scaling sqrt"):
+        build_config({"dataset": "digits", "scale_lr": True, "lr_scaling": "sqrt"})
+
+
 # ----------------------------------------------------------------------------- the CLI
 
 @pytest.fixture
