@@ -85,6 +85,9 @@ class TrainConfig(BaseModel):
     outer_lr: float = Field(0.7, gt=0, description="sync: outer learning rate")
     outer_momentum: float = Field(0.9, ge=0, lt=1, description="sync: outer Nesterov momentum")
 
+    auto_candidates: Literal["safe", "all"] = Field(
+        "safe", description="auto: candidates to pick from: safe (allreduce, sync every epoch) or all (also sync every "
+                            "2 or 3 epochs and async, which may cost accuracy)")
     merge: Literal["delta", "ema"] = Field("delta", description="async: global += delta/W (delta) or the reference's (G+P)/2 (ema)")
     max_staleness: Optional[int] = Field(None, ge=0, description="async: refresh from the global model when more than S versions behind")
     partition: Literal["iid", "contiguous", "dirichlet"] = Field("iid", description="fedavg: how samples are split over clients")

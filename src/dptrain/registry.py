@@ -34,6 +34,8 @@ STRATEGIES: dict[str, StrategyEntry] = {
     "async": StrategyEntry("dptrain.strategies.asynchronous:Async", "merges into a global model, no barrier",
                            "merge-service"),
     "fedavg": StrategyEntry("dptrain.strategies.fedavg:FedAvg", "federated", "periodic-allreduce"),
+    "auto": StrategyEntry("dptrain.strategies.auto:Auto", "measures link and model at start, trains with the fastest "
+                          "of --auto-candidates", "auto"),
 }
 
 # Each a module satisfying dptrain.launch.base.Scheduler.
