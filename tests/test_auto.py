@@ -85,9 +85,9 @@ def test_auto_is_a_config_choice_and_builds_the_chosen_strategy_as_its_flags_wou
         build_config({"strategy": "auto", "auto_candidates": "most"})
 
 
-def dptrain(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+def dptrain(*args: str, cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "dptrain", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=240, env=os.environ.copy())
+                          timeout=240, env={**os.environ, **(env or {})})
 
 
 def weights(run_dir: Path) -> dict:
@@ -144,6 +144,24 @@ def test_one_worker_trains_as_allreduce_without_measuring_and_says_so(tmp_path, 
     assert summary.strategy == "allreduce"
     assert summary.strategy_options["auto"] == {"workers": 1, "candidates": "safe", "chosen": "allreduce",
                                                 "reason": "one worker: nothing to communicate"}
+    assert json.loads((tmp_path / "auto" / "strategy_choice.json").read_text()) == summary.strategy_options["auto"]
     train_from_config({**settings, "strategy": "allreduce", "out": str(tmp_path / "direct")})
     first, second = weights(tmp_path / "auto"), weights(tmp_path / "direct")
     assert all(torch.equal(first[name], second[name]) for name in first)
+
+
+@pytest.mark.slow
+def test_a_restarted_run_keeps_the_choice_it_began_with(tmp_path):
+    """Rank 1 dies after its epoch-2 checkpoint; the restarted workers read strategy_choice.json, not a new measurement."""
+    result = dptrain("train", "--dataset", "digits", "--model", "mlp", "--epochs", "3", "--no-progress",
+                     "--strategy", "auto", "--workers", "2",
+                     "--checkpoint-every", "1", "--max-restarts", "1", "--out", str(tmp_path / "run"), cwd=tmp_path,
+                     env={"DPTRAIN_FAULT": "save-end@1:2", "DPTRAIN_FAULT_ONCE": str(tmp_path / "fired")})
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "fired").exists() and "restarting the 2 workers" in result.stderr
+    lines = [line for line in result.stdout.splitlines() if "--strategy auto chose" in line]
+    assert len(lines) == 2 and lines[1].endswith("(as decided when the run began)"), result.stdout
+    assert lines[1].removesuffix(" (as decided when the run began)") == lines[0]
+    recorded = json.loads((tmp_path / "run" / "strategy_choice.json").read_text())
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["strategy_options"]["auto"] == recorded and summary["strategy"] == recorded["strategy"]

@@ -245,7 +245,8 @@ class Auto(Strategy):
             choice = self._reused(trainer) or self._decide(trainer, train)
         trainer.recorder.log(decision_line(choice) + (" (as decided when the run began)" if choice.get("reused") else ""))
         if ctx.is_main and trainer.out is not None and not choice.get("reused"):
-            from dptrain.io import write_json
+            from dptrain.io import make_dirs, write_json
+            make_dirs(trainer.out)
             write_json(trainer.out / CHOICE_FILE, choice)
         chosen = next((c for c in ALL_CANDIDATES if c.label == choice["chosen"]), None)
         assert chosen is not None, f"unknown choice {choice['chosen']!r}"
