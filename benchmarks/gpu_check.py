@@ -138,10 +138,12 @@ def step_amp(amp: str, device: str, sizes: dict, workdir: Path) -> dict:
             return {"ok": "--amp fp16 needs a GPU" in str(error), "note": f"refused on the CPU as expected: {error}"}
         raise
     extra = _peak_memory(torch.device(device, 0) if device == "cuda" else torch.device("cpu"))
-    if amp == "fp16":
-        saved = sorted((out / "checkpoints").glob("epoch-*/rank-00000.pt"))
-        state = torch.load(saved[-1], weights_only=True)["scaler"] if saved else {}
-        extra["grad_scaler_scale"] = float(state["scale"]) if "scale" in state else None
+    # The GradScaler's state goes into each checkpoint: its scale under fp16, nothing under bf16.
+    saved = sorted((out / "checkpoints").glob("epoch-*/rank-00000.pt"))
+    if not saved:
+        raise RuntimeError(f"no checkpoint in {out / 'checkpoints'} to read the GradScaler state from")
+    state = torch.load(saved[-1], weights_only=True)["scaler"]
+    extra["grad_scaler_scale"] = float(state["scale"]) if "scale" in state else None
     result = _check_run(summary, device, extra)
     if amp == "fp16" and extra.get("grad_scaler_scale") is None:
         result["ok"] = False
@@ -266,7 +268,8 @@ def environment(device: str) -> dict:
         props = torch.cuda.get_device_properties(0)
         info.update(gpu=props.name, gpu_memory_bytes=props.total_memory, gpus_visible=torch.cuda.device_count())
         try:
-            info["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+            version = torch.cuda.nccl.version()
+            info["nccl"] = ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
         except Exception as error:  # noqa: BLE001 - recorded, not fatal
             info["nccl"] = f"unknown ({type(error).__name__})"
     return info

@@ -106,3 +106,11 @@ def test_auto_is_timed_as_its_fastest_safe_candidate():
 def test_unknown_pattern_names_the_valid_ones():
     with pytest.raises(ValueError, match="communication pattern must be one of"):
         costmodel.communication_seconds("gossip", 2, CAL)
+
+
+def test_auto_keeps_allreduce_when_it_is_predicted_within_five_per_cent():
+    # 50 steps of a ring of 0.5 MB at 1e9 B/s (0.5 ms each): 25 ms more than 0.5 s of compute
+    cal = Calibration(**{**CAL.as_dict(), "model_bytes": 500_000, "bandwidth": 1e9, "latency": 0.0})
+    allreduce = costmodel.epoch_seconds("allreduce", 2, cal)
+    assert allreduce["communication"] == pytest.approx(50 * 5e-4)  # 0.525 s against sync's 0.5005 s: 4.9 % more
+    assert costmodel.epoch_seconds("auto", 2, cal) == allreduce

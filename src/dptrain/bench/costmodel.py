@@ -32,7 +32,7 @@ Modes beyond the plain strategies, chosen by `Settings` (their defaults give the
   ranks; per step a ring all-reduce of the gradients among a node's G ranks over the fast
   intra-node link (node_bandwidth, node_latency), and per period an average among the N/G nodes
   over the slow link (bandwidth, latency).
-- auto (`--strategy auto`): the fastest of its candidates (dptrain.strategies.auto).
+- auto (`--strategy auto`): the candidate it would pick (dptrain.strategies.auto).
 """
 
 from __future__ import annotations
@@ -192,12 +192,15 @@ def _hierarchical_allreduce(workers: int, cal: Calibration, settings: Settings, 
 
 
 def _auto(workers: int, cal: Calibration, settings: Settings, compute: float) -> float:
-    """`--strategy auto`: the communication of the fastest of its default (safe) candidates."""
-    from dptrain.strategies.auto import SAFE_CANDIDATES  # the candidates live with the strategy
+    """`--strategy auto`: the communication of the default (safe) candidate it would pick (the fastest, or a
+    safer one predicted within its tolerance)."""
+    from dptrain.strategies.auto import SAFE_CANDIDATES, pick  # the candidates and the rule live with the strategy
 
-    return min(communication_seconds(registry.STRATEGIES[candidate.strategy].communication, workers, cal,
-                                     Settings(**{**asdict(settings), "every": candidate.every}), compute)
-               for candidate in SAFE_CANDIDATES)
+    seconds = {candidate.label: communication_seconds(registry.STRATEGIES[candidate.strategy].communication, workers,
+                                                      cal, Settings(**{**asdict(settings), "every": candidate.every}),
+                                                      compute)
+               for candidate in SAFE_CANDIDATES}
+    return seconds[pick(SAFE_CANDIDATES, {label: compute + comm for label, comm in seconds.items()}).label]
 
 
 # Seconds of communication per epoch, by the `communication` a strategy's registry entry names.
