@@ -131,7 +131,7 @@ def test_bad_value_names_key_value_and_what_is_valid(write, text, key, bad, vali
 
 def test_bad_strategy_lists_the_strategies(write):
     message = _user_error(resolve, write("strategy: foo\n"), {})
-    assert "'foo'" in message and "must be one of allreduce, sync, async, fedavg" in message
+    assert "'foo'" in message and "must be one of allreduce, sync, streaming, async, fedavg" in message
 
 
 @pytest.mark.parametrize("overrides, expected", [

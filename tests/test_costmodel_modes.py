@@ -79,6 +79,13 @@ def test_overlapped_average_hides_the_transfer_behind_the_delay():
     assert comm(fast, every_steps=10, delay_steps=2) == pytest.approx(5 * 1e-3)
     # delay 1: 10 ms hidden, 2 ms waited per period
     assert comm(fast, every_steps=10, delay_steps=1) == pytest.approx(5 * (0.002 + 1e-3))
+    # streaming's default delay: half the period rounded up (25 of 50 steps: 0.25 s of the 1.002 s hidden)
+    assert comm(CAL) == pytest.approx(1.002 - 0.25)
+    assert costmodel.epoch_seconds("streaming", 2, CAL)["communication"] == pytest.approx(1.002 - 0.25)
+    # 4 fragments: a ring of 250 kB a period (0.25 s + 2 alpha) behind 25 steps (0.25 s): 2 ms waited
+    assert comm(CAL, fragments=4) == pytest.approx(0.252 - 0.25)
+    # 3 fragments of 1 MB: ceil(250,000 / 3) = 83,334 elements, 333,336 bytes, nothing hidden
+    assert comm(CAL, fragments=3, delay_steps=0) == pytest.approx(333_336 / 1e6 + 2e-3)
 
 
 def test_hierarchical_is_a_node_ring_per_step_and_a_node_average_per_period():

@@ -304,6 +304,20 @@ def test_words_after_dashes_that_start_with_a_word_are_a_command_for_every_rank(
     assert not (tmp_path / "mine").exists()
 
 
+def test_a_command_job_launched_again_keeps_its_script_unless_it_is_the_same(tmp_path):
+    (tmp_path / "train.py").write_text("")
+    first = dptrain("launch", "--scheduler", "pbs", "--out", "run", "--", "python", "train.py", "--lr", "1", cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    script = (tmp_path / "run" / "job.pbs").read_text()
+    again = dptrain("launch", "--scheduler", "pbs", "--out", "run", "--", "python", "train.py", "--lr", "1", cwd=tmp_path)
+    assert again.returncode == 0, again.stderr  # the same job again (a resubmission) is fine
+    other = dptrain("launch", "--scheduler", "pbs", "--out", "run", "--", "python", "train.py", "--lr", "2", cwd=tmp_path)
+    assert other.returncode == 2
+    assert other.stderr.splitlines() == [f"dptrain: error: '{tmp_path}/run/job.pbs' already holds a different job "
+                                         "script; give --out a new directory (or delete that script to replace it)"]
+    assert (tmp_path / "run" / "job.pbs").read_text() == script
+
+
 @pytest.mark.parametrize("words, message", [
     (["pyhton", "train.py"], "command 'pyhton' is not on the PATH nor a file; the words after '--' are a command "
                              "unless the first starts with '-', and then they are dptrain train's"),

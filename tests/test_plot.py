@@ -218,7 +218,8 @@ def _not_a_run(tmp_path):
 
 
 def _missing(tmp_path):
-    return ["plot", str(tmp_path / "nope")], f"run directory '{tmp_path / 'nope'}' does not exist"
+    return ["plot", str(tmp_path / "nope")], (f"run directory '{tmp_path / 'nope'}' does not exist; "
+                                                 "give run directories (the --out of `dptrain train`)")
 
 
 def _a_file(tmp_path):

@@ -180,7 +180,7 @@ def test_a_module_runs_with_dash_m_and_keeps_its_arguments(here, capfd):
 @pytest.mark.parametrize("argv, message", [
     ([], r"no script to run; give SCRIPT \[ARGS...\] or -m MODULE \[ARGS...\], e\.g\. dptrain run .*"),
     (["--workers", "0", "ok.py"], r"--workers must be at least 1 \(got 0\)"),
-    (["nothere.py", "--lr", "1"], r"script 'nothere\.py' does not exist"),
+    (["nothere.py", "--lr", "1"], r"script 'nothere\.py' does not exist; give the path of a Python file, or -m MODULE"),
     (["pkg.train"], r"script 'pkg\.train' does not exist; to run the module pkg\.train, use -m pkg\.train"),
     (["ok"], r"script 'ok' does not exist; did you mean ok\.py\?"),
     (["-m", "nosuch.train"], r"-m nosuch\.train: no module named 'nosuch' in this directory or on the Python path"),

@@ -79,7 +79,7 @@ class TrainConfig(BaseModel):
                                        description="straggler emulation RANK:FACTOR[,RANK:FACTOR]: that rank's steps take FACTOR times as long")
     compression: Literal["none", "fp16", "bf16"] = Field("none", description="allreduce: gradient compression through a DDP communication hook")
     sync_every: int = Field(1, ge=1, description="sync, async: average (merge) the weights every E epochs")
-    sync_every_steps: Optional[int] = Field(None, ge=1, description="sync: average every K steps instead (local SGD)")
+    sync_every_steps: Optional[int] = Field(None, ge=1, description="sync, streaming: average every K steps instead (local SGD)")
     optimizer_state: Literal["keep", "reset", "average"] = Field("keep", description="sync: what happens to optimizer state at an average")
     outer: Literal["none", "nesterov"] = Field("none", description="sync: outer optimizer on the averaged delta (DiLoCo)")
     outer_lr: float = Field(0.7, gt=0, description="sync: outer learning rate")
@@ -88,6 +88,12 @@ class TrainConfig(BaseModel):
     auto_candidates: Literal["safe", "all"] = Field(
         "safe", description="auto: candidates to pick from: safe (allreduce, sync every epoch) or all (also sync every "
                             "2 or 3 epochs and async, which may cost accuracy)")
+
+    overlap_steps: Optional[int] = Field(None, ge=0, description="streaming: steps of training while an average "
+                                                                 "travels, before waiting for it (default: half the "
+                                                                 "period, rounded up; 0 is sync)")
+    fragments: int = Field(1, ge=1, description="streaming: average 1/F of the model per period, the F parts in rotation")
+
     merge: Literal["delta", "ema"] = Field("delta", description="async: global += delta/W (delta) or the reference's (G+P)/2 (ema)")
     max_staleness: Optional[int] = Field(None, ge=0, description="async: refresh from the global model when more than S versions behind")
     partition: Literal["iid", "contiguous", "dirichlet"] = Field("iid", description="fedavg: how samples are split over clients")
@@ -117,8 +123,13 @@ class TrainConfig(BaseModel):
     def _cross_field_checks(self) -> "TrainConfig":
         if self.data is None and self.dataset is None:
             raise ValueError("give --dataset or --data")
-        if self.sync_every_steps is not None and self.strategy != "sync":
-            raise ValueError(f"sync_every_steps applies to strategy sync, not {self.strategy}")
+        if self.sync_every_steps is not None and self.strategy not in ("sync", "streaming"):
+            raise ValueError(f"sync_every_steps applies to strategy sync or streaming, not {self.strategy}")
+        if (self.strategy == "streaming" and self.overlap_steps is not None and self.sync_every_steps is not None
+                and self.overlap_steps > self.sync_every_steps):
+            raise ValueError(f"overlap_steps {self.overlap_steps} is more than sync_every_steps "
+                             f"{self.sync_every_steps}; an average must land before the next one is sent, "
+                             f"so use at most {self.sync_every_steps}")
         if self.resume and not self.out:
             raise ValueError("resume needs out, the run directory to continue")
         for rank, factor in self.slow_workers().items():

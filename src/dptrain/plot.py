@@ -118,7 +118,7 @@ def read_run(name: str) -> Run:
     or from config.yaml while the run has no summary yet (still running, or stopped)."""
     path = Path(name)
     if not path.exists():
-        raise UserError(f"run directory '{name}' does not exist")
+        raise UserError(f"run directory '{name}' does not exist; give run directories (the --out of `dptrain train`)")
     if not path.is_dir():
         raise UserError(f"'{name}' is not a directory; give run directories (the --out of `dptrain train`)")
     metrics = path / "metrics.jsonl"

@@ -31,6 +31,8 @@ class StrategyEntry(Entry):
 STRATEGIES: dict[str, StrategyEntry] = {
     "allreduce": StrategyEntry("dptrain.strategies.allreduce:AllReduce", "gradients every step", "step-allreduce"),
     "sync": StrategyEntry("dptrain.strategies.sync:Sync", "weights every few epochs/steps", "periodic-allreduce"),
+    "streaming": StrategyEntry("dptrain.strategies.streaming:Streaming",
+                               "weights every few epochs/steps, averaged while training goes on", "overlapped-average"),
     "async": StrategyEntry("dptrain.strategies.asynchronous:Async", "merges into a global model, no barrier",
                            "merge-service"),
     "fedavg": StrategyEntry("dptrain.strategies.fedavg:FedAvg", "federated", "periodic-allreduce"),

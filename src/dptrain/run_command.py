@@ -109,7 +109,7 @@ def check_script(script: str) -> None:
         hint = f"; did you mean {script}.py?"
     elif MODULE_NAME.fullmatch(script) and not script.endswith(".py"):
         hint = f"; to run the module {script}, use -m {script}"
-    raise UserError(f"script '{script}' does not exist{hint}")
+    raise UserError(f"script '{script}' does not exist{hint or '; give the path of a Python file, or -m MODULE'}")
 
 
 def check_module(module: str) -> None:

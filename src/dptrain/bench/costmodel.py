@@ -25,9 +25,12 @@ Modes beyond the plain strategies, chosen by `Settings` (their defaults give the
   compression hook, a ring all-reduce of 2-byte elements; with int8 it is an all_gather too.
   Async merges are not compressed.
 - overlapped averaging (overlapped-average; strategy streaming): an average of the weights starts
-  in the background and is applied `delay_steps` steps later, so it hides behind the compute of
-  min(delay, period) steps: time per period = compute of the period + max(0, transfer - compute
-  hidden) + apply_seconds; with delay >= period that is max(compute, transfer) + apply.
+  in the background and is applied `delay_steps` steps later (default: half the period rounded
+  up, as streaming's --overlap-steps), so it hides behind the compute of min(delay, period)
+  steps: time per period = compute of the period + max(0, transfer - compute hidden) +
+  apply_seconds; with delay >= period that is max(compute, transfer) + apply. With `fragments`
+  F a period sends 1/F of the model. (Streaming drains an average still in flight at an epoch
+  end; that loss of cover near epoch ends is not modelled.)
 - hierarchical sync (hierarchical-allreduce; strategy hierarchical): N ranks on N/G nodes of G
   ranks; per step a ring all-reduce of the gradients among a node's G ranks over the fast
   intra-node link (node_bandwidth, node_latency), and per period an average among the N/G nodes
@@ -122,7 +125,9 @@ class Settings:
     every: int = 1  # epochs between averages (sync, fedavg rounds, async merges, overlapped, hierarchical)
     every_steps: Optional[int] = None  # steps between averages instead (local SGD; overlapped; hierarchical)
     compression: str = "none"  # none, fp16, bf16, int8
-    delay_steps: int = 1  # overlapped averaging: steps between starting an average and applying it
+    delay_steps: Optional[int] = None  # overlapped averaging: steps between sending an average and applying it
+    # (None: half the period rounded up, streaming's default --overlap-steps)
+    fragments: int = 1  # overlapped averaging: each period sends 1/F of the model (streaming's --fragments)
     ranks_per_node: int = 1  # hierarchical: G ranks per node (the job has N/G nodes)
 
     def averages_per_epoch(self, steps: int) -> float:
@@ -171,8 +176,10 @@ def _overlapped_average(workers: int, cal: Calibration, settings: Settings, comp
     periods = settings.averages_per_epoch(steps)
     period_steps = steps / periods
     step_compute = compute / steps
-    transfer = average_seconds(workers, cal.model_bytes, cal.bandwidth, cal.latency, settings.compression)
-    hidden = min(settings.delay_steps, period_steps) * step_compute
+    fragment_bytes = math.ceil(cal.model_bytes / settings.fragments / FLOAT32_BYTES) * FLOAT32_BYTES
+    transfer = average_seconds(workers, fragment_bytes, cal.bandwidth, cal.latency, settings.compression)
+    delay = math.ceil(period_steps / 2) if settings.delay_steps is None else settings.delay_steps
+    hidden = min(delay, period_steps) * step_compute
     period = overlapped_period_seconds(period_steps * step_compute, hidden, transfer, cal.apply_seconds)
     return periods * (period - period_steps * step_compute)
 

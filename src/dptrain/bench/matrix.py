@@ -86,11 +86,19 @@ def check(spec: BenchSpec) -> None:
     from dptrain.train.run import validate
 
     for workers in spec.workers:
-        validate(_config(spec, "allreduce", workers, out=None))
+        for strategy in spec.strategies:  # each strategy's settings, before any run (cheap)
+            _config(spec, strategy, workers, out=None)
+        validate(_config(spec, _reference_strategy(spec), workers, out=None))
     unsupported = sorted(key for key in spec.train if key not in BASELINE_OPTIONS and key not in DPTRAIN_ONLY)
     if spec.baselines and unsupported:
         raise UserError(f"the baseline scripts cannot reproduce {', '.join(unsupported)}; leave those options out "
                         "or add --no-baselines")
+
+
+def _reference_strategy(spec: BenchSpec) -> str:
+    """The strategy whose config check() validates and the baselines copy: the first one asked for, since a
+    setting such as sync_every_steps is valid for some strategies only (allreduce when none is asked for)."""
+    return spec.strategies[0] if spec.strategies else "allreduce"
 
 
 def _config(spec: BenchSpec, strategy: str, workers: int, out: Optional[str]):
@@ -112,7 +120,7 @@ def run_matrix(spec: BenchSpec, out: Path) -> dict:
     elif spec.baselines and spec.bandwidth:
         spec.notes.append("horovod skipped: horovodrun cannot place ranks in the emulated hosts")
     runs = plan(spec, baselines_present, horovod)
-    base = _config(spec, "allreduce", 1, None)
+    base = _config(spec, _reference_strategy(spec), 1, None)
     data = load_dataset(base.dataset if base.data is None else None, data_path=base.data, seed=base.seed,
                         samples=base.samples, image_size=base.image_size, channels=base.channels,
                         classes=base.classes, features=base.features)

@@ -188,6 +188,9 @@ def main(args: argparse.Namespace) -> int:
 
     run_dir = claim_run_dir(spec.run_dir)
     script = run_dir / scheduler.SCRIPT_NAME
+    if script.is_file() and script.read_text() != text:
+        raise UserError(f"'{script}' already holds a different job script; give --out a new directory "
+                        "(or delete that script to replace it)")
     script.write_text(text)
     script.chmod(0o755)
     print(f"dptrain: wrote {script}", flush=True)

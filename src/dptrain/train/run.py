@@ -110,6 +110,9 @@ def validate(config: TrainConfig) -> torch.nn.Module:
     data = load_data(config)
     model = make_model(config, data)
     check_loss(build_loss(config, data), config.loss, model, data)
+    if config.strategy == "streaming":  # --fragments needs as many tensors as fragments
+        from dptrain.strategies.streaming import check_fragments
+        check_fragments(model, config.fragments)
     samples = len(data.train_set())
     sharding.check_workers(samples, config.workers)
     if config.batch_size > samples // config.workers:

@@ -1,0 +1,347 @@
+"""streaming: weight averaging overlapped with training, so a worker does not wait for the link.
+
+Like `sync`, workers train alone and average their weights once a period; unlike `sync`, the
+average travels while they keep training, and the local progress made meanwhile is kept on top
+of it (the delay correction of "eager updates" for overlapped DiLoCo; the torchft streaming DiLoCo
+code we read instead restores a fragment to its last global value before applying the average,
+dropping those steps):
+
+Period and overlap. A period is `every_steps` = K steps (local SGD), or `every` epochs (K = every
+x steps per epoch). The overlap is D steps (`overlap_steps`, default ceil(K/2)): at step t_s a
+worker snapshots its weights w_s, hands `w_s - g` (its change since the last global model g, the
+same on every rank) to a non-blocking all-reduce and keeps training; D steps later, at t_s + D,
+it waits for the sum and applies
+
+    g <- g + mean_ranks(w_s - g)           = mean_ranks(w_s)        (the new global model)
+    w <- g + (w_now - w_s)                                           (the delay correction)
+
+so the D steps it took while the average was on the way are not thrown away. With D = 0 the
+send and the wait are the same step and this is exactly `sync`'s local SGD (`--sync-every-steps
+K`) or epoch averaging (`--sync-every E`). Why ceil(K/2) by default: the wait never blocks
+while the transfer takes less than the compute of half a period, and the average a worker
+applies is at most half a period old; D = K would hide transfers up to a whole period but apply
+averages a whole period old, D = 1 hides only one step's compute.
+
+When. With `every_steps`, the send is at every step t with t % K == 0 (t counts steps from 1
+over the whole run, as `sync` does) and the wait at t + D (D <= K; the wait comes before a send
+at the same step). With `every`, the average lands at the end of every E-th epoch: the send is
+D steps before that epoch's last step (D is at most K - 1 there) and the wait is at the epoch end.
+
+Epoch ends drain. A collective never stays in flight across an epoch end: `end_epoch` waits for
+any average still travelling and applies it (early, with the correction for the steps taken so
+far) before the trainer evaluates and checkpoints, so a checkpoint never holds a collective in
+flight and a resumed run continues exactly (the global model g is part of the checkpoint). The
+price: a send within D steps of an epoch end is covered by fewer than D steps, one sent after an
+epoch's last step by none (it is waited for at once).
+
+Fragments. With `fragments` = F > 1 the model's tensors (parameters, then buffers, in module
+order) are cut into F contiguous groups of roughly equal bytes, and each send carries one group,
+in rotation: the j-th send of the run (j from 0) carries fragment j % F, so every tensor is
+averaged once every F periods and a period sends about 1/F of the model.
+
+Buffers. Floating buffers (BatchNorm statistics) travel with the parameters. Integer buffers take
+the max of the snapshots plus the local change since (w <- max_ranks(w_s) + (w_now - w_s)), bool
+buffers the OR of the snapshots OR the current value; both go in a second non-blocking all-reduce.
+
+The end. `finish` drains and then, unless the replicas are already equal (D = 0, F = 1 and the
+last step was an average), averages the whole model with one blocking all-reduce (integer
+buffers: max), so every rank ends with the identical model.
+
+What is evaluated. The global model g is the same on every rank; an epoch end after which g has
+changed evaluates it (collectively). The replicas themselves differ by their local corrections.
+
+`comm_bytes`: the initial broadcast of the model, the bytes of every flat tensor handed to an
+all-reduce (one per dtype per send), and the final average. Optimizer state stays per worker.
+
+Every wait is bounded: `Work.wait` gets the run's `--timeout`, and the trainer runs the hooks that
+wait (after_step, end_epoch, finish) under dptrain.runtime.guard, which turns a failed or timed-out
+wait into one line naming the silent rank.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dptrain.data.sampler import EpochPlan
+from dptrain.errors import UserError
+from dptrain.runtime.distributed import DistContext
+from dptrain.strategies.base import Strategy
+from dptrain.strategies.collectives import average_module, broadcast_module, module_state, unflatten_into
+
+
+@dataclass
+class _Send:
+    """One dtype group of one send: the live tensors, their global copies, the buffer in flight."""
+
+    kind: str  # "float" (mean of changes), "int" (max of snapshots), "bool" (or of snapshots)
+    live: list[torch.Tensor]
+    global_: list[torch.Tensor]
+    flat: torch.Tensor  # handed to the all-reduce; holds the sum (or max) once waited for
+    own: torch.Tensor  # what this rank sent (its change, or its snapshot)
+    work: Optional[dist.Work] = None
+
+
+@dataclass
+class _Pending:
+    fragment: int
+    sent_at: int  # the step after which the snapshot was taken
+    wait_at: Optional[int]  # the step after which to wait (None: at the epoch end)
+    sends: list[_Send] = field(default_factory=list)
+
+
+def split_fragments(tensors: list[torch.Tensor], fragments: int) -> list[list[int]]:
+    """Indices of `tensors` cut into `fragments` contiguous, non-empty groups of roughly equal bytes:
+    a group ends at the first tensor whose end reaches its share (k/F of all bytes) of the total."""
+    if fragments > len(tensors):
+        raise UserError(f"--fragments {fragments} is more than the model's {len(tensors)} tensors "
+                        f"(parameters and buffers); use at most {len(tensors)}")
+    sizes = [t.numel() * t.element_size() for t in tensors]
+    total = sum(sizes)
+    groups: list[list[int]] = [[] for _ in range(fragments)]
+    done, group = 0, 0
+    for index, size in enumerate(sizes):
+        later_groups = fragments - 1 - group
+        if later_groups and groups[group] and (len(tensors) - index == later_groups
+                                               or done >= total * (group + 1) / fragments):
+            group += 1  # this group has reached its share (or each tensor left must start a group)
+        groups[group].append(index)
+        done += size
+    return groups
+
+
+def check_fragments(model: nn.Module, fragments: int) -> None:
+    """Raise the UserError of split_fragments when `model` has fewer tensors than `fragments` (before workers start)."""
+    floating, integer = module_state(model)
+    split_fragments(floating + integer, fragments)
+
+
+class Streaming(Strategy):
+    """Weight averaging every K steps (or E epochs) overlapped with D steps of training, with the
+    delay correction w <- mean(w_s) + (w_now - w_s); optionally one of F fragments per period."""
+
+    name = "streaming"
+
+    def __init__(self, every: int = 1, every_steps: Optional[int] = None, overlap_steps: Optional[int] = None,
+                 fragments: int = 1) -> None:
+        super().__init__()
+        if every < 1 or (every_steps is not None and every_steps < 1):
+            raise ValueError("every and every_steps must be at least 1")
+        if overlap_steps is not None and overlap_steps < 0:
+            raise ValueError("overlap_steps must be at least 0")
+        if every_steps is not None and overlap_steps is not None and overlap_steps > every_steps:
+            raise ValueError(f"overlap_steps ({overlap_steps}) must be at most every_steps ({every_steps})")
+        if fragments < 1:
+            raise ValueError("fragments must be at least 1")
+        self.every, self.every_steps = every, every_steps
+        self.overlap_steps, self.fragments = overlap_steps, fragments
+        self.averages = 0  # sends completed and applied
+        self.waited_seconds = 0.0  # time spent blocked in Work.wait (what the overlap did not hide)
+        self._steps_per_epoch: Optional[int] = None
+        self._pending: Optional[_Pending] = None
+        self._diverged = False  # replicas may differ
+        self._global_changed = False  # g changed since the last epoch end
+        self._global_model: Optional[nn.Module] = None
+        self._groups: list[list[int]] = []
+        self._sends = 0  # sends started over the run (fragment = sends % F)
+        self._step = 0  # the last step seen
+
+    @classmethod
+    def from_config(cls, config) -> "Streaming":
+        return cls(every=config.sync_every, every_steps=config.sync_every_steps,
+                   overlap_steps=config.overlap_steps, fragments=config.fragments)
+
+    # -- the schedule ----------------------------------------------------------------------------
+    def epoch_plan(self, ctx: DistContext, n_samples: int, labels: Callable[[], np.ndarray], batch_size: int,
+                   seed: int, shuffle: str, block_size: Optional[int] = None) -> EpochPlan:
+        plan = super().epoch_plan(ctx, n_samples, labels, batch_size, seed, shuffle, block_size)
+        self._steps_per_epoch = plan.steps
+        return plan
+
+    @property
+    def period(self) -> int:
+        """K: steps per period."""
+        if self.every_steps is not None:
+            return self.every_steps
+        if self._steps_per_epoch is None:
+            raise RuntimeError("with epoch periods the steps per epoch are known only after epoch_plan()")
+        return self.every * self._steps_per_epoch
+
+    @property
+    def overlap(self) -> int:
+        """D: steps between a send and its wait (ceil(K/2) by default; at most K - 1 with epoch periods)."""
+        wanted = math.ceil(self.period / 2) if self.overlap_steps is None else self.overlap_steps
+        return wanted if self.every_steps is not None else min(wanted, self.period - 1)
+
+    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, ctx: DistContext) -> nn.Module:
+        super().setup(model, optimizer, ctx)
+        if ctx.world_size > 1:
+            self.comm_bytes += broadcast_module(model)
+            floating, integer = module_state(model)
+            self._groups = split_fragments(floating + integer, self.fragments)
+            self._global_model = copy.deepcopy(model)  # g: the last global model, equal on every rank
+        return model
+
+    def after_step(self, step: int) -> None:
+        self._diverged, self._step = True, step
+        if self.ctx.world_size == 1:
+            return
+        if self._pending is not None and self._pending.wait_at == step:
+            self._complete(step)
+        if self.every_steps is not None:
+            if step % self.every_steps == 0:
+                self._start(step, wait_at=step + self.overlap)
+                if self.overlap == 0:
+                    self._complete(step)
+        elif self.overlap > 0 and (step + self.overlap) % self.period == 0:
+            self._start(step, wait_at=None)  # lands at the end of the period's last epoch
+
+    def end_epoch(self, epoch: int) -> bool:
+        if self.ctx.world_size == 1:
+            return True
+        if self.every_steps is None and (epoch + 1) % self.every == 0 and self._pending is None:
+            self._start(self._step, wait_at=None)  # D = 0: send and wait now
+        if self._pending is not None:
+            self._complete(self._step)  # drain: nothing in flight at an epoch end
+        changed, self._global_changed = self._global_changed, False
+        return changed
+
+    def finish(self) -> nn.Module:
+        assert self.model is not None and self.ctx is not None
+        if self.ctx.world_size > 1:
+            if self._pending is not None:
+                self._complete(self._step)
+            if self._diverged:
+                self._final_average()
+        return super().finish()
+
+    def evaluation_target(self) -> "tuple[nn.Module | None, bool]":
+        return (self._global_model if self._global_model is not None else self.model), True
+
+    @property
+    def final_model_is_last_evaluated(self) -> bool:  # type: ignore[override]
+        """The last evaluated model is g; finish() returns g's value only when it needed no final average."""
+        return not self._final_averaged
+
+    _final_averaged = False
+
+    # -- one send and its completion ---------------------------------------------------------------
+    def _start(self, step: int, wait_at: Optional[int]) -> None:
+        assert self._pending is None, "one average in flight at a time"
+        fragment = self._sends % self.fragments
+        self._sends += 1
+        floating, integer = module_state(self.model)
+        g_floating, g_integer = module_state(self._global_model)
+        live_all, global_all = floating + integer, g_floating + g_integer
+        chosen = self._groups[fragment]
+        pending = _Pending(fragment, step, wait_at)
+        by_kind: dict[tuple[str, torch.dtype], list[int]] = {}
+        for index in chosen:
+            tensor = live_all[index]
+            kind = "float" if index < len(floating) else ("bool" if tensor.dtype == torch.bool else "int")
+            by_kind.setdefault((kind, tensor.dtype), []).append(index)
+        with torch.no_grad():
+            for (kind, _), indices in by_kind.items():
+                live = [live_all[i] for i in indices]
+                global_ = [global_all[i] for i in indices]
+                snapshot = torch.cat([t.detach().reshape(-1) for t in live])
+                if kind == "float":
+                    flat = snapshot - torch.cat([t.detach().reshape(-1) for t in global_])
+                    op = dist.ReduceOp.SUM
+                else:
+                    flat = snapshot.to(torch.uint8) if kind == "bool" else snapshot
+                    op = dist.ReduceOp.MAX
+                own = flat.clone()
+                self.comm_bytes += flat.numel() * flat.element_size()
+                send = _Send(kind, live, global_, flat, own)
+                send.work = dist.all_reduce(flat, op=op, async_op=True)
+                pending.sends.append(send)
+        self._pending = pending
+
+    def _complete(self, step: int) -> None:
+        """Wait for the average in flight and apply it: g <- mean(w_s), w <- g + (w_now - w_s)."""
+        pending, self._pending = self._pending, None
+        timeout = datetime.timedelta(seconds=self.ctx.timeout)
+        no_progress = step == pending.sent_at  # no step since the snapshot: the replica becomes g exactly
+        waited = 0.0
+        for send in pending.sends:
+            begun = time.perf_counter()
+            send.work.wait(timeout=timeout)
+            waited += time.perf_counter() - begun
+        self.waited_seconds += waited
+        world = self.ctx.world_size
+        with torch.no_grad():
+            for send in pending.sends:
+                if send.kind == "float":
+                    mean_change = send.flat.div_(world)
+                    offset = 0
+                    for live, global_ in zip(send.live, send.global_):
+                        count = live.numel()
+                        change = mean_change[offset:offset + count].view_as(live)
+                        global_.add_(change)
+                        if no_progress:
+                            live.copy_(global_)
+                        else:  # w_now + (mean change - own change) = mean(w_s) + (w_now - w_s)
+                            live.add_(change - send.own[offset:offset + count].view_as(live))
+                        offset += count
+                elif send.kind == "int":
+                    unflatten_into(send.global_, send.flat)
+                    offset = 0
+                    for live in send.live:
+                        count = live.numel()
+                        live.add_(send.flat[offset:offset + count].view_as(live)
+                                  - send.own[offset:offset + count].view_as(live))
+                        offset += count
+                else:  # bool: the OR of the snapshots, OR what this replica has set since
+                    maxed = send.flat.bool()
+                    unflatten_into(send.global_, maxed)
+                    offset = 0
+                    for live in send.live:
+                        count = live.numel()
+                        live.logical_or_(maxed[offset:offset + count].view_as(live))
+                        offset += count
+        self.averages += 1
+        self._global_changed = True
+        self._diverged = not (no_progress and self.fragments == 1)
+
+    def _final_average(self) -> None:
+        """One blocking average of the whole model; afterwards every replica (and g) is the same."""
+        self.comm_bytes += average_module(self.model)
+        with torch.no_grad():
+            for global_, live in zip(self._global_model.state_dict().values(), self.model.state_dict().values()):
+                global_.copy_(live)
+        self._diverged = False
+        self._final_averaged = True
+
+    # -- checkpoints and summaries ---------------------------------------------------------------
+    def state_dict(self) -> dict:
+        assert self._pending is None, "a checkpoint is taken at an epoch end, after end_epoch drained"
+        state = super().state_dict()
+        state.update(averages=self.averages, sends=self._sends, diverged=self._diverged,
+                     waited_seconds=self.waited_seconds,
+                     global_model={k: v.detach().clone() for k, v in self._global_model.state_dict().items()}
+                     if self._global_model is not None else {})
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.averages, self._sends, self._diverged = state["averages"], state["sends"], state["diverged"]
+        self.waited_seconds = state["waited_seconds"]
+        if self._global_model is not None and state["global_model"]:
+            self._global_model.load_state_dict(state["global_model"])
+
+    def summary(self) -> dict:
+        return {"averages": self.averages, "waited_seconds": self.waited_seconds}
+
+    def describe(self) -> dict:
+        return {"name": self.name, "every": self.every, "every_steps": self.every_steps,
+                "overlap_steps": self.overlap_steps, "fragments": self.fragments}
