@@ -83,6 +83,11 @@ def test_auto_is_a_config_choice_and_builds_the_chosen_strategy_as_its_flags_wou
     with pytest.raises(UserError, match=r"key 'auto_candidates' in the settings \(--auto-candidates\) must be one of "
                                         r"safe, all \(got 'most'\)"):
         build_config({"strategy": "auto", "auto_candidates": "most"})
+    with pytest.raises(UserError, match=r"compression int8 does not apply to strategy auto: it may pick allreduce"):
+        build_config({"strategy": "auto", "compression": "int8"})
+    fp16 = Auto.from_config(build_config({"strategy": "auto", "compression": "fp16"}))
+    assert fp16.build(Candidate("sync", 1)).describe()["compression"] == "fp16"
+    assert fp16.build(Candidate("allreduce")).compression == "fp16"
 
 
 def dptrain(*args: str, cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:

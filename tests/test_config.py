@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import yaml
 
 from dptrain import cli
 from dptrain.config import FIELDS, TrainConfig, build_config, load_yaml, resolve, to_yaml, with_absolute_paths
@@ -245,6 +246,27 @@ def test_a_run_whose_recorded_data_moved_away_is_continued_with_the_same_file_na
     (run / "config.yaml").write_text(to_yaml(build_config({**recorded, "data": str(tmp_path / "other.npz")})))
     with pytest.raises(UserError, match=r"other settings \(data: '.*/other.npz' there, '.*/tiny.npz' now"):
         open_run_dir("run", settings(data="tiny.npz", model="./nets.py:make"))
+
+
+def test_a_run_recorded_before_a_setting_existed_continues_when_that_setting_is_its_default(tmp_path, monkeypatch):
+    from dptrain.train.rundir import open_run_dir
+
+    monkeypatch.chdir(tmp_path)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / ".dptrain-run").write_text("")
+    old = build_config({"dataset": "digits", "strategy": "sync", "out": "run"}).model_dump(mode="json")
+    for newer in ("outer_betas", "proximal_mu", "fragments"):  # as config.yaml looked before these existed
+        del old[newer]
+    (run / "config.yaml").write_text(yaml.safe_dump(old))
+
+    def settings(**values):
+        return with_absolute_paths(build_config({"dataset": "digits", "strategy": "sync", "out": "run",
+                                                 **values}).model_dump(mode="json"))
+
+    assert open_run_dir("run", settings()) == (Path("run"), True)
+    with pytest.raises(UserError, match=r"other settings \(outer_betas: \[0\.9, 0\.99\] there, \[0\.5, 0\.99\] now"):
+        open_run_dir("run", settings(outer_betas="0.5,0.99"))
 
 
 # ----------------------------------------------------------------------------- the CLI

@@ -92,15 +92,22 @@ def test_hierarchical_is_a_node_ring_per_step_and_a_node_average_per_period():
     cal = Calibration(**{**CAL.as_dict(), "node_bandwidth": 1e8, "node_latency": 1e-5})
     # 8 ranks as 2 nodes of 4; shard 125 samples: 13 steps
     inside = 13 * (2 * 3 / 4 * 1e6 / 1e8 + 6 * 1e-5)  # 13 x 0.01506
-    between = 2 * 1 / 2 * 1e6 / 1e6 + 2 * 1e-3  # ring over the 2 nodes on the slow link
+    between = 2 * 1 / 2 * 1e6 / 1e6 + 2 * 1e-3  # ring over the 2 node leaders on the slow link
+    handout = 1e6 / 1e8 + 1e-5  # each leader broadcasts the average to its node on the fast link
     comm = costmodel.communication_seconds("hierarchical-allreduce", 8, cal, Settings(ranks_per_node=4))
-    assert comm == pytest.approx(inside + between)
-    assert comm == pytest.approx(0.19578 + 1.002)
+    assert comm == pytest.approx(inside + between + handout)
+    assert comm == pytest.approx(0.19578 + 1.002 + 0.01001)
     every_two = costmodel.communication_seconds("hierarchical-allreduce", 8, cal, Settings(ranks_per_node=4, every=2))
-    assert every_two == pytest.approx(inside + between / 2)
+    assert every_two == pytest.approx(inside + (between + handout) / 2)
     int8 = costmodel.communication_seconds("hierarchical-allreduce", 8, cal,
                                            Settings(ranks_per_node=4, compression="int8"))
-    assert int8 == pytest.approx(13 * (3 * 253_908 / 1e8 + 3e-5) + (253_908 / 1e6 + 1e-3))
+    assert int8 == pytest.approx(13 * (3 * 253_908 / 1e8 + 3e-5) + (253_908 / 1e6 + 1e-3) + handout)
+    # one rank per node is sync among all ranks; one node is allreduce (nothing crosses the slow link but
+    # the leader's average with itself, which costs nothing)
+    assert costmodel.communication_seconds("hierarchical-allreduce", 8, cal, Settings(ranks_per_node=1)) == \
+        pytest.approx(costmodel.communication_seconds("periodic-allreduce", 8, cal))
+    assert costmodel.communication_seconds("hierarchical-allreduce", 4, cal, Settings(ranks_per_node=4)) == \
+        pytest.approx(25 * (2 * 3 / 4 * 1e6 / 1e8 + 6 * 1e-5) + handout)  # 250 samples a rank, batch 10: 25 steps
     with pytest.raises(ValueError, match="ranks_per_node 3 must divide the 8 workers"):
         costmodel.communication_seconds("hierarchical-allreduce", 8, cal, Settings(ranks_per_node=3))
 

@@ -77,13 +77,24 @@ class TrainConfig(BaseModel):
     # Strategy options
     slow_worker: Optional[str] = Field(None, pattern=r"^\d+:\d+(\.\d+)?(,\d+:\d+(\.\d+)?)*$",
                                        description="straggler emulation RANK:FACTOR[,RANK:FACTOR]: that rank's steps take FACTOR times as long")
-    compression: Literal["none", "fp16", "bf16"] = Field("none", description="allreduce: gradient compression through a DDP communication hook")
-    sync_every: int = Field(1, ge=1, description="sync, async: average (merge) the weights every E epochs")
-    sync_every_steps: Optional[int] = Field(None, ge=1, description="sync, streaming: average every K steps instead (local SGD)")
-    optimizer_state: Literal["keep", "reset", "average"] = Field("keep", description="sync: what happens to optimizer state at an average")
-    outer: Literal["none", "nesterov"] = Field("none", description="sync: outer optimizer on the averaged delta (DiLoCo)")
-    outer_lr: float = Field(0.7, gt=0, description="sync: outer learning rate")
-    outer_momentum: float = Field(0.9, ge=0, lt=1, description="sync: outer Nesterov momentum")
+    compression: Literal["none", "fp16", "bf16", "int8"] = Field(
+        "none", description="allreduce: gradient compression through a DDP communication hook (fp16, bf16); "
+                            "sync, fedavg, async: compressed averaging of the change since the global model "
+                            "(fp16, bf16, int8 with per-block scales), with error feedback")
+    sync_every: int = Field(1, ge=1, description="sync, streaming, hierarchical, async: average (merge) the weights every E epochs")
+    sync_every_steps: Optional[int] = Field(None, ge=1, description="sync, streaming, hierarchical: average every K steps instead (local SGD)")
+    optimizer_state: Literal["keep", "reset", "average"] = Field(
+        "keep", description="sync, fedavg: what happens to the workers' optimizer state at an average "
+                            "(reset: fresh each round, classic FedAvg)")
+    outer: Literal["none", "sgd", "nesterov", "adam"] = Field(
+        "none", description="sync, fedavg: outer (server) optimizer on the mean change: none (adopt the average), "
+                            "sgd (FedAvgM with --outer-lr 1), nesterov (DiLoCo), adam (FedAdam)")
+    outer_lr: float = Field(0.7, gt=0, description="sync, fedavg: outer learning rate")
+    outer_momentum: float = Field(0.9, ge=0, lt=1, description="sync, fedavg: outer momentum (sgd, nesterov)")
+    outer_betas: tuple[float, float] = Field((0.9, 0.99), description="sync, fedavg: --outer adam's B1,B2 (FedAdam)")
+    outer_eps: float = Field(1e-3, gt=0, description="sync, fedavg: --outer adam's tau added to sqrt(v) (FedAdam)")
+    allreduce_epochs: int = Field(0, ge=0, description="sync: all-reduce the gradients every step for the first N "
+                                                       "epochs, then average periodically (post-local SGD)")
 
     auto_candidates: Literal["safe", "all"] = Field(
         "safe", description="auto: candidates to pick from: safe (allreduce, sync every epoch) or all (also sync every "
@@ -93,6 +104,9 @@ class TrainConfig(BaseModel):
                                                                  "travels, before waiting for it (default: half the "
                                                                  "period, rounded up; 0 is sync)")
     fragments: int = Field(1, ge=1, description="streaming: average 1/F of the model per period, the F parts in rotation")
+    ranks_per_node: Optional[int] = Field(None, ge=1, description="hierarchical: ranks per node (ranks [kN, (k+1)N) "
+                                                                  "form node k), instead of the host names and the "
+                                                                  "launcher's local world size")
 
     merge: Literal["delta", "ema"] = Field("delta", description="async: global += delta/W (delta) or the reference's (G+P)/2 (ema)")
     max_staleness: Optional[int] = Field(None, ge=0, description="async: refresh from the global model when more than S versions behind")
@@ -100,6 +114,8 @@ class TrainConfig(BaseModel):
     alpha: float = Field(0.5, gt=0, description="fedavg: Dirichlet concentration of the label skew (small = strong skew)")
     local_epochs: int = Field(1, ge=1, description="fedavg: local epochs per round")
     clients_per_round: float = Field(1.0, gt=0, le=1, description="fedavg: fraction of clients sampled each round")
+    proximal_mu: float = Field(0.0, ge=0, description="fedavg: FedProx, adds MU*(w - w_global) to each client's "
+                                                      "gradient (0: plain FedAvg)")
 
     # Reliability
     checkpoint_every: int = Field(1, ge=0, description="save a checkpoint every E epochs (0: never)")
@@ -119,17 +135,54 @@ class TrainConfig(BaseModel):
             raise ValueError(f"must be one of {', '.join(BUILTIN_LOSSES)} or package.module:function")
         return value
 
+    @field_validator("outer_betas", mode="before")
+    @classmethod
+    def _betas_from_text(cls, value: Any) -> Any:
+        """B1,B2 as typed on the command line ("0.9,0.99") or a YAML list; each in [0, 1)."""
+        if isinstance(value, str):
+            value = value.replace(" ", "").split(",")
+        try:
+            betas = tuple(float(b) for b in value)
+        except (TypeError, ValueError):
+            betas = ()
+        if len(betas) != 2 or not all(0 <= b < 1 for b in betas):
+            raise ValueError("must be two numbers B1,B2, each at least 0 and below 1, e.g. 0.9,0.99")
+        return betas
+
     @model_validator(mode="after")
     def _cross_field_checks(self) -> "TrainConfig":
         if self.data is None and self.dataset is None:
             raise ValueError("give --dataset or --data")
-        if self.sync_every_steps is not None and self.strategy not in ("sync", "streaming"):
-            raise ValueError(f"sync_every_steps applies to strategy sync or streaming, not {self.strategy}")
+        if self.sync_every_steps is not None and self.strategy not in ("sync", "streaming", "hierarchical"):
+            raise ValueError(f"sync_every_steps applies to strategies sync, streaming and hierarchical, "
+                             f"not {self.strategy}")
         if (self.strategy == "streaming" and self.overlap_steps is not None and self.sync_every_steps is not None
                 and self.overlap_steps > self.sync_every_steps):
             raise ValueError(f"overlap_steps {self.overlap_steps} is more than sync_every_steps "
                              f"{self.sync_every_steps}; an average must land before the next one is sent, "
                              f"so use at most {self.sync_every_steps}")
+        if self.ranks_per_node is not None and self.strategy != "hierarchical":
+            raise ValueError(f"ranks_per_node applies to strategy hierarchical, not {self.strategy}")
+        if self.compression == "int8" and self.strategy == "auto":
+            raise ValueError("compression int8 does not apply to strategy auto: it may pick allreduce, which "
+                             "compresses its gradients with fp16 or bf16 only")
+        if self.compression == "int8" and self.strategy == "allreduce":
+            raise ValueError("compression int8 applies to strategies sync, fedavg and async; allreduce compresses "
+                             "its gradients with fp16 or bf16 only")
+        if self.outer != "none" and self.strategy not in ("sync", "fedavg"):
+            raise ValueError(f"outer applies to strategies sync and fedavg, not {self.strategy}")
+        if self.allreduce_epochs and self.strategy != "sync":
+            raise ValueError(f"allreduce_epochs applies to strategy sync, not {self.strategy}")
+        if self.proximal_mu and self.strategy != "fedavg":
+            raise ValueError(f"proximal_mu applies to strategy fedavg, not {self.strategy}")
+        if self.proximal_mu and self.amp == "fp16":
+            raise ValueError("proximal_mu does not work with amp fp16 (the term would join loss-scaled gradients); "
+                             "use amp bf16 or none")
+        if self.strategy == "fedavg" and self.optimizer_state == "average" and self.clients_per_round < 1:
+            raise ValueError("optimizer_state average with fedavg needs every client in every round "
+                             "(clients_per_round 1): a client that sat a round out has no state to average")
+        if self.compression != "none" and self.strategy in ("streaming", "hierarchical"):
+            raise ValueError(f"compression applies to strategies allreduce, sync, fedavg and async, not {self.strategy}")
         if self.resume and not self.out:
             raise ValueError("resume needs out, the run directory to continue")
         for rank, factor in self.slow_workers().items():

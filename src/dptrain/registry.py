@@ -36,6 +36,9 @@ STRATEGIES: dict[str, StrategyEntry] = {
     "async": StrategyEntry("dptrain.strategies.asynchronous:Async", "merges into a global model, no barrier",
                            "merge-service"),
     "fedavg": StrategyEntry("dptrain.strategies.fedavg:FedAvg", "federated", "periodic-allreduce"),
+    "hierarchical": StrategyEntry("dptrain.strategies.hierarchical:Hierarchical",
+                                  "gradients every step inside a node, weights across nodes every few epochs/steps",
+                                  "hierarchical-allreduce"),
     "auto": StrategyEntry("dptrain.strategies.auto:Auto", "measures link and model at start, trains with the fastest "
                           "of --auto-candidates", "auto"),
 }

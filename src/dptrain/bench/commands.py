@@ -39,6 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target-accuracy", type=float, default=None, help="record the time to reach this test accuracy")
     parser.add_argument("--bandwidth", default=None, metavar="RATE",
                         help="run each worker as its own host in a network namespace, links limited to RATE (e.g. 100mbit); needs root")
+    parser.add_argument("--ranks-per-host", type=int, default=1, metavar="N",
+                        help="ranks [kN, (k+1)N) share emulated host k under --bandwidth, and form node k of "
+                             "hierarchical runs (--ranks-per-node N); every worker count must be 1 or a multiple (1)")
     parser.add_argument("--slow-worker", default=None, metavar="RANK:FACTOR", help="straggler emulation in every run with that rank")
     parser.add_argument("--repeat", type=int, default=1, help="runs of each configuration, interleaved (default: 1)")
     parser.add_argument("--no-baselines", dest="baselines", action="store_false",
@@ -93,13 +96,20 @@ def spec_from(args: argparse.Namespace) -> BenchSpec:
         reason = namespaces_unavailable()
         if reason:
             raise UserError(reason)
+    counts = _counts(args.workers)
+    if args.ranks_per_host < 1:
+        raise UserError(f"--ranks-per-host {args.ranks_per_host} must be at least 1")
+    uneven = [n for n in counts if n > 1 and n % args.ranks_per_host]
+    if uneven:
+        raise UserError(f"--ranks-per-host {args.ranks_per_host} does not divide --workers {uneven[0]}; "
+                        f"use worker counts that are 1 or multiples of {args.ranks_per_host}")
     train = {"model": args.model, "dataset": args.dataset, "epochs": args.epochs, "batch_size": args.batch_size,
              "lr": args.lr, "seed": args.seed,
              **parse_key_values(args.option, flag="--option", example="samples=4096", keys=FIELDS)}
-    return BenchSpec(strategies=strategies, workers=_counts(args.workers), train=train,
+    return BenchSpec(strategies=strategies, workers=counts, train=train,
                      target_accuracy=args.target_accuracy, bandwidth=args.bandwidth, slow_worker=args.slow_worker,
                      repeat=args.repeat, baselines=args.baselines, timeout=args.timeout,
-                     threads=args.threads)
+                     threads=args.threads, ranks_per_host=args.ranks_per_host)
 
 
 def _claim(out: Optional[str]) -> Path:

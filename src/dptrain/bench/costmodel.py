@@ -33,8 +33,9 @@ Modes beyond the plain strategies, chosen by `Settings` (their defaults give the
   end; that loss of cover near epoch ends is not modelled.)
 - hierarchical sync (hierarchical-allreduce; strategy hierarchical): N ranks on N/G nodes of G
   ranks; per step a ring all-reduce of the gradients among a node's G ranks over the fast
-  intra-node link (node_bandwidth, node_latency), and per period an average among the N/G nodes
-  over the slow link (bandwidth, latency).
+  intra-node link (node_bandwidth, node_latency), and per period an average among the N/G node
+  leaders over the slow link (bandwidth, latency), which each leader then broadcasts to its node
+  (M/node_bandwidth + node_latency).
 - auto (`--strategy auto`): the candidate it would pick (dptrain.strategies.auto).
 """
 
@@ -193,9 +194,10 @@ def _hierarchical_allreduce(workers: int, cal: Calibration, settings: Settings, 
     node_bandwidth = cal.node_bandwidth if cal.node_bandwidth is not None else cal.bandwidth
     inside = steps * gradient_allreduce_seconds(per_node, cal.model_bytes, node_bandwidth, cal.node_latency,
                                                 settings.compression)
-    between = settings.per_epoch(average_seconds(workers // per_node, cal.model_bytes, cal.bandwidth, cal.latency,
-                                                 settings.compression), steps)
-    return inside + between
+    # a period: the leaders average among the nodes (slow link), then each leader broadcasts to its node (fast link)
+    average = average_seconds(workers // per_node, cal.model_bytes, cal.bandwidth, cal.latency, settings.compression)
+    handout = cal.model_bytes / node_bandwidth + cal.node_latency if per_node > 1 else 0.0
+    return inside + settings.per_epoch(average + handout, steps)
 
 
 def _auto(workers: int, cal: Calibration, settings: Settings, compute: float) -> float:

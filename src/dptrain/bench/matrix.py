@@ -59,6 +59,7 @@ class BenchSpec:
     baselines: bool = True
     timeout: float = 1800.0
     threads: Optional[int] = None  # OMP_NUM_THREADS of every rank; None: cores / ranks
+    ranks_per_host: int = 1  # ranks [kN, (k+1)N) share emulated host k; hierarchical runs get --ranks-per-node N
     notes: list[str] = field(default_factory=list)
 
 
@@ -103,6 +104,8 @@ def _reference_strategy(spec: BenchSpec) -> str:
 
 def _config(spec: BenchSpec, strategy: str, workers: int, out: Optional[str]):
     values = {**spec.train, "strategy": strategy, "workers": workers, "out": out, "progress": False}
+    if strategy == "hierarchical" and spec.ranks_per_host > 1 and workers > 1:
+        values["ranks_per_node"] = spec.ranks_per_host  # the namespaces share one host name: say where nodes end
     if spec.slow_worker and workers > 1:
         values["slow_worker"] = ",".join(part for part in spec.slow_worker.split(",") if int(part.split(":")[0]) < workers) or None
     return build_config(values, "the bench settings")
@@ -125,7 +128,7 @@ def run_matrix(spec: BenchSpec, out: Path) -> dict:
                         samples=base.samples, image_size=base.image_size, channels=base.channels,
                         classes=base.classes, features=base.features)
     train_samples = len(data.x_train)
-    hosts = max(spec.workers)
+    hosts = -(-max(spec.workers) // spec.ranks_per_host)
     network_info: dict = {"name": spec.bandwidth or "loopback"}
     rows = []
     network = EmulatedNetwork(hosts, spec.bandwidth) if spec.bandwidth else nullcontext(None)
@@ -158,7 +161,8 @@ def _execute(spec: BenchSpec, run: Run, run_dir: Path, net: Optional[EmulatedNet
     else:
         script = "plain_loop.py" if run.strategy == "plain-loop" else "plain_ddp.py"
         command = [sys.executable, str(BASELINES_DIR / script), *_baseline_flags(base, run_dir)]
-    hosts = {} if net is None else dict(master_addr=net.address(0), prefix=net.exec_prefix,
+    hosts = {} if net is None else dict(master_addr=net.address(0),
+                                        prefix=lambda rank: net.exec_prefix(rank // spec.ranks_per_host),
                                         extra_env={"GLOO_SOCKET_IFNAME": INTERFACE})
     return run_ranks(command, ranks, run_dir, port=free_port(), threads=spec.threads, timeout=spec.timeout, **hosts)
 

@@ -116,11 +116,15 @@ def compressed_mean(change: torch.Tensor, feedback: ErrorFeedback, weight: Optio
 
     Returns (the mean as a flat float32 tensor, identical on every rank; bytes handed over).
     With weights, the weights are all-gathered too (8 bytes each, counted) and a rank with
-    weight 0 contributes nothing.
+    weight 0 contributes nothing: it hands over an encoded zero of the same size and keeps its
+    residual for the next average it contributes to.
     """
     world = dist.get_world_size(group)
     flat = change.detach().reshape(-1)
-    payload = feedback.encode(flat)
+    if weight is not None and float(weight) == 0:
+        payload = encode(feedback.kind, torch.zeros_like(flat, dtype=torch.float32), feedback.block)
+    else:
+        payload = feedback.encode(flat)
     gathered = [torch.empty_like(payload) for _ in range(world)]
     dist.all_gather(gathered, payload, group=group)
     sent = payload.numel()

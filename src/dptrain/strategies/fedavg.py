@@ -5,6 +5,20 @@ for the whole run. A round is `local_epochs` epochs of local training by the cli
 for it (`clients_per_round`, a fraction, drawn from the seed); then the server average weighs
 each participating client by its sample count (McMahan et al.'s FedAvg). Clients not sampled
 sit the round out and receive the new global model.
+
+The server step is the pipeline of dptrain.strategies.outer: the sample-weighted mean change of
+the participating clients since the global model (compressed with `compression` fp16, bf16 or
+int8 and error feedback, else one weighted all_reduce of the models), turned into the new
+global model by the outer (server) optimizer `outer`: none (FedAvg), sgd (FedAvgM with lr 1,
+momentum 0.9; Hsu et al. 2019), nesterov, adam (FedAdam; Reddi et al. 2021).
+
+Client options:
+- `proximal_mu` > 0 is FedProx (Li et al. 2020): after each backward pass a client adds
+  mu * (w - w_global) to its gradient, w_global being the model it received at the start of the
+  round; the local objective becomes F(w) + mu/2 |w - w_global|^2.
+- `optimizer_state`: `keep` (each client's optimizer state carries over to its next round, the
+  default), `reset` (fresh optimizer state every round: classic FedAvg) or `average` (the
+  sample-weighted mean over the clients; needs every client in every round).
 """
 
 from __future__ import annotations
@@ -17,7 +31,9 @@ from dptrain.data.partition import PARTITIONERS, partition
 from dptrain.data.sampler import EpochPlan, partition_plan
 from dptrain.runtime.distributed import DistContext
 from dptrain.strategies.base import Strategy
-from dptrain.strategies.collectives import broadcast_module, weighted_average_module
+from dptrain.strategies.collectives import broadcast_module
+from dptrain.strategies.compression import COMPRESSIONS
+from dptrain.strategies.outer import OPTIMIZER_STATES, Averager, OuterOptimizer, settle_optimizer_state
 
 
 class FedAvg(Strategy):
@@ -26,7 +42,10 @@ class FedAvg(Strategy):
     name = "fedavg"
 
     def __init__(self, local_epochs: int = 1, partition: str = "iid", alpha: float = 0.5,
-                 clients_per_round: float = 1.0) -> None:
+                 clients_per_round: float = 1.0, outer: str = "none", outer_lr: float = 0.7,
+                 outer_momentum: float = 0.9, outer_betas: tuple[float, float] = (0.9, 0.99),
+                 outer_eps: float = 1e-3, compression: str = "none", proximal_mu: float = 0.0,
+                 optimizer_state: str = "keep") -> None:
         super().__init__()
         if local_epochs < 1:
             raise ValueError("local_epochs must be at least 1")
@@ -34,8 +53,21 @@ class FedAvg(Strategy):
             raise ValueError(f"partition must be one of {PARTITIONERS}, not {partition!r}")
         if not 0 < clients_per_round <= 1:
             raise ValueError("clients_per_round must be in (0, 1]")
+        if compression not in COMPRESSIONS:
+            raise ValueError(f"compression must be one of {COMPRESSIONS}, not {compression!r}")
+        if proximal_mu < 0:
+            raise ValueError(f"proximal_mu must be at least 0, not {proximal_mu}")
+        if optimizer_state not in OPTIMIZER_STATES:
+            raise ValueError(f"optimizer_state must be one of {OPTIMIZER_STATES}, not {optimizer_state!r}")
+        if optimizer_state == "average" and clients_per_round < 1:
+            raise ValueError("optimizer_state 'average' needs every client in every round (clients_per_round 1)")
         self.local_epochs, self.partition_kind, self.alpha = local_epochs, partition, alpha
         self.clients_per_round = clients_per_round
+        self.outer, self.outer_lr, self.outer_momentum = outer, outer_lr, outer_momentum
+        self.outer_betas, self.outer_eps = tuple(outer_betas), outer_eps
+        self.compression, self.proximal_mu, self.optimizer_state = compression, proximal_mu, optimizer_state
+        self.averager = Averager(OuterOptimizer(outer, outer_lr, outer_momentum, outer_betas, outer_eps),
+                                 compression, keep_anchor=proximal_mu > 0)
         self.parts: list[np.ndarray] = []
         self.seed = 0
         self.rounds = 0
@@ -45,7 +77,10 @@ class FedAvg(Strategy):
     @classmethod
     def from_config(cls, config) -> "FedAvg":
         return cls(local_epochs=config.local_epochs, partition=config.partition, alpha=config.alpha,
-                   clients_per_round=config.clients_per_round)
+                   clients_per_round=config.clients_per_round, outer=config.outer, outer_lr=config.outer_lr,
+                   outer_momentum=config.outer_momentum, outer_betas=config.outer_betas,
+                   outer_eps=config.outer_eps, compression=config.compression, proximal_mu=config.proximal_mu,
+                   optimizer_state=config.optimizer_state)
 
     def partition(self, labels, world: int, seed: int) -> list[np.ndarray]:
         """Every rank computes the same partition from the labels (a DSTensor or array) and seed."""
@@ -63,6 +98,7 @@ class FedAvg(Strategy):
         super().setup(model, optimizer, ctx)
         if ctx.world_size > 1:
             self.comm_bytes += broadcast_module(model)
+        self.averager.attach(model)
         return model
 
     def clients_in_round(self, round_index: int) -> list[int]:
@@ -76,6 +112,17 @@ class FedAvg(Strategy):
 
     def trains_in_epoch(self, epoch: int) -> bool:
         return self.ctx.rank in self.clients_in_round(epoch // self.local_epochs)
+
+    def after_backward(self, model: nn.Module) -> None:
+        """FedProx: the gradient of mu/2 |w - w_global|^2 joins the loss's gradient."""
+        if self.proximal_mu > 0:
+            with torch.no_grad():
+                for param, global_param in zip(self.model.parameters(), self.averager.anchor):
+                    if not param.requires_grad:
+                        continue
+                    if param.grad is None:  # unused by this loss, still pulled towards the global model
+                        param.grad = torch.zeros_like(param)
+                    param.grad.add_(param - global_param, alpha=self.proximal_mu)
 
     def after_step(self, step: int) -> None:
         self._diverged = True
@@ -92,23 +139,26 @@ class FedAvg(Strategy):
         return super().finish()
 
     def aggregate(self, round_index: int) -> None:
-        """The server step: the sample-weighted mean of the participating clients' models."""
+        """The server step: the sample-weighted mean change of the participating clients, then the
+        outer optimizer; then the clients' optimizer state is kept, reset or averaged."""
         participants = self.clients_in_round(round_index)
         weight = float(len(self.parts[self.ctx.rank])) if self.ctx.rank in participants else 0.0
-        if self.ctx.world_size > 1:
-            self.comm_bytes += weighted_average_module(self.model, weight)
+        self.comm_bytes += self.averager.average(self.model, self.ctx.world_size, weight)
+        self.comm_bytes += settle_optimizer_state(self.optimizer, self.optimizer_state, self.ctx.world_size, weight)
         self.rounds += 1
         self.participation.append(participants)
         self._diverged = False
 
     def state_dict(self) -> dict:
         state = super().state_dict()
-        state.update(rounds=self.rounds, participation=self.participation, diverged=self._diverged)
+        state.update(rounds=self.rounds, participation=self.participation, diverged=self._diverged,
+                     **self.averager.state_dict())
         return state
 
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
         self.rounds, self.participation, self._diverged = state["rounds"], state["participation"], state["diverged"]
+        self.averager.load_state_dict(state)
 
     def summary(self) -> dict:
         return {"rounds": self.rounds, "partition_sizes": [len(p) for p in self.parts],
@@ -116,4 +166,8 @@ class FedAvg(Strategy):
 
     def describe(self) -> dict:
         return {"name": self.name, "local_epochs": self.local_epochs, "partition": self.partition_kind,
-                "alpha": self.alpha, "clients_per_round": self.clients_per_round}
+                "alpha": self.alpha, "clients_per_round": self.clients_per_round, "outer": self.outer,
+                "outer_lr": self.outer_lr, "outer_momentum": self.outer_momentum,
+                "outer_betas": list(self.outer_betas), "outer_eps": self.outer_eps,
+                "compression": self.compression, "proximal_mu": self.proximal_mu,
+                "optimizer_state": self.optimizer_state}

@@ -1,73 +1,154 @@
 """sync: workers train alone and average their weights every E epochs (or every K steps).
 
-One averaging step all-reduces every parameter and floating-point buffer (BatchNorm running
-statistics included) and takes the max of integer buffers, for any module tree. The optimizer
-state is kept, reset or averaged. With `outer="nesterov"` the average is not adopted directly:
-the averaged delta from the last global model is treated as a pseudo-gradient for an outer
-Nesterov-momentum SGD step (DiLoCo).
+One averaging step averages every parameter and floating-point buffer (BatchNorm running
+statistics included) and takes the max of integer buffers, for any module tree; with
+`compression` fp16, bf16 or int8 the workers' changes since the last global model are averaged
+compressed, with error feedback. An outer optimizer (`outer`: none, sgd, nesterov, adam) then
+turns the mean change into the new global model (DiLoCo's Nesterov step, FedAvgM, FedAdam; see
+dptrain.strategies.outer). The optimizer state is kept, reset or averaged.
+
+Post-local SGD (Lin et al. 2020, "Don't use large mini-batches, use local SGD"):
+`allreduce_epochs N` all-reduces the gradients every step for the first N epochs, exactly as
+the allreduce strategy does, then switches to periodic averaging. The model is wrapped in
+DistributedDataParallel for the whole run, with the DDP communication hook allreduce uses
+(so the first N epochs are the allreduce strategy's, bucketed and overlapped with the backward
+pass); at the switch the hook starts handing back each worker's own gradient untouched, as
+PyTorch's post_localSGD_hook does once local SGD starts, and DDP stops re-broadcasting buffers.
+We switch by a flag the strategy sets at the epoch boundary (and restores from its checkpoint)
+rather than by PostLocalSGDState's own step counter, which lives outside our checkpoints and
+counts steps, not epochs; and the averaging after the switch is this strategy's own (buffers,
+outer optimizer, compression), which PyTorch's PeriodicModelAverager does not do.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel
 
 from dptrain.runtime.distributed import DistContext
 from dptrain.strategies.base import Strategy
-from dptrain.strategies.collectives import average_module, average_tensors, broadcast_module
+from dptrain.strategies.collectives import _apply_flat, broadcast_module, module_state, tensor_bytes
+from dptrain.strategies.compression import COMPRESSIONS
+from dptrain.strategies.outer import OPTIMIZER_STATES, OUTERS, Averager, OuterOptimizer, settle_optimizer_state
 
-OPTIMIZER_STATES = ("keep", "reset", "average")
-OUTERS = ("none", "nesterov")
+__all__ = ["OPTIMIZER_STATES", "OUTERS", "Sync"]
 
 
 class Sync(Strategy):
     """Synchronous weight averaging at epoch ends (every `every` epochs) or local SGD
-    (every `every_steps` steps)."""
+    (every `every_steps` steps), optionally after `allreduce_epochs` epochs of per-step
+    gradient all-reduce (post-local SGD)."""
 
     name = "sync"
 
     def __init__(self, every: int = 1, every_steps: int | None = None, optimizer_state: str = "keep",
-                 outer: str = "none", outer_lr: float = 0.7, outer_momentum: float = 0.9) -> None:
+                 outer: str = "none", outer_lr: float = 0.7, outer_momentum: float = 0.9,
+                 outer_betas: tuple[float, float] = (0.9, 0.99), outer_eps: float = 1e-3,
+                 compression: str = "none", allreduce_epochs: int = 0) -> None:
         super().__init__()
         if every < 1 or (every_steps is not None and every_steps < 1):
             raise ValueError("every and every_steps must be at least 1")
         if optimizer_state not in OPTIMIZER_STATES:
             raise ValueError(f"optimizer_state must be one of {OPTIMIZER_STATES}, not {optimizer_state!r}")
-        if outer not in OUTERS:
-            raise ValueError(f"outer must be one of {OUTERS}, not {outer!r}")
+        if compression not in COMPRESSIONS:
+            raise ValueError(f"compression must be one of {COMPRESSIONS}, not {compression!r}")
+        if allreduce_epochs < 0:
+            raise ValueError("allreduce_epochs must be at least 0")
         self.every, self.every_steps = every, every_steps
         self.optimizer_state, self.outer = optimizer_state, outer
         self.outer_lr, self.outer_momentum = outer_lr, outer_momentum
+        self.outer_betas, self.outer_eps = tuple(outer_betas), outer_eps
+        self.compression, self.allreduce_epochs = compression, allreduce_epochs
+        self.averager = Averager(OuterOptimizer(outer, outer_lr, outer_momentum, outer_betas, outer_eps),
+                                 compression)
         self.averages = 0
+        self.epochs_done = 0
         self._diverged = False  # replicas changed since the last average
-        self._anchor: list[torch.Tensor] = []
-        self._outer_optimizer: torch.optim.Optimizer | None = None
+        self._ddp: DistributedDataParallel | None = None
+        self._buffer_bytes = 0
+        self._failed = False
 
     @classmethod
     def from_config(cls, config) -> "Sync":
         return cls(every=config.sync_every, every_steps=config.sync_every_steps,
-                   optimizer_state=config.optimizer_state, outer=config.outer,
-                   outer_lr=config.outer_lr, outer_momentum=config.outer_momentum)
+                   optimizer_state=config.optimizer_state, outer=config.outer, outer_lr=config.outer_lr,
+                   outer_momentum=config.outer_momentum, outer_betas=config.outer_betas,
+                   outer_eps=config.outer_eps, compression=config.compression,
+                   allreduce_epochs=config.allreduce_epochs)
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, ctx: DistContext) -> nn.Module:
         super().setup(model, optimizer, ctx)
-        if ctx.world_size > 1:
+        train_model = model
+        if ctx.world_size > 1 and self.allreduce_epochs > 0:
+            train_model = self._wrap(model, ctx)
+        elif ctx.world_size > 1:
             self.comm_bytes += broadcast_module(model)
-        if self.outer == "nesterov":
-            # The outer step acts on a copy of the global parameters ("anchor"), the inner
-            # optimizer on the live ones; only parameters take the outer step, buffers are averaged.
-            self._anchor = [p.detach().clone().requires_grad_(True) for p in model.parameters()]
-            self._outer_optimizer = torch.optim.SGD(self._anchor, lr=self.outer_lr, momentum=self.outer_momentum,
-                                                    nesterov=self.outer_momentum > 0)
-        return model
+        self.averager.attach(model)
+        return train_model
 
+    # -- post-local SGD: per-step gradient all-reduce for the first epochs ---------------------
+    @property
+    def allreducing(self) -> bool:
+        """Whether gradients are still all-reduced every step (the first `allreduce_epochs` epochs)."""
+        return self.epochs_done < self.allreduce_epochs
+
+    def _wrap(self, model: nn.Module, ctx: DistContext) -> DistributedDataParallel:
+        # DDP's constructor broadcasts rank 0's parameters and buffers; while it all-reduces it
+        # re-broadcasts the buffers before every forward (as in the allreduce strategy).
+        floating, integer = module_state(model)
+        self.comm_bytes += tensor_bytes(floating + integer)
+        self._buffer_bytes = tensor_bytes(model.buffers())
+        self._ddp = DistributedDataParallel(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
+
+        def hook(state, bucket):
+            if not self.allreducing:  # local phase: this worker's own gradient, no communication
+                future: torch.futures.Future = torch.futures.Future()
+                future.set_result(bucket.buffer())
+                return future
+            self.comm_bytes += bucket.buffer().numel() * bucket.buffer().element_size()
+            return default_hooks.allreduce_hook(state, bucket).then(self._note_failure)
+
+        self._ddp.register_comm_hook(state=None, hook=hook)
+        return self._ddp
+
+    def _note_failure(self, future: torch.futures.Future) -> torch.Tensor:
+        try:
+            return future.value()
+        except Exception:
+            self._failed = True
+            raise
+
+    def communication_failed(self) -> bool:
+        return self._failed
+
+    def _start_local_phase(self) -> None:
+        """The switch: rank 0's buffers everywhere (what DDP's next forward would do), a new anchor."""
+        if self._ddp is not None:
+            self._ddp.broadcast_buffers = False
+            self.comm_bytes += _apply_flat(list(self.model.buffers()), lambda flat: dist.broadcast(flat, src=0))
+        self.averager.attach(self.model)
+
+    # -- the hooks -----------------------------------------------------------------------------
     def after_step(self, step: int) -> None:
+        if self.allreducing:
+            self.comm_bytes += self._buffer_bytes
+            return
         self._diverged = True
         if self.every_steps is not None and step % self.every_steps == 0:
             self.synchronise()
 
     def end_epoch(self, epoch: int) -> bool:
-        if self.every_steps is None and (epoch + 1) % self.every == 0:
+        was_allreducing = self.allreducing
+        self.epochs_done = epoch + 1
+        if was_allreducing:
+            if not self.allreducing:
+                self._start_local_phase()
+            return True
+        local_epochs = self.epochs_done - self.allreduce_epochs
+        if self.every_steps is None and local_epochs % self.every == 0:
             self.synchronise()
         return not self._diverged
 
@@ -81,51 +162,26 @@ class Sync(Strategy):
         assert self.model is not None and self.ctx is not None and self.optimizer is not None
         self._diverged = False
         self.averages += 1
-        if self.ctx.world_size > 1:
-            self.comm_bytes += average_module(self.model)
-        if self._outer_optimizer is not None:
-            self._outer_step()
-        if self.optimizer_state == "reset":
-            self.optimizer.state.clear()
-        elif self.optimizer_state == "average" and self.ctx.world_size > 1:
-            self.comm_bytes += average_tensors(self._optimizer_tensors())
-
-    def _outer_step(self) -> None:
-        with torch.no_grad():
-            for anchor, param in zip(self._anchor, self.model.parameters()):
-                anchor.grad = anchor.detach() - param.detach()  # pseudo-gradient: old global - average
-            self._outer_optimizer.step()
-            for anchor, param in zip(self._anchor, self.model.parameters()):
-                param.copy_(anchor)
-
-    def _optimizer_tensors(self) -> list[torch.Tensor]:
-        """Floating state tensors (momentum, Adam moments) in parameter order, so ranks line up."""
-        tensors = []
-        for group in self.optimizer.param_groups:
-            for param in group["params"]:
-                state = self.optimizer.state.get(param, {})
-                for key in sorted(state):
-                    value = state[key]
-                    if torch.is_tensor(value) and value.is_floating_point() and value.dim() > 0:
-                        tensors.append(value)
-        return tensors
+        self.comm_bytes += self.averager.average(self.model, self.ctx.world_size)
+        self.comm_bytes += settle_optimizer_state(self.optimizer, self.optimizer_state, self.ctx.world_size)
 
     def state_dict(self) -> dict:
         state = super().state_dict()
-        state.update(averages=self.averages, diverged=self._diverged, anchor=[a.detach() for a in self._anchor],
-                     outer=self._outer_optimizer.state_dict() if self._outer_optimizer else {})
+        state.update(averages=self.averages, diverged=self._diverged, epochs_done=self.epochs_done,
+                     **self.averager.state_dict())
         return state
 
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
         self.averages, self._diverged = state["averages"], state["diverged"]
-        with torch.no_grad():
-            for anchor, saved in zip(self._anchor, state["anchor"]):
-                anchor.copy_(saved)
-        if self._outer_optimizer and state["outer"]:
-            self._outer_optimizer.load_state_dict(state["outer"])
+        self.epochs_done = state.get("epochs_done", 0)
+        if self._ddp is not None and not self.allreducing:
+            self._ddp.broadcast_buffers = False
+        self.averager.load_state_dict(state)
 
     def describe(self) -> dict:
         return {"name": self.name, "every": self.every, "every_steps": self.every_steps,
                 "optimizer_state": self.optimizer_state, "outer": self.outer,
-                "outer_lr": self.outer_lr, "outer_momentum": self.outer_momentum}
+                "outer_lr": self.outer_lr, "outer_momentum": self.outer_momentum,
+                "outer_betas": list(self.outer_betas), "outer_eps": self.outer_eps,
+                "compression": self.compression, "allreduce_epochs": self.allreduce_epochs}

@@ -115,6 +115,9 @@ def validate(config: TrainConfig) -> torch.nn.Module:
         check_fragments(model, config.fragments)
     samples = len(data.train_set())
     sharding.check_workers(samples, config.workers)
+    if config.ranks_per_node is not None:  # hierarchical's nodes (other launchers: checked when it sets up)
+        from dptrain.strategies.hierarchical import check_ranks_per_node
+        check_ranks_per_node(config.ranks_per_node, config.workers)
     if config.batch_size > samples // config.workers:
         raise UserError(f"--batch-size {config.batch_size} is larger than a worker's shard of "
                         f"{samples // config.workers} samples ({samples} samples over "

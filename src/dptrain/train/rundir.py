@@ -6,6 +6,7 @@ One run at a time per directory: `lock_run_dir` holds an exclusive lock for the 
 from __future__ import annotations
 
 import errno
+import json
 import fcntl
 import os
 import socket
@@ -16,7 +17,7 @@ from typing import Any, Iterator, Optional
 
 import yaml
 
-from dptrain.config import with_absolute_paths
+from dptrain.config import TrainConfig, with_absolute_paths
 from dptrain.errors import UserError
 from dptrain.imports import spec_file
 from dptrain.io import disk_error, make_dirs, timestamped, write_text
@@ -208,6 +209,12 @@ def _moved(key: str, recorded: Any, now: Any) -> bool:
             and os.path.basename(recorded_path.rstrip("/")) == os.path.basename(now_path.rstrip("/")))
 
 
+def _default(key: str) -> Any:
+    """A setting's default as config.yaml records it (tuples as lists), for runs recorded before it existed."""
+    field = TrainConfig.model_fields.get(key)
+    return None if field is None else json.loads(json.dumps(field.default))
+
+
 def open_run_dir(path: str, settings: dict[str, Any], resume: bool = False) -> tuple[Path, bool]:
     """(run directory, whether it continues an interrupted run with the same settings).
 
@@ -230,8 +237,9 @@ def open_run_dir(path: str, settings: dict[str, Any], resume: bool = False) -> t
     # A run recorded before config.yaml held absolute paths named its files relative to the same directory.
     previous = with_absolute_paths(yaml.safe_load(saved.read_text()) or {})
     for key, value in settings.items():
-        if key not in RESUMABLE_CHANGES and previous.get(key) != value and not _moved(key, previous.get(key), value):
-            raise UserError(f"run directory '{path}' holds a run with other settings ({key}: {previous.get(key)!r} "
+        recorded = previous[key] if key in previous else _default(key)  # a setting newer than the run: its default
+        if key not in RESUMABLE_CHANGES and recorded != value and not _moved(key, recorded, value):
+            raise UserError(f"run directory '{path}' holds a run with other settings ({key}: {recorded!r} "
                             f"there, {value!r} now); give --out a new directory, or the same settings to continue it")
     if resume and not (directory / "checkpoints").is_dir():
         raise UserError(f"--resume: run directory '{path}' has no checkpoint yet")

@@ -1,0 +1,248 @@
+"""hierarchical: gradients all-reduced every step inside a node, weights averaged across nodes every period.
+
+Ranks on one node share a fast link (shared memory, NVLink, the host's loopback); nodes share a
+slow one (the cluster network). Inside each node the ranks train as one DistributedDataParallel
+group (`process_group` = the node's group from `dist.new_subgroups_by_enumeration`): their
+gradients are averaged every step over the fast link, so the replicas of one node stay equal.
+Across nodes nothing moves until the end of a period (every `every` epochs, or every
+`every_steps` steps), when the nodes average their weights, as `sync` does between ranks.
+
+Who takes part in the average over the slow link: **the node leaders only** (the lowest rank of
+each node). After a step every rank of a node holds the same parameters, so averaging over all
+ranks would only repeat each node's model L times. The leaders all-reduce the model among
+themselves (each leader hands the model, M bytes, to one all-reduce among N nodes; a ring moves
+2(N-1)/N x M through each node's link), then each leader broadcasts the result to its node over
+the fast link (M bytes, intra-node). An all-reduce among all W = N x L ranks would put a ring of
+W ranks on the slow links: 2(W-1)/W x M per node link with contiguous ranks, and more when the
+ranks of a node are not neighbours in the ring, so leaders-only moves the fewest bytes over the
+slow link. (Splitting the model into L shards, one all-reduce per local rank across nodes, moves
+the same total through each node's link, in L streams.) Afterwards every rank holds the
+identical global model: the mean of the node models, weighted by their ranks when nodes differ
+in size (so it is always the mean over ranks, the `sync` average).
+
+Parameters and floating buffers are averaged, integer buffers take the max (BatchNorm's
+counters), as in `sync`. Optimizer state stays per rank (equal inside a node, as DDP keeps it).
+
+Which ranks share a node (`assign_nodes`):
+  1. `ranks_per_node` (--ranks-per-node N), when given: ranks [kN, (k+1)N) form node k.
+  2. Otherwise every rank tells its host name and the local world size its launcher set
+     (dptrain.runtime.env: LOCAL_WORLD_SIZE under torchrun and dptrain's launcher,
+     SLURM_STEP_TASKS_PER_NODE or SLURM_TASKS_PER_NODE under srun, OMPI_COMM_WORLD_LOCAL_SIZE
+     under mpirun, MPI_LOCALNRANKS under MPICH/Intel MPI): ranks with the same
+     host name form a node, and a host whose launcher says fewer local ranks than it holds (two
+     torchrun agents on one machine) is split into blocks of that size in rank order.
+
+Bytes: `intra_node_bytes` counts what this rank hands to its node's collectives (the DDP
+start-up broadcast, every gradient bucket, DDP's buffer broadcast per step, the broadcast after
+an average), `inter_node_bytes` what a leader hands to the leaders' collectives (the start-up
+broadcast of rank 0's model, every average); `comm_bytes` is their sum. With one node this is
+`allreduce` (same weights, same bytes); with one rank per node it is `sync`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import socket
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from dptrain.errors import UserError
+from dptrain.runtime.distributed import DistContext
+from dptrain.runtime.env import detect
+from dptrain.runtime.guard import gather_objects
+from dptrain.strategies.allreduce import HOOKS
+from dptrain.strategies.base import Strategy
+from dptrain.strategies.collectives import (average_module, broadcast_module, module_state, tensor_bytes,
+                                            weighted_average_module)
+
+
+def check_ranks_per_node(ranks_per_node: Optional[int], world: int) -> None:
+    """One sentence (UserError) when --ranks-per-node cannot split `world` ranks into equal nodes."""
+    if ranks_per_node is None:
+        return
+    if ranks_per_node < 1 or world % ranks_per_node:
+        divisors = [n for n in range(1, world + 1) if world % n == 0]
+        ranks = f"{world} ranks" if world != 1 else "1 rank"
+        raise UserError(f"--ranks-per-node {ranks_per_node} does not divide the {ranks} into equal nodes; "
+                        f"use one of {', '.join(map(str, divisors))}")
+
+
+def assign_nodes(world: int, ranks_per_node: Optional[int] = None, hosts: Optional[Sequence[str]] = None,
+                 local_sizes: Optional[Sequence[Optional[int]]] = None) -> list[list[int]]:
+    """The ranks of each node, nodes ordered by their lowest rank (see the module docstring for the rules).
+
+    `hosts[r]` is rank r's host name, `local_sizes[r]` the local world size its launcher set (None: none set)."""
+    if ranks_per_node is not None:
+        check_ranks_per_node(ranks_per_node, world)
+        return [list(range(first, first + ranks_per_node)) for first in range(0, world, ranks_per_node)]
+    hosts = list(hosts) if hosts is not None else ["localhost"] * world
+    local_sizes = list(local_sizes) if local_sizes is not None else [None] * world
+    by_host: dict[str, list[int]] = {}
+    for rank, host in enumerate(hosts):
+        by_host.setdefault(host, []).append(rank)
+    nodes = []
+    for ranks in by_host.values():
+        sizes = {local_sizes[rank] for rank in ranks}
+        size = sizes.pop() if len(sizes) == 1 else None
+        if size is not None and 1 <= size < len(ranks) and len(ranks) % size == 0:
+            nodes += [ranks[first:first + size] for first in range(0, len(ranks), size)]
+        else:
+            nodes.append(ranks)
+    return sorted(nodes)
+
+
+class Hierarchical(Strategy):
+    """DDP inside each node every step; the node leaders average the weights every period."""
+
+    name = "hierarchical"
+
+    def __init__(self, every: int = 1, every_steps: Optional[int] = None, ranks_per_node: Optional[int] = None,
+                 bucket_cap_mb: float = 25.0) -> None:
+        super().__init__()
+        if every < 1 or (every_steps is not None and every_steps < 1):
+            raise ValueError("every and every_steps must be at least 1")
+        if ranks_per_node is not None and ranks_per_node < 1:
+            raise ValueError("ranks_per_node must be at least 1")
+        self.every, self.every_steps, self.ranks_per_node = every, every_steps, ranks_per_node
+        self.bucket_cap_mb = bucket_cap_mb
+        self.intra_node_bytes = 0
+        self.inter_node_bytes = 0
+        self.averages = 0
+        self.nodes: list[list[int]] = []
+        self._node: list[int] = []  # this rank's node
+        self._node_group = None  # None: the default group (one node)
+        self._leader_group = None  # None: the default group (one rank per node)
+        self._buffer_bytes = 0
+        self._diverged = False  # the nodes' models differ since the last average
+        self._failed = False
+        self._per_worker: Optional[list[tuple[int, int]]] = None
+
+    @classmethod
+    def from_config(cls, config) -> "Hierarchical":
+        return cls(every=config.sync_every, every_steps=config.sync_every_steps,
+                   ranks_per_node=config.ranks_per_node)
+
+    # -- layout --------------------------------------------------------------------------------
+    @property
+    def is_leader(self) -> bool:
+        return bool(self._node) and self.ctx is not None and self.ctx.rank == self._node[0]
+
+    def _find_nodes(self, ctx: DistContext) -> list[list[int]]:
+        if self.ranks_per_node is not None:
+            return assign_nodes(ctx.world_size, self.ranks_per_node)
+        env = detect()
+        mine = (socket.gethostname(), env.local_world_size if env.launched else None)
+        gathered = gather_objects(ctx, "node membership", mine)
+        return assign_nodes(ctx.world_size, None, [host for host, _ in gathered], [size for _, size in gathered])
+
+    def _count(self, intra: int = 0, inter: int = 0) -> None:
+        self.intra_node_bytes += intra
+        self.inter_node_bytes += inter
+        self.comm_bytes = self.intra_node_bytes + self.inter_node_bytes
+
+    # -- hooks ---------------------------------------------------------------------------------
+    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, ctx: DistContext) -> nn.Module:
+        super().setup(model, optimizer, ctx)
+        if ctx.world_size == 1:
+            self.nodes, self._node = [[0]], [0]
+            return model
+        self.nodes = self._find_nodes(ctx)
+        self._node = next(node for node in self.nodes if ctx.rank in node)
+        timeout = datetime.timedelta(seconds=ctx.timeout)
+        # Every rank creates every group, in the same order (torch.distributed requires it).
+        if len(self.nodes) > 1 and max(map(len, self.nodes)) > 1:
+            self._node_group, _ = dist.new_subgroups_by_enumeration(self.nodes, timeout=timeout)
+        leaders = [node[0] for node in self.nodes]
+        if 1 < len(leaders) < ctx.world_size:
+            self._leader_group = dist.new_group(leaders, timeout=timeout)
+        if self.is_leader and len(self.nodes) > 1:  # rank 0's model to every node, over the slow link
+            self._count(inter=broadcast_module(model, src=0, group=self._leader_group))
+        if len(self._node) == 1:
+            return model
+        floating, integer = module_state(model)
+        # DDP's constructor broadcasts the leader's parameters and buffers to its node; DDP
+        # re-broadcasts the buffers (BatchNorm statistics) from the leader before every forward.
+        self._count(intra=tensor_bytes(floating + integer))
+        self._buffer_bytes = tensor_bytes(model.buffers())
+        ddp = DistributedDataParallel(
+            model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
+            bucket_cap_mb=self.bucket_cap_mb, process_group=self._node_group)
+        hook, _ = HOOKS["none"]
+
+        def counting_hook(state, bucket):
+            self._count(intra=bucket.buffer().numel() * bucket.buffer().element_size())
+            return hook(state, bucket).then(self._note_failure)
+
+        ddp.register_comm_hook(state=self._node_group, hook=counting_hook)
+        return ddp
+
+    def _note_failure(self, future: torch.futures.Future) -> torch.Tensor:
+        try:
+            return future.value()
+        except Exception:
+            self._failed = True
+            raise
+
+    def communication_failed(self) -> bool:
+        return self._failed
+
+    def after_step(self, step: int) -> None:
+        self._count(intra=self._buffer_bytes)
+        if len(self.nodes) > 1:
+            self._diverged = True
+            if self.every_steps is not None and step % self.every_steps == 0:
+                self.synchronise()
+
+    def end_epoch(self, epoch: int) -> bool:
+        if self.every_steps is None and (epoch + 1) % self.every == 0:
+            self.synchronise()
+        return not self._diverged
+
+    def finish(self) -> nn.Module:
+        if self._diverged:
+            self.synchronise()
+        if self.ctx is not None:
+            self._per_worker = gather_objects(self.ctx, "summary", (self.intra_node_bytes, self.inter_node_bytes))
+        return super().finish()
+
+    def synchronise(self) -> None:
+        """Average the node models among the leaders, then each leader's result to its node."""
+        assert self.model is not None and self.ctx is not None
+        if len(self.nodes) < 2:
+            return
+        self._diverged = False
+        self.averages += 1
+        if self.is_leader:
+            sizes = {len(node) for node in self.nodes}
+            if len(sizes) == 1:
+                self._count(inter=average_module(self.model, group=self._leader_group))
+            else:  # the mean over ranks: each node's model counts as many times as it has ranks
+                self._count(inter=weighted_average_module(self.model, len(self._node), group=self._leader_group))
+        if len(self._node) > 1:
+            self._count(intra=broadcast_module(self.model, src=self._node[0], group=self._node_group))
+
+    # -- records -------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {"comm_bytes": self.comm_bytes, "intra_node_bytes": self.intra_node_bytes,
+                "inter_node_bytes": self.inter_node_bytes, "averages": self.averages, "diverged": self._diverged}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.intra_node_bytes, self.inter_node_bytes = state["intra_node_bytes"], state["inter_node_bytes"]
+        self.comm_bytes = self.intra_node_bytes + self.inter_node_bytes
+        self.averages, self._diverged = state["averages"], state["diverged"]
+
+    def summary(self) -> dict:
+        per_worker = self._per_worker or [(self.intra_node_bytes, self.inter_node_bytes)]
+        intra = [pair[0] for pair in per_worker]
+        inter = [pair[1] for pair in per_worker]
+        return {"nodes": self.nodes, "averages": self.averages,
+                "intra_node_bytes": sum(intra), "inter_node_bytes": sum(inter),  # the summary's comm_bytes is their sum
+                "intra_node_bytes_per_worker": intra, "inter_node_bytes_per_worker": inter}
+
+    def describe(self) -> dict:
+        return {"name": self.name, "every": self.every, "every_steps": self.every_steps,
+                "ranks_per_node": self.ranks_per_node, "nodes": len(self.nodes) or None}
