@@ -39,8 +39,8 @@ STRATEGIES: dict[str, StrategyEntry] = {
     "hierarchical": StrategyEntry("dptrain.strategies.hierarchical:Hierarchical",
                                   "gradients every step inside a node, weights across nodes every few epochs/steps",
                                   "hierarchical-allreduce"),
-    "auto": StrategyEntry("dptrain.strategies.auto:Auto", "measures link and model at start, trains with the fastest "
-                          "of --auto-candidates", "auto"),
+    "auto": StrategyEntry("dptrain.strategies.auto:Auto", "measures link and model at start, then trains with the "
+                          "fastest candidate", "auto"),
 }
 
 # Each a module satisfying dptrain.launch.base.Scheduler.
