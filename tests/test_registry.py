@@ -65,7 +65,9 @@ def test_every_strategy_is_timed_by_the_cost_model(name):
     assert name in costmodel.STRATEGIES
     assert registry.STRATEGIES[name].communication in costmodel.COMMUNICATION
     alone, four = (costmodel.epoch_seconds(name, n, CALIBRATION) for n in (1, 4))
-    assert alone["communication"] == 0 and four["communication"] > 0
+    assert alone["communication"] == 0 and four["communication"] >= 0  # overlap may hide it all (streaming)
+    slow = costmodel.Calibration(**{**CALIBRATION.as_dict(), "bandwidth": 1e6})  # a link nothing can hide
+    assert costmodel.epoch_seconds(name, 4, slow)["communication"] > 0
     assert four["total"] == pytest.approx(four["compute"] + four["communication"])
 
 

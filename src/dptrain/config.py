@@ -112,6 +112,10 @@ class TrainConfig(BaseModel):
     allreduce_epochs: int = Field(0, ge=0, description="sync: all-reduce the gradients every step for the first N "
                                                        "epochs, then average periodically (post-local SGD)")
 
+    auto_candidates: Literal["safe", "all"] = Field(
+        "safe", description="auto: candidates to pick from: safe (allreduce, sync every epoch) or all (also sync every "
+                            "2 or 3 epochs and async, which may cost accuracy)")
+
     overlap_steps: Optional[int] = Field(None, ge=0, description="streaming: steps of training while an average "
                                                                  "travels, before waiting for it (default: half the "
                                                                  "period, rounded up; 0 is sync)")
@@ -179,6 +183,9 @@ class TrainConfig(BaseModel):
                              f"so use at most {self.sync_every_steps}")
         if self.ranks_per_node is not None and self.strategy != "hierarchical":
             raise ValueError(f"ranks_per_node applies to strategy hierarchical, not {self.strategy}")
+        if self.compression == "int8" and self.strategy == "auto":
+            raise ValueError("compression int8 does not apply to strategy auto: it may pick allreduce, which "
+                             "compresses its gradients with fp16 or bf16 only")
         if self.compression == "int8" and self.strategy == "allreduce":
             raise ValueError("compression int8 applies to strategies sync, fedavg and async; allreduce compresses "
                              "its gradients with fp16 or bf16 only")

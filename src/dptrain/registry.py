@@ -32,14 +32,15 @@ STRATEGIES: dict[str, StrategyEntry] = {
     "allreduce": StrategyEntry("dptrain.strategies.allreduce:AllReduce", "gradients every step", "step-allreduce"),
     "sync": StrategyEntry("dptrain.strategies.sync:Sync", "weights every few epochs/steps", "periodic-allreduce"),
     "streaming": StrategyEntry("dptrain.strategies.streaming:Streaming",
-                               "weights every few epochs/steps, averaged while training goes on", "periodic-allreduce"),
+                               "weights every few epochs/steps, averaged while training goes on", "overlapped-average"),
     "async": StrategyEntry("dptrain.strategies.asynchronous:Async", "merges into a global model, no barrier",
                            "merge-service"),
     "fedavg": StrategyEntry("dptrain.strategies.fedavg:FedAvg", "federated", "periodic-allreduce"),
-    # The cost model sees its average across nodes only (the per-step all-reduce inside a node is taken as free).
     "hierarchical": StrategyEntry("dptrain.strategies.hierarchical:Hierarchical",
                                   "gradients every step inside a node, weights across nodes every few epochs/steps",
-                                  "periodic-allreduce"),
+                                  "hierarchical-allreduce"),
+    "auto": StrategyEntry("dptrain.strategies.auto:Auto", "measures link and model at start, then trains with the "
+                          "fastest candidate", "auto"),
 }
 
 # Each a module satisfying dptrain.launch.base.Scheduler.

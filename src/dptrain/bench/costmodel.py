@@ -14,6 +14,29 @@ A strategy is timed by the communication pattern its registry entry names (COMMU
 
 Compute is `seconds_per_sample` times the samples of one worker's shard (ceil(S/N)), so a
 projection to many workers shrinks each worker's share of a fixed data set (strong scaling).
+
+Modes beyond the plain strategies, chosen by `Settings` (their defaults give the plain results):
+
+- compression (`--compression fp16|bf16|int8`): an average sends the compressed change instead
+  of float32 weights: fp16/bf16 2 bytes an element; int8 1 byte an element plus one float32
+  scale per block of INT8_BLOCK elements. Compressed averages travel by all_gather, so each
+  rank's wire volume is (N-1)·payload, (N-1)·payload/B + (N-1)·alpha, instead of the ring
+  all-reduce's 2(N-1)/N·4·M. The per-step gradient all-reduce with fp16/bf16 is DDP's
+  compression hook, a ring all-reduce of 2-byte elements; with int8 it is an all_gather too.
+  Async merges are not compressed.
+- overlapped averaging (overlapped-average; strategy streaming): an average of the weights starts
+  in the background and is applied `delay_steps` steps later (default: half the period rounded
+  up, as streaming's --overlap-steps), so it hides behind the compute of min(delay, period)
+  steps: time per period = compute of the period + max(0, transfer - compute hidden) +
+  apply_seconds; with delay >= period that is max(compute, transfer) + apply. With `fragments`
+  F a period sends 1/F of the model. (Streaming drains an average still in flight at an epoch
+  end; that loss of cover near epoch ends is not modelled.)
+- hierarchical sync (hierarchical-allreduce; strategy hierarchical): N ranks on N/G nodes of G
+  ranks; per step a ring all-reduce of the gradients among a node's G ranks over the fast
+  intra-node link (node_bandwidth, node_latency), and per period an average among the N/G node
+  leaders over the slow link (bandwidth, latency), which each leader then broadcasts to its node
+  (M/node_bandwidth + node_latency).
+- auto (`--strategy auto`): the candidate it would pick (dptrain.strategies.auto).
 """
 
 from __future__ import annotations
@@ -21,12 +44,15 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import asdict, dataclass
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 from dptrain import registry
 
 STRATEGIES = registry.names("strategy")
 FLOAT32_BYTES = 4
+COMPRESSIONS = ("none", "fp16", "bf16", "int8")
+ELEMENT_BYTES = {"none": 4, "fp16": 2, "bf16": 2, "int8": 1}
+INT8_BLOCK = 256  # elements that share one float32 scale in int8 compression
 
 
 @dataclass(frozen=True)
@@ -39,6 +65,9 @@ class Calibration:
     latency: float  # alpha: seconds per message
     samples: int  # training samples per epoch (all workers together)
     batch_size: int  # per worker
+    apply_seconds: float = 0.0  # overlapped averaging: applying one finished average
+    node_bandwidth: Optional[float] = None  # hierarchical: bytes per second inside a node (None: as `bandwidth`)
+    node_latency: float = 0.0  # hierarchical: alpha inside a node
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -51,6 +80,68 @@ def ring_allreduce_seconds(workers: int, payload_bytes: float, bandwidth: float,
     return 2 * (workers - 1) / workers * payload_bytes / bandwidth + 2 * (workers - 1) * latency
 
 
+def compressed_bytes(elements: int, compression: str = "none") -> int:
+    """Payload of `elements` float32 values after compression: 4, 2 (fp16, bf16) or 1 byte each, int8
+    plus one float32 scale per block of INT8_BLOCK elements."""
+    if compression not in ELEMENT_BYTES:
+        raise ValueError(f"compression must be one of {COMPRESSIONS}, not {compression!r}")
+    scales = math.ceil(elements / INT8_BLOCK) * FLOAT32_BYTES if compression == "int8" else 0
+    return elements * ELEMENT_BYTES[compression] + scales
+
+
+def all_gather_seconds(workers: int, payload_bytes: float, bandwidth: float, latency: float) -> float:
+    """Ring all_gather of `payload_bytes` from every rank: each sends (N-1)·payload, (N-1)·payload/B + (N-1)·alpha."""
+    if workers <= 1:
+        return 0.0
+    return (workers - 1) * payload_bytes / bandwidth + (workers - 1) * latency
+
+
+def average_seconds(workers: int, model_bytes: int, bandwidth: float, latency: float,
+                    compression: str = "none") -> float:
+    """One average of the weights (float32, `model_bytes`): a ring all-reduce, or compressed by all_gather."""
+    if compression == "none":
+        return ring_allreduce_seconds(workers, model_bytes, bandwidth, latency)
+    return all_gather_seconds(workers, compressed_bytes(model_bytes // FLOAT32_BYTES, compression), bandwidth, latency)
+
+
+def gradient_allreduce_seconds(workers: int, model_bytes: int, bandwidth: float, latency: float,
+                               compression: str = "none") -> float:
+    """One step's gradient exchange: a ring all-reduce of float32, fp16 or bf16 elements; int8 by all_gather."""
+    if compression == "int8":
+        return average_seconds(workers, model_bytes, bandwidth, latency, "int8")
+    payload = compressed_bytes(model_bytes // FLOAT32_BYTES, compression)
+    return ring_allreduce_seconds(workers, payload, bandwidth, latency)
+
+
+def overlapped_period_seconds(compute: float, hidden_compute: float, transfer: float, apply: float) -> float:
+    """One period of overlapped averaging: its compute, the part of the transfer that the compute of
+    the delay (`hidden_compute`) does not hide, and the apply: compute + max(0, transfer - hidden) + apply."""
+    return compute + max(0.0, transfer - hidden_compute) + apply
+
+
+@dataclass(frozen=True)
+class Settings:
+    """How a strategy runs, where the cost model needs it (defaults: the plain strategies)."""
+
+    every: int = 1  # epochs between averages (sync, fedavg rounds, async merges, overlapped, hierarchical)
+    every_steps: Optional[int] = None  # steps between averages instead (local SGD; overlapped; hierarchical)
+    compression: str = "none"  # none, fp16, bf16, int8
+    delay_steps: Optional[int] = None  # overlapped averaging: steps between sending an average and applying it
+    # (None: half the period rounded up, streaming's default --overlap-steps)
+    fragments: int = 1  # overlapped averaging: each period sends 1/F of the model (streaming's --fragments)
+    ranks_per_node: int = 1  # hierarchical: G ranks per node (the job has N/G nodes)
+
+    def averages_per_epoch(self, steps: int) -> float:
+        """Averages per epoch of `steps` steps: 1/every, or steps/every_steps."""
+        return steps / self.every_steps if self.every_steps else 1 / self.every
+
+    def per_epoch(self, seconds_per_average: float, steps: int) -> float:
+        """Seconds per epoch of averages that take `seconds_per_average` each."""
+        if self.every_steps:
+            return seconds_per_average * steps / self.every_steps
+        return seconds_per_average / self.every
+
+
 def shard_samples(samples: int, workers: int) -> int:
     return math.ceil(samples / workers)
 
@@ -59,40 +150,101 @@ def steps_per_epoch(samples: int, workers: int, batch_size: int) -> int:
     return max(1, math.ceil(shard_samples(samples, workers) / batch_size))
 
 
-def _step_allreduce(workers: int, cal: Calibration, every: int, compute: float) -> float:
+def _step_allreduce(workers: int, cal: Calibration, settings: Settings, compute: float) -> float:
     """One ring all-reduce of the gradients per step (`every` does not apply)."""
     steps = steps_per_epoch(cal.samples, workers, cal.batch_size)
-    return steps * ring_allreduce_seconds(workers, cal.model_bytes, cal.bandwidth, cal.latency)
+    return steps * gradient_allreduce_seconds(workers, cal.model_bytes, cal.bandwidth, cal.latency, settings.compression)
 
 
-def _periodic_allreduce(workers: int, cal: Calibration, every: int, compute: float) -> float:
-    """One ring all-reduce of the weights every `every` epochs."""
-    return ring_allreduce_seconds(workers, cal.model_bytes, cal.bandwidth, cal.latency) / every
+def _periodic_allreduce(workers: int, cal: Calibration, settings: Settings, compute: float) -> float:
+    """One average of the weights every `every` epochs (or every `every_steps` steps)."""
+    steps = steps_per_epoch(cal.samples, workers, cal.batch_size)
+    return settings.per_epoch(average_seconds(workers, cal.model_bytes, cal.bandwidth, cal.latency,
+                                              settings.compression), steps)
 
 
-def _merge_service(workers: int, cal: Calibration, every: int, compute: float) -> float:
+def _merge_service(workers: int, cal: Calibration, settings: Settings, compute: float) -> float:
     """The worker's own round trip to the merge service, unless the one service is the bottleneck."""
     message = cal.latency + cal.model_bytes / cal.bandwidth
-    own = 2 * message / every
-    service = (workers - 1) * 2 * message / every
+    own = 2 * message / settings.every
+    service = (workers - 1) * 2 * message / settings.every
     return max(own, service - compute)
 
 
+def _overlapped_average(workers: int, cal: Calibration, settings: Settings, compute: float) -> float:
+    """Averages that run behind the compute of `delay_steps` steps: what each period waits, plus its apply."""
+    steps = steps_per_epoch(cal.samples, workers, cal.batch_size)
+    periods = settings.averages_per_epoch(steps)
+    period_steps = steps / periods
+    step_compute = compute / steps
+    fragment_bytes = math.ceil(cal.model_bytes / settings.fragments / FLOAT32_BYTES) * FLOAT32_BYTES
+    transfer = average_seconds(workers, fragment_bytes, cal.bandwidth, cal.latency, settings.compression)
+    delay = math.ceil(period_steps / 2) if settings.delay_steps is None else settings.delay_steps
+    hidden = min(delay, period_steps) * step_compute
+    period = overlapped_period_seconds(period_steps * step_compute, hidden, transfer, cal.apply_seconds)
+    return periods * (period - period_steps * step_compute)
+
+
+def _hierarchical_allreduce(workers: int, cal: Calibration, settings: Settings, compute: float) -> float:
+    """Per step a gradient ring all-reduce inside each node (fast link); per period an average among the nodes."""
+    per_node = settings.ranks_per_node
+    if per_node < 1 or workers % per_node:
+        raise ValueError(f"ranks_per_node {per_node} must divide the {workers} workers")
+    steps = steps_per_epoch(cal.samples, workers, cal.batch_size)
+    node_bandwidth = cal.node_bandwidth if cal.node_bandwidth is not None else cal.bandwidth
+    inside = steps * gradient_allreduce_seconds(per_node, cal.model_bytes, node_bandwidth, cal.node_latency,
+                                                settings.compression)
+    # a period: the leaders average among the nodes (slow link), then each leader broadcasts to its node (fast link)
+    average = average_seconds(workers // per_node, cal.model_bytes, cal.bandwidth, cal.latency, settings.compression)
+    handout = cal.model_bytes / node_bandwidth + cal.node_latency if per_node > 1 else 0.0
+    return inside + settings.per_epoch(average + handout, steps)
+
+
+def _auto(workers: int, cal: Calibration, settings: Settings, compute: float) -> float:
+    """`--strategy auto`: the communication of the default (safe) candidate it would pick (the fastest, or a
+    safer one predicted within its tolerance)."""
+    from dptrain.strategies.auto import SAFE_CANDIDATES, pick  # the candidates and the rule live with the strategy
+
+    seconds = {candidate.label: communication_seconds(registry.STRATEGIES[candidate.strategy].communication, workers,
+                                                      cal, Settings(**{**asdict(settings), "every": candidate.every}),
+                                                      compute)
+               for candidate in SAFE_CANDIDATES}
+    return seconds[pick(SAFE_CANDIDATES, {label: compute + comm for label, comm in seconds.items()}).label]
+
+
 # Seconds of communication per epoch, by the `communication` a strategy's registry entry names.
-COMMUNICATION = {
+COMMUNICATION: dict[str, Callable[[int, Calibration, Settings, float], float]] = {
     "step-allreduce": _step_allreduce,
     "periodic-allreduce": _periodic_allreduce,
     "merge-service": _merge_service,
+    "overlapped-average": _overlapped_average,
+    "hierarchical-allreduce": _hierarchical_allreduce,
+    "auto": _auto,
 }
 
 
-def epoch_seconds(strategy: str, workers: int, cal: Calibration, every: int = 1) -> dict:
-    """{'compute', 'communication', 'total'} seconds of one epoch of `strategy` on `workers`."""
+def communication_seconds(pattern: str, workers: int, cal: Calibration, settings: Settings = Settings(),
+                          compute: Optional[float] = None) -> float:
+    """Seconds of communication per epoch (beyond compute) of a communication `pattern` (COMMUNICATION)."""
+    if pattern not in COMMUNICATION:
+        raise ValueError(f"communication pattern must be one of {tuple(COMMUNICATION)}, not {pattern!r}")
+    if workers <= 1:
+        return 0.0
+    if compute is None:
+        compute = shard_samples(cal.samples, workers) * cal.seconds_per_sample
+    return COMMUNICATION[pattern](workers, cal, settings, compute)
+
+
+def epoch_seconds(strategy: str, workers: int, cal: Calibration, every: int = 1,
+                  settings: Optional[Settings] = None) -> dict:
+    """{'compute', 'communication', 'total'} seconds of one epoch of `strategy` on `workers`.
+
+    `settings` (compression, local-SGD steps, overlap delay, ranks per node) replaces `every` when given."""
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, not {strategy!r}")
+    settings = settings or Settings(every=every)
     compute = shard_samples(cal.samples, workers) * cal.seconds_per_sample
-    communicate = COMMUNICATION[registry.STRATEGIES[strategy].communication]
-    communication = 0.0 if workers <= 1 else communicate(workers, cal, every, compute)
+    communication = communication_seconds(registry.STRATEGIES[strategy].communication, workers, cal, settings, compute)
     return {"compute": compute, "communication": communication, "total": compute + communication}
 
 

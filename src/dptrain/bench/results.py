@@ -57,7 +57,9 @@ def run_row(summary: dict, metrics: list[dict], *, kind: str, repeat: int, netwo
     epoch_times = [record["epoch_seconds"] for record in metrics if record.get("epoch_seconds") is not None]
     return {
         "kind": kind,
-        "strategy": summary["strategy"],
+        # --strategy auto trains as the strategy it chose: auto:sync is its own row, not one of sync's repeats
+        "strategy": (f"auto:{summary['strategy']}" if "auto" in (summary.get("strategy_options") or {})
+                     else summary["strategy"]),
         "workers": workers,
         "repeat": repeat,
         "network": network,

@@ -45,6 +45,11 @@ class Strategy:
         """The strategy a TrainConfig asks for (its strategy-specific fields)."""
         return cls()
 
+    def resolve(self, trainer, train) -> "tuple[Strategy, Optional[dict]]":
+        """The strategy that trains and a record of how it was chosen, once the process group is up
+        (before epoch_plan and setup): itself and None, except for auto, which measures and picks one."""
+        return self, None
+
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, ctx: DistContext) -> nn.Module:
         """Prepare the model (wrap it, make replicas equal); return the module to train."""
         self.model, self.optimizer, self.ctx = model, optimizer, ctx

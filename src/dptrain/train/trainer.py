@@ -90,6 +90,7 @@ class Trainer:
         self.progress, self.verbose, self.loader_workers = progress, verbose, loader_workers
         self.checkpoint_every, self.keep_checkpoints, self.resume = checkpoint_every, keep_checkpoints, resume
         self.scaler: Optional[torch.amp.GradScaler] = None
+        self.strategy_choice: Optional[dict] = None  # how --strategy auto chose (summary.json's strategy_options.auto)
         self.stop_signals = StopSignals()
         self._slowdown = 1.0
         self._evaluation: Optional[tuple] = None  # (test set, (rank, world), its DataLoader)
@@ -131,8 +132,10 @@ class Trainer:
                 self.out, ctx.world_size, len(self.history), epochs)) from None
 
     def _fit(self, train: TrainData, test: Optional[TrainData], epochs: int) -> Summary:
-        ctx, strategy = self._connect(), self.strategy
+        ctx = self._connect()
         train, test = as_dataset(train), (as_dataset(test, "test") if test is not None else None)
+        strategy, self.strategy_choice = self.strategy.resolve(self, train)  # auto measures and picks one
+        self.strategy = strategy
         plan = strategy.epoch_plan(ctx, len(train), lambda: labels_of(train, self.recorder.log), self.batch_size,
                                    self.seed, self.shuffle, getattr(train, "block_size", None))
         batches = PlanBatches(plan)
@@ -292,7 +295,8 @@ class Trainer:
             self.recorder.complete(workers)
         comm = gather_objects(self.ctx, "summary", self.strategy.comm_bytes)
         summary = Summary(
-            strategy=self.strategy.name, strategy_options=self.strategy.describe(), workers=self.ctx.world_size,
+            strategy=self.strategy.name, workers=self.ctx.world_size,
+            strategy_options={**self.strategy.describe(), **({"auto": self.strategy_choice} if self.strategy_choice else {})},
             epochs=epochs, test_accuracy=test["test_accuracy"] if test else None,
             test_loss=test["test_loss"] if test else None, wall_seconds=wall,
             samples_per_second=self.recorder.samples() / max(wall, 1e-9), comm_bytes=sum(comm),

@@ -1,0 +1,357 @@
+"""`make gpu-check`: does dptrain work, and how fast, on one CUDA GPU? Writes a JSON and prints a short table.
+
+    .venv/bin/python benchmarks/gpu_check.py [--out benchmarks/results/gpu_check.json] [--budget 420]
+    .venv/bin/python benchmarks/gpu_check.py --dry-run-cpu --out /tmp/gpu_check.json   # the same steps, tiny, on the CPU
+
+Steps, each in a child process of its own with a time limit (a crash, a hang or a CUDA error in
+one step is recorded in the JSON as that step's error, and the other steps still run):
+
+- nccl: a one-rank NCCL process group: all_reduce, broadcast and all_gather_object on the GPU;
+- strategy:allreduce|sync|async|fedavg: `dptrain train` of the cnn on digits (5 epochs), one rank, on the GPU
+  (backend NCCL); checks that it finished, on the GPU, with NCCL, above MIN_ACCURACY;
+- amp:bf16, amp:fp16: the same with `--amp bf16` / `--amp fp16` (fp16 trains with a GradScaler:
+  the check reads the scaler's scale from the run's checkpoint);
+- dptrain:resnet|nfnet and plain:resnet|nfnet: images/s of dptrain's training loop
+  (`dptrain train` on synthetic-images, the median epoch rate after the first) against a plain
+  PyTorch loop over the same data, model, batch size and optimizer on the same GPU, and the peak
+  GPU memory of each (torch.cuda.max_memory_allocated).
+
+A global time budget (--budget seconds, 420 by default, so the whole check stays under 8
+minutes) bounds everything: a step that would start after it is spent is recorded as skipped,
+and each step's limit is at most what is left. Without a CUDA GPU it prints one line and exits 0.
+Exit code: 0 when every step ran and passed, 1 otherwise (the JSON says which and why).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_OUT = ROOT / "benchmarks" / "results" / "gpu_check.json"
+NO_GPU = "no CUDA GPU here: skipping the GPU check"
+MIN_ACCURACY = 0.5  # digits has 10 classes: chance is 0.1; a working run of a few epochs is far above 0.5
+STRATEGIES = ("allreduce", "sync", "async", "fedavg")
+AMPS = ("bf16", "fp16")
+MODELS = ("resnet", "nfnet")
+STEP_LIMIT = 150.0  # seconds one step may take at most
+
+# Sizes of the steps: on the GPU, and tiny on the CPU (--dry-run-cpu).
+# The strategy and AMP runs: the cnn on digits reaches about 0.94 in 5 epochs of batch 32 on one worker
+# (benchmarks/README.md, section 2); the dry run's mlp about 0.8 in 2.
+SIZES = {
+    "gpu": {"model": "cnn", "epochs": 5, "batch": 32, "image_samples": 8192, "image_batch": 256, "image_epochs": 3},
+    "cpu": {"model": "mlp", "epochs": 2, "batch": 32, "image_samples": 32, "image_batch": 16, "image_epochs": 2},
+}
+
+
+def all_steps() -> list[str]:
+    return (["nccl"] + [f"strategy:{s}" for s in STRATEGIES] + [f"amp:{a}" for a in AMPS]
+            + [f"{kind}:{model}" for model in MODELS for kind in ("dptrain", "plain")])
+
+
+# -- the steps, each run in a child process ----------------------------------------------------------
+
+def _peak_memory(device) -> dict:
+    import torch
+
+    if device.type != "cuda":
+        return {}
+    return {"peak_memory_bytes": torch.cuda.max_memory_allocated(device)}
+
+
+def step_nccl(device: str, sizes: dict, workdir: Path) -> dict:
+    """A one-rank process group on the GPU (NCCL; gloo on the CPU): three collectives with known answers."""
+    import torch
+    import torch.distributed as dist
+
+    backend = "nccl" if device == "cuda" else "gloo"
+    dev = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        tensor = torch.arange(4, dtype=torch.float32, device=dev)
+        dist.all_reduce(tensor)
+        dist.broadcast(tensor, src=0)
+        gathered = [None]
+        dist.all_gather_object(gathered, {"rank": 0})
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        ok = tensor.cpu().tolist() == [0.0, 1.0, 2.0, 3.0] and gathered == [{"rank": 0}]
+        return {"ok": ok, "backend": dist.get_backend(), "values": tensor.cpu().tolist(),
+                **({} if ok else {"error": "a collective returned the wrong values"})}
+    finally:
+        dist.destroy_process_group()
+
+
+def _train(settings: dict):
+    from dptrain.train.run import train_from_config
+
+    return train_from_config({"progress": False, "workers": 1, "seed": 0, **settings})
+
+
+def _check_run(summary, device: str, extra: dict) -> dict:
+    expected_backend = "nccl" if device == "cuda" else "gloo"
+    problems = []
+    if summary.backend != expected_backend:
+        problems.append(f"backend {summary.backend}, not {expected_backend}")
+    if not summary.device.startswith(device):
+        problems.append(f"trained on {summary.device}, not {device}")
+    if summary.test_accuracy is None or summary.test_accuracy < MIN_ACCURACY:
+        problems.append(f"test accuracy {summary.test_accuracy} below {MIN_ACCURACY}")
+    result = {"ok": not problems, "strategy": summary.strategy, "backend": summary.backend, "device": summary.device,
+              "test_accuracy": summary.test_accuracy, "wall_seconds": summary.wall_seconds,
+              "samples_per_second": summary.samples_per_second, **extra}
+    if problems:
+        result["error"] = "; ".join(problems)
+    return result
+
+
+def step_strategy(name: str, device: str, sizes: dict, workdir: Path) -> dict:
+    import torch
+
+    summary = _train({"strategy": name, "device": device, "dataset": "digits", "model": sizes["model"],
+                      "epochs": sizes["epochs"], "batch_size": sizes["batch"], "out": str(workdir / f"strategy-{name}")})
+    return _check_run(summary, device, _peak_memory(torch.device(device, 0) if device == "cuda" else torch.device("cpu")))
+
+
+def step_amp(amp: str, device: str, sizes: dict, workdir: Path) -> dict:
+    import torch
+
+    from dptrain.errors import UserError
+
+    out = workdir / f"amp-{amp}"
+    try:
+        summary = _train({"strategy": "allreduce", "device": device, "dataset": "digits", "model": sizes["model"], "amp": amp,
+                          "epochs": sizes["epochs"], "batch_size": sizes["batch"], "out": str(out),
+                          "checkpoint_every": 1, "keep_checkpoints": 1})
+    except UserError as error:
+        if amp == "fp16" and device == "cpu":  # the dry run: fp16 needs a GPU, and dptrain says so
+            return {"ok": "--amp fp16 needs a GPU" in str(error), "note": f"refused on the CPU as expected: {error}"}
+        raise
+    extra = _peak_memory(torch.device(device, 0) if device == "cuda" else torch.device("cpu"))
+    # The GradScaler's state goes into each checkpoint: its scale under fp16, nothing under bf16.
+    saved = sorted((out / "checkpoints").glob("epoch-*/rank-00000.pt"))
+    if not saved:
+        raise RuntimeError(f"no checkpoint in {out / 'checkpoints'} to read the GradScaler state from")
+    state = torch.load(saved[-1], weights_only=True)["scaler"]
+    extra["grad_scaler_scale"] = float(state["scale"]) if "scale" in state else None
+    result = _check_run(summary, device, extra)
+    if amp == "fp16" and extra.get("grad_scaler_scale") is None:
+        result["ok"] = False
+        result["error"] = (result.get("error", "") + "; " if "error" in result else "") + \
+            "no GradScaler state in the checkpoint"
+    return result
+
+
+def step_dptrain_rate(model: str, device: str, sizes: dict, workdir: Path) -> dict:
+    """dptrain's training loop on synthetic-images: median images/s of the epochs after the first."""
+    import torch
+
+    out = workdir / f"dptrain-{model}"
+    summary = _train({"strategy": "allreduce", "device": device, "dataset": "synthetic-images", "model": model,
+                      "samples": sizes["image_samples"], "image_size": 32, "epochs": sizes["image_epochs"],
+                      "batch_size": sizes["image_batch"], "lr": 0.01, "checkpoint_every": 0, "out": str(out)})
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rates = [record["samples_per_second"] for record in records[1:]] or [records[-1]["samples_per_second"]]
+    dev = torch.device(device, 0) if device == "cuda" else torch.device("cpu")
+    return {"ok": summary.backend == ("nccl" if device == "cuda" else "gloo"), "images_per_second": statistics.median(rates),
+            "epoch_rates": [record["samples_per_second"] for record in records], "batch_size": sizes["image_batch"],
+            "train_samples": sum(w["samples"] for w in records[0]["workers"]), **_peak_memory(dev)}
+
+
+def step_plain_rate(model_name: str, device: str, sizes: dict, workdir: Path) -> dict:
+    """A plain PyTorch loop: the same data, model, batch size and optimizer; images/s of the epochs after the first."""
+    import torch
+
+    from dptrain.data import load_dataset
+    from dptrain.models import build_model
+
+    dev = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
+    data = load_dataset("synthetic-images", seed=0, samples=sizes["image_samples"], image_size=32)
+    train = data.train_set()
+    x, y = train.__getitems__(list(range(len(train))))
+    torch.manual_seed(0)
+    model = build_model(model_name, data.input_shape, data.num_outputs).to(dev)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    batch = sizes["image_batch"]
+    rates = []
+    model.train()
+    for epoch in range(sizes["image_epochs"]):
+        order = torch.randperm(len(y))
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        start = time.perf_counter()
+        for first in range(0, len(y), batch):
+            rows = order[first:first + batch]
+            inputs, targets = x[rows].to(dev, non_blocking=True), y[rows].long().to(dev, non_blocking=True)
+            loss = loss_fn(model(inputs), targets)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        rates.append(len(y) / (time.perf_counter() - start))
+    return {"ok": True, "images_per_second": statistics.median(rates[1:] or rates), "epoch_rates": rates,
+            "batch_size": batch, "train_samples": len(y), **_peak_memory(dev)}
+
+
+def run_step(name: str, device: str, sizes: dict, workdir: Path) -> dict:
+    kind, _, arg = name.partition(":")
+    if kind == "nccl":
+        return step_nccl(device, sizes, workdir)
+    if kind == "strategy":
+        return step_strategy(arg, device, sizes, workdir)
+    if kind == "amp":
+        return step_amp(arg, device, sizes, workdir)
+    if kind == "dptrain":
+        return step_dptrain_rate(arg, device, sizes, workdir)
+    if kind == "plain":
+        return step_plain_rate(arg, device, sizes, workdir)
+    raise ValueError(f"unknown step {name!r}")
+
+
+def child(args: argparse.Namespace) -> int:
+    """Run one step; its result is the last line of stdout, as JSON."""
+    started = time.perf_counter()
+    try:
+        from dptrain.runtime.distributed import set_cpu_threads
+
+        set_cpu_threads()
+        result = run_step(args.step, args.device, SIZES[args.sizes], Path(args.workdir))
+    except BaseException as error:  # noqa: BLE001 - whatever failed is this step's result
+        result = {"ok": False, "error": f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"}
+    result["seconds"] = time.perf_counter() - started
+    print("GPU_CHECK_RESULT " + json.dumps(result), flush=True)
+    return 0
+
+
+# -- the parent: budget, children, JSON, table -------------------------------------------------------
+
+def run_child(name: str, device: str, sizes: str, workdir: Path, limit: float) -> dict:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))}
+    command = [sys.executable, str(Path(__file__).resolve()), "--step", name, "--device", device, "--sizes", sizes,
+               "--workdir", str(workdir)]
+    started = time.perf_counter()
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=limit, env=env, cwd=workdir)
+    except subprocess.TimeoutExpired as timeout:
+        tail = (timeout.stderr or b"")
+        tail = tail.decode(errors="replace") if isinstance(tail, bytes) else tail
+        return {"ok": False, "error": f"no result within its limit of {limit:.0f} s", "seconds": limit,
+                "stderr_tail": tail[-2000:]}
+    lines = [line for line in done.stdout.splitlines() if line.startswith("GPU_CHECK_RESULT ")]
+    if not lines:
+        return {"ok": False, "error": f"the step's process exited with code {done.returncode} without a result",
+                "seconds": time.perf_counter() - started, "stderr_tail": done.stderr[-2000:]}
+    result = json.loads(lines[-1].removeprefix("GPU_CHECK_RESULT "))
+    if not result.get("ok"):
+        result["stderr_tail"] = done.stderr[-2000:]
+    return result
+
+
+def environment(device: str) -> dict:
+    import torch
+
+    info = {"torch": torch.__version__, "cuda": torch.version.cuda, "device": device,
+            "python": sys.version.split()[0]}
+    if device == "cuda":
+        props = torch.cuda.get_device_properties(0)
+        info.update(gpu=props.name, gpu_memory_bytes=props.total_memory, gpus_visible=torch.cuda.device_count())
+        try:
+            version = torch.cuda.nccl.version()
+            info["nccl"] = ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
+        except Exception as error:  # noqa: BLE001 - recorded, not fatal
+            info["nccl"] = f"unknown ({type(error).__name__})"
+    return info
+
+
+def table(report: dict) -> str:
+    rows = [("step", "status", "accuracy", "images/s", "peak MB", "seconds")]
+    for name, result in report["steps"].items():
+        status = "skipped" if result.get("skipped") else ("ok" if result.get("ok") else "FAILED")
+        accuracy = f"{result['test_accuracy']:.3f}" if isinstance(result.get("test_accuracy"), float) else ""
+        rate = f"{result['images_per_second']:,.0f}" if result.get("images_per_second") else ""
+        peak = f"{result['peak_memory_bytes'] / 2 ** 20:,.0f}" if result.get("peak_memory_bytes") else ""
+        seconds = f"{result['seconds']:.1f}" if isinstance(result.get("seconds"), (int, float)) else ""
+        rows.append((name, status, accuracy, rate, peak, seconds))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]
+    for model, ratio in report.get("dptrain_vs_plain", {}).items():
+        lines.append(f"{model}: dptrain at {ratio:.2f}x the images/s of the plain loop")
+    for name, result in report["steps"].items():
+        if not result.get("ok") and not result.get("skipped"):
+            lines.append(f"{name}: {result.get('error', 'failed')}")
+        elif result.get("skipped"):
+            lines.append(f"{name}: skipped: {result['skipped']}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=str(DEFAULT_OUT), help=f"where the JSON goes (default {DEFAULT_OUT.relative_to(ROOT)})")
+    parser.add_argument("--budget", type=float, default=420.0, help="seconds for all steps together (default 420)")
+    parser.add_argument("--dry-run-cpu", action="store_true", help="run every step on the CPU with tiny sizes (a test)")
+    parser.add_argument("--steps", default=None, help="comma-separated subset of the steps (default: all)")
+    parser.add_argument("--step", help=argparse.SUPPRESS)  # a child: run this one step
+    parser.add_argument("--device", help=argparse.SUPPRESS)
+    parser.add_argument("--sizes", help=argparse.SUPPRESS)
+    parser.add_argument("--workdir", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.step:
+        return child(args)
+
+    begun = time.perf_counter()
+    import torch
+
+    if not args.dry_run_cpu and not torch.cuda.is_available():
+        print(NO_GPU)
+        return 0
+    device, sizes = ("cpu", "cpu") if args.dry_run_cpu else ("cuda", "gpu")
+    steps = all_steps() if args.steps is None else [s.strip() for s in args.steps.split(",") if s.strip()]
+    report: dict = {"dry_run_cpu": args.dry_run_cpu, "budget_seconds": args.budget, "sizes": SIZES[sizes],
+                    "min_accuracy": MIN_ACCURACY, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                    "steps": {}}
+    try:
+        report["environment"] = environment(device)
+    except Exception as error:  # noqa: BLE001 - recorded; the steps still run
+        report["environment"] = {"error": f"{type(error).__name__}: {error}"}
+    with tempfile.TemporaryDirectory(prefix="gpu-check-") as workdir:
+        for name in steps:
+            left = args.budget - (time.perf_counter() - begun)
+            if left < 5:
+                report["steps"][name] = {"ok": False, "skipped": f"the time budget of {args.budget:g} s is spent"}
+                continue
+            step_dir = Path(workdir) / name.replace(":", "-")
+            step_dir.mkdir()
+            report["steps"][name] = run_child(name, device, sizes, step_dir, min(STEP_LIMIT, left))
+            print(f"gpu-check: {name}: {'ok' if report['steps'][name].get('ok') else 'FAILED'}", flush=True)
+    ratios = {}
+    for model in MODELS:
+        ours, plain = report["steps"].get(f"dptrain:{model}", {}), report["steps"].get(f"plain:{model}", {})
+        if ours.get("images_per_second") and plain.get("images_per_second"):
+            ratios[model] = ours["images_per_second"] / plain["images_per_second"]
+    report["dptrain_vs_plain"] = ratios
+    report["wall_seconds"] = time.perf_counter() - begun
+    ran = [result for result in report["steps"].values() if not result.get("skipped")]
+    report["ok"] = len(ran) == len(report["steps"]) > 0 and all(result.get("ok") for result in ran)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(table(report))
+    print(f"gpu-check: {'all steps passed' if report['ok'] else 'some steps failed or none ran'}; "
+          f"{report['wall_seconds']:.0f} s; {out}")
+    return 0 if report["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
