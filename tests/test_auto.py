@@ -170,3 +170,24 @@ def test_a_restarted_run_keeps_the_choice_it_began_with(tmp_path):
     recorded = json.loads((tmp_path / "run" / "strategy_choice.json").read_text())
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["strategy_options"]["auto"] == recorded and summary["strategy"] == recorded["strategy"]
+
+
+@pytest.mark.parametrize("settings, chosen, lr", [
+    ({}, Candidate("sync", 1), 0.1),  # --lr-scaling auto: sync scales SGD's LR linearly, as --strategy sync would
+    ({"optimizer": "adam"}, Candidate("async", 1), 0.05 * 2 ** 0.5),
+    ({}, Candidate("allreduce"), 0.05),  # allreduce keeps it
+    ({"lr_scaling": "linear"}, Candidate("allreduce"), 0.05),  # an explicit rule was applied before: not twice
+    ({"lr_scaling": "none"}, Candidate("sync", 1), 0.05),
+])
+def test_the_chosen_strategy_gets_the_lr_its_own_flag_would_give(settings, chosen, lr):
+    from types import SimpleNamespace
+
+    config = build_config({"strategy": "auto", "lr": 0.05, **settings})
+    applied = 0.05 * config.lr_scale(2)[0]  # what the launcher gave the optimizer before the choice
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=applied)
+    said = []
+    trainer = SimpleNamespace(ctx=SimpleNamespace(world_size=2), optimizer=optimizer,
+                              recorder=SimpleNamespace(log=said.append))
+    Auto.from_config(config)._scale_lr_for(chosen, trainer)
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(lr)
+    assert len(said) == (1 if lr != applied else 0)

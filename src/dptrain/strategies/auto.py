@@ -250,7 +250,24 @@ class Auto(Strategy):
             write_json(trainer.out / CHOICE_FILE, choice)
         chosen = next((c for c in ALL_CANDIDATES if c.label == choice["chosen"]), None)
         assert chosen is not None, f"unknown choice {choice['chosen']!r}"
+        self._scale_lr_for(chosen, trainer)
         return self.build(chosen), {key: value for key, value in choice.items() if key != "reused"}
+
+    def _scale_lr_for(self, chosen: Candidate, trainer) -> None:
+        """--lr-scaling auto scales the LR as `--strategy <chosen>` would (the launcher could not know it
+        before the choice); an explicit rule was already applied for every strategy alike."""
+        if self.config is None:
+            return
+        world = trainer.ctx.world_size
+        applied, _ = self.config.lr_scale(world)
+        wanted, rule = self.config.model_copy(update={"strategy": chosen.strategy}).lr_scale(world)
+        if wanted == applied:
+            return
+        for group in trainer.optimizer.param_groups:
+            group["lr"] *= wanted / applied
+        trainer.recorder.log(f"dptrain: {chosen.strategy} on {world} workers trains with learning rate "
+                             f"{self.config.lr * wanted:g} ({self.config.lr:g} x {wanted:.3g}, --lr-scaling {rule}); "
+                             f"--lr-scaling none keeps {self.config.lr:g}")
 
     def _reused(self, trainer) -> Optional[dict]:
         """The choice recorded when this run began, when it is continued (every rank gets rank 0's)."""
