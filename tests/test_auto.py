@@ -176,7 +176,7 @@ def test_a_restarted_run_keeps_the_choice_it_began_with(tmp_path):
     ({}, Candidate("sync", 1), 0.1),  # --lr-scaling auto: sync scales SGD's LR linearly, as --strategy sync would
     ({"optimizer": "adam"}, Candidate("async", 1), 0.05 * 2 ** 0.5),
     ({}, Candidate("allreduce"), 0.05),  # allreduce keeps it
-    ({"lr_scaling": "linear"}, Candidate("allreduce"), 0.05),  # an explicit rule was applied before: not twice
+    ({"lr_scaling": "linear"}, Candidate("allreduce"), 0.1),  # an explicit rule was applied before: not twice
     ({"lr_scaling": "none"}, Candidate("sync", 1), 0.05),
 ])
 def test_the_chosen_strategy_gets_the_lr_its_own_flag_would_give(settings, chosen, lr):
