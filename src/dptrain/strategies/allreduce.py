@@ -35,7 +35,6 @@ class AllReduce(Strategy):
         self.compression = compression
         self.bucket_cap_mb = bucket_cap_mb
         self._buffer_bytes = 0
-        self._failed = False
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, ctx: DistContext) -> nn.Module:
         super().setup(model, optimizer, ctx)
@@ -54,7 +53,7 @@ class AllReduce(Strategy):
         def counting_hook(state, bucket):
             grads = bucket.buffer()
             self.comm_bytes += grads.numel() * (compressed_size or grads.element_size())
-            return hook(state, bucket).then(self._note_failure)
+            return hook(state, bucket).then(self.note_failure)
 
         ddp.register_comm_hook(state=None, hook=counting_hook)
         return ddp
@@ -62,17 +61,6 @@ class AllReduce(Strategy):
     @classmethod
     def from_config(cls, config) -> "AllReduce":
         return cls(compression=config.compression)
-
-    def _note_failure(self, future: torch.futures.Future) -> torch.Tensor:
-        """The bucket's result; remembers when the all-reduce failed, so the backward error is known as a peer's."""
-        try:
-            return future.value()
-        except Exception:
-            self._failed = True
-            raise
-
-    def communication_failed(self) -> bool:
-        return self._failed
 
     def after_step(self, step: int) -> None:
         self.comm_bytes += self._buffer_bytes

@@ -36,6 +36,7 @@ class Strategy:
 
     def __init__(self) -> None:
         self.comm_bytes = 0
+        self._failed = False  # a DDP comm hook saw its all-reduce fail (see note_failure)
         self.ctx: DistContext | None = None
         self.model: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
@@ -86,7 +87,16 @@ class Strategy:
 
     def communication_failed(self) -> bool:
         """Whether communication inside the backward pass failed (so an error there is a peer's, not the model's)."""
-        return False
+        return self._failed
+
+    def note_failure(self, future: torch.futures.Future) -> torch.Tensor:
+        """A DDP comm hook's result (chain it with `.then`); remembers when the all-reduce failed, so that
+        an error in the backward pass is known as a peer's."""
+        try:
+            return future.value()
+        except Exception:
+            self._failed = True
+            raise
 
     # -- agreement between ranks -------------------------------------------------------------
     def gather_stats(self, stats):

@@ -118,7 +118,6 @@ class Hierarchical(Strategy):
         self._leader_group = None  # None: the default group (one rank per node)
         self._buffer_bytes = 0
         self._diverged = False  # the nodes' models differ since the last average
-        self._failed = False
         self._per_worker: Optional[list[tuple[int, int]]] = None
 
     @classmethod
@@ -175,20 +174,10 @@ class Hierarchical(Strategy):
 
         def counting_hook(state, bucket):
             self._count(intra=bucket.buffer().numel() * bucket.buffer().element_size())
-            return hook(state, bucket).then(self._note_failure)
+            return hook(state, bucket).then(self.note_failure)
 
         ddp.register_comm_hook(state=self._node_group, hook=counting_hook)
         return ddp
-
-    def _note_failure(self, future: torch.futures.Future) -> torch.Tensor:
-        try:
-            return future.value()
-        except Exception:
-            self._failed = True
-            raise
-
-    def communication_failed(self) -> bool:
-        return self._failed
 
     def after_step(self, step: int) -> None:
         self._count(intra=self._buffer_bytes)

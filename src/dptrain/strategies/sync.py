@@ -69,7 +69,6 @@ class Sync(Strategy):
         self._diverged = False  # replicas changed since the last average
         self._ddp: DistributedDataParallel | None = None
         self._buffer_bytes = 0
-        self._failed = False
 
     @classmethod
     def from_config(cls, config) -> "Sync":
@@ -109,20 +108,10 @@ class Sync(Strategy):
                 future.set_result(bucket.buffer())
                 return future
             self.comm_bytes += bucket.buffer().numel() * bucket.buffer().element_size()
-            return default_hooks.allreduce_hook(state, bucket).then(self._note_failure)
+            return default_hooks.allreduce_hook(state, bucket).then(self.note_failure)
 
         self._ddp.register_comm_hook(state=None, hook=hook)
         return self._ddp
-
-    def _note_failure(self, future: torch.futures.Future) -> torch.Tensor:
-        try:
-            return future.value()
-        except Exception:
-            self._failed = True
-            raise
-
-    def communication_failed(self) -> bool:
-        return self._failed
 
     def _start_local_phase(self) -> None:
         """The switch: rank 0's buffers everywhere (what DDP's next forward would do), a new anchor."""
