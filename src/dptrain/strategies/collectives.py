@@ -89,14 +89,12 @@ def broadcast_module(module: nn.Module, src: int = 0, group=None) -> int:
     return _apply_flat(floating + integer, lambda flat: dist.broadcast(flat, src=src, group=group))
 
 
-def weighted_average_module(module: nn.Module, weight: float, group=None) -> int:
-    """Replace parameters and floating buffers by their `weight`-weighted mean over ranks.
+def weighted_average_tensors(tensors: list[torch.Tensor], weight: float, group=None) -> int:
+    """Replace each tensor by its `weight`-weighted mean over ranks (in place).
 
-    A rank with weight 0 contributes nothing but still receives the result; integer buffers
-    take the max. Returns the bytes handed over (the total weight included).
-    """
-    floating, integer = module_state(module)
-    device = floating[0].device if floating else torch.device("cpu")
+    A rank with weight 0 contributes nothing but still receives the result. Returns the bytes
+    handed over, the total weight (8 bytes) included."""
+    device = tensors[0].device if tensors else torch.device("cpu")
     total = torch.tensor([float(weight)], dtype=torch.float64, device=device)
     dist.all_reduce(total, group=group)
     total_weight = total.item()
@@ -108,4 +106,11 @@ def weighted_average_module(module: nn.Module, weight: float, group=None) -> int
         dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
         flat.div_(total_weight)
 
-    return tensor_bytes([total]) + _apply_flat(floating, weighted_mean) + max_tensors(integer, group)
+    return tensor_bytes([total]) + _apply_flat(tensors, weighted_mean)
+
+
+def weighted_average_module(module: nn.Module, weight: float, group=None) -> int:
+    """Replace parameters and floating buffers by their `weight`-weighted mean over ranks; integer
+    buffers take the max. Returns the bytes handed over (the total weight included)."""
+    floating, integer = module_state(module)
+    return weighted_average_tensors(floating, weight, group) + max_tensors(integer, group)

@@ -40,11 +40,10 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from dptrain.strategies.collectives import (_apply_flat, average_module, average_tensors, max_tensors, module_state,
-                                            unflatten_into, weighted_average_module)
+from dptrain.strategies.collectives import (average_module, average_tensors, max_tensors, module_state,
+                                            unflatten_into, weighted_average_module, weighted_average_tensors)
 from dptrain.strategies.compression import COMPRESSIONS, ErrorFeedback, compressed_mean
 
 OUTERS = ("none", "sgd", "nesterov", "adam")
@@ -224,20 +223,3 @@ def settle_optimizer_state(optimizer: torch.optim.Optimizer, mode: str, world: i
         tensors = optimizer_tensors(optimizer)
         return average_tensors(tensors) if weight is None else weighted_average_tensors(tensors, weight)
     return 0
-
-
-def weighted_average_tensors(tensors: list[torch.Tensor], weight: float, group=None) -> int:
-    """Replace each tensor by its `weight`-weighted mean over ranks; bytes handed over (total weight included)."""
-    device = tensors[0].device if tensors else torch.device("cpu")
-    total = torch.tensor([float(weight)], dtype=torch.float64, device=device)
-    dist.all_reduce(total, group=group)
-    total_weight = total.item()
-    if total_weight <= 0:
-        raise ValueError("the weights of all ranks sum to zero")
-
-    def weighted_mean(flat: torch.Tensor) -> None:
-        flat.mul_(weight)
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-        flat.div_(total_weight)
-
-    return 8 + _apply_flat(tensors, weighted_mean)
