@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -174,7 +175,8 @@ def test_a_restarted_run_keeps_the_choice_it_began_with(tmp_path):
 
 @pytest.mark.parametrize("settings, chosen, lr", [
     ({}, Candidate("sync", 1), 0.1),  # --lr-scaling auto: sync scales SGD's LR linearly, as --strategy sync would
-    ({"optimizer": "adam"}, Candidate("async", 1), 0.05 * 2 ** 0.5),
+    ({"optimizer": "adam"}, Candidate("async", 1), 0.1),
+    ({"lr_scaling": "sqrt"}, Candidate("allreduce"), 0.05 * 2 ** 0.5),  # applied before the choice, kept
     ({}, Candidate("allreduce"), 0.05),  # allreduce keeps it
     ({"lr_scaling": "linear"}, Candidate("allreduce"), 0.1),  # an explicit rule was applied before: not twice
     ({"lr_scaling": "none"}, Candidate("sync", 1), 0.05),
@@ -186,8 +188,11 @@ def test_the_chosen_strategy_gets_the_lr_its_own_flag_would_give(settings, chose
     applied = 0.05 * config.lr_scale(2)[0]  # what the launcher gave the optimizer before the choice
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=applied)
     said = []
+    schedule = functools.partial(lambda config, world, *rest: config, config, 2)  # as run_worker binds it
     trainer = SimpleNamespace(ctx=SimpleNamespace(world_size=2), optimizer=optimizer,
-                              recorder=SimpleNamespace(log=said.append))
+                              recorder=SimpleNamespace(log=said.append), schedule=schedule)
     Auto.from_config(config)._scale_lr_for(chosen, trainer)
     assert optimizer.param_groups[0]["lr"] == pytest.approx(lr)
     assert len(said) == (1 if lr != applied else 0)
+    scheduled_as = trainer.schedule()  # the schedule (its warm-up) follows the chosen strategy's settings
+    assert scheduled_as.strategy == (chosen.strategy if lr != applied else "auto")

@@ -269,10 +269,27 @@ def test_a_run_recorded_before_a_setting_existed_continues_when_that_setting_is_
         open_run_dir("run", settings(outer_betas="0.5,0.99"))
 
 
+def test_a_run_recorded_before_lr_scaling_continues_only_with_lr_scaling_none(tmp_path, monkeypatch):
+    from dptrain.train.rundir import open_run_dir
+
+    monkeypatch.chdir(tmp_path)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / ".dptrain-run").write_text("")
+    old = build_config({"dataset": "digits", "strategy": "sync", "out": "run"}).model_dump(mode="json")
+    del old["lr_scaling"]
+    old["warmup_epochs"] = 0.0  # the default then
+    (run / "config.yaml").write_text(yaml.safe_dump(old))
+    settings = build_config({"dataset": "digits", "strategy": "sync", "out": "run"}).model_dump(mode="json")
+    with pytest.raises(UserError, match=r"other settings \(lr_scaling: 'none' there, 'auto' now\)"):
+        open_run_dir("run", settings)
+    assert open_run_dir("run", {**settings, "lr_scaling": "none"}) == (Path("run"), True)
+
+
 @pytest.mark.parametrize("settings, world, expected", [
     ({"strategy": "sync"}, 4, (4.0, "linear")),  # SGD is the default optimizer
-    ({"strategy": "sync", "optimizer": "adam"}, 4, (2.0, "sqrt")),
-    ({"strategy": "async", "optimizer": "adamw"}, 9, (3.0, "sqrt")),
+    ({"strategy": "sync", "optimizer": "adam"}, 4, (4.0, "linear")),
+    ({"strategy": "async", "optimizer": "adamw", "lr_scaling": "sqrt"}, 9, (3.0, "sqrt")),
     ({"strategy": "streaming"}, 3, (3.0, "linear")),
     ({"strategy": "allreduce"}, 4, (1.0, "none")),
     ({"strategy": "fedavg"}, 4, (1.0, "none")),
@@ -284,6 +301,19 @@ def test_a_run_recorded_before_a_setting_existed_continues_when_that_setting_is_
 ])
 def test_lr_scaling_rules(settings, world, expected):
     assert build_config({"dataset": "digits", **settings}).lr_scale(world) == expected
+
+
+@pytest.mark.parametrize("settings, world, warmup", [
+    ({"strategy": "sync", "epochs": 10}, 2, 1.0),  # auto scaled the LR: a tenth of the run
+    ({"strategy": "sync", "epochs": 150}, 2, 5.0),  # at most 5 epochs
+    ({"strategy": "sync", "epochs": 10}, 1, 0.0),  # nothing scaled
+    ({"strategy": "allreduce", "epochs": 10}, 2, 0.0),
+    ({"strategy": "sync", "epochs": 10, "lr_scaling": "linear"}, 2, 0.0),  # explicit rules warm up as told
+    ({"strategy": "sync", "epochs": 10, "warmup_epochs": 0}, 2, 0.0),
+    ({"strategy": "allreduce", "epochs": 10, "warmup_epochs": 2.5}, 2, 2.5),
+])
+def test_warmup_rules(settings, world, warmup):
+    assert build_config({"dataset": "digits", **settings}).warmup(world) == warmup
 
 
 def test_scale_lr_contradicting_lr_scaling_is_one_sentence():

@@ -72,11 +72,13 @@ class TrainConfig(BaseModel):
     lr_schedule: Literal["constant", "cosine", "step"] = Field("constant", description="constant, cosine or step")
     lr_step_epochs: int = Field(30, ge=1, description="step schedule: epochs between decays")
     lr_gamma: float = Field(0.1, gt=0, le=1, description="step schedule: decay factor")
-    warmup_epochs: float = Field(0.0, ge=0, description="linear LR warm-up length in epochs (fractions allowed)")
+    warmup_epochs: Optional[float] = Field(None, ge=0, description="linear LR warm-up length in epochs (fractions "
+                                                                   "allowed; default 0, but when --lr-scaling auto "
+                                                                   "scales the LR, a tenth of the epochs, at most 5)")
     lr_scaling: Literal["auto", "none", "linear", "sqrt"] = Field(
-        "auto", description="the LR for W workers: linear (x W), sqrt (x sqrt(W)) or none; auto: linear for sgd and "
-                            "sqrt for adam/adamw under the weight-averaging strategies (sync, streaming, async), "
-                            "none under the others")
+        "auto", description="the LR for W workers: linear (x W), sqrt (x sqrt(W)) or none; auto: linear, with a "
+                            "warm-up, under the weight-averaging strategies (sync, streaming, async), none under "
+                            "the others")
     scale_lr: bool = Field(False, description="short for --lr-scaling linear")
     loss: str = Field("auto", description="auto (cross-entropy for classes, mse for regression), cross-entropy, "
                                           "mse, or package.module:function(output, target) returning the loss")
@@ -223,16 +225,26 @@ class TrainConfig(BaseModel):
 
         Replicas trained on disjoint shards and averaged behave like one model trained with a W times
         larger batch at the same LR, and at equal epochs they lose accuracy against one worker; a larger
-        LR gives back the step size and noise (benchmarks/README.md, "Accuracy at equal epochs"). The
-        rules are the linear scaling rule for SGD (Goyal et al. 2017) and the square-root rule for
-        Adam-type optimizers (Malladi et al. 2022). allreduce keeps its LR, so that it stays identical
-        to one process training on the union of the batches; fedavg's clients keep theirs."""
+        LR gives back the step size and noise (benchmarks/README.md, "Accuracy at equal epochs"):
+        `auto` is the linear scaling rule with warm-up (Goyal et al. 2017), which held one worker's
+        accuracy there with SGD and with Adam, where the square-root rule (`sqrt`, Malladi et al. 2022)
+        fell short at 8 workers. allreduce keeps its LR, so that it stays identical to one process
+        training on the union of the batches; fedavg's clients keep theirs."""
         rule = "linear" if self.scale_lr else self.lr_scaling
         if rule == "auto":
-            rule = ("linear" if self.optimizer == "sgd" else "sqrt") if self.strategy in WEIGHT_AVERAGING else "none"
+            rule = "linear" if self.strategy in WEIGHT_AVERAGING else "none"
         if world == 1:
             return 1.0, rule
         return {"none": 1.0, "linear": float(world), "sqrt": math.sqrt(world)}[rule], rule
+
+    def warmup(self, world: int) -> float:
+        """Epochs of linear LR warm-up: --warmup-epochs when given; else, when --lr-scaling auto scales the
+        LR, a tenth of the run up to 5 epochs (Goyal et al. warm up for 5 of 90), else none."""
+        if self.warmup_epochs is not None:
+            return self.warmup_epochs
+        if self.lr_scaling == "auto" and not self.scale_lr and self.lr_scale(world)[0] != 1:
+            return min(5.0, self.epochs / 10)
+        return 0.0
 
     def slow_workers(self) -> dict[int, float]:
         """--slow-worker as {rank: factor}."""

@@ -32,6 +32,8 @@ alone) without measuring, and says so.
 
 from __future__ import annotations
 
+import functools
+
 import json
 import statistics
 import time
@@ -260,14 +262,18 @@ class Auto(Strategy):
             return
         world = trainer.ctx.world_size
         applied, _ = self.config.lr_scale(world)
-        wanted, rule = self.config.model_copy(update={"strategy": chosen.strategy}).lr_scale(world)
+        wanted, _ = self.config.model_copy(update={"strategy": chosen.strategy}).lr_scale(world)
         if wanted == applied:
             return
         for group in trainer.optimizer.param_groups:
             group["lr"] *= wanted / applied
-        trainer.recorder.log(f"dptrain: {chosen.strategy} on {world} workers trains with learning rate "
-                             f"{self.config.lr * wanted:g} ({self.config.lr:g} x {wanted:.3g}, --lr-scaling {rule}); "
-                             f"--lr-scaling none keeps {self.config.lr:g}")
+        chosen_config = self.config.model_copy(update={"strategy": chosen.strategy})
+        schedule = trainer.schedule
+        if isinstance(schedule, functools.partial) and schedule.args and schedule.args[0] is self.config:
+            trainer.schedule = functools.partial(schedule.func, chosen_config, *schedule.args[1:])  # its warm-up
+        from dptrain.train.run import lr_line
+
+        trainer.recorder.log(lr_line(chosen_config, world))
 
     def _reused(self, trainer) -> Optional[dict]:
         """The choice recorded when this run began, when it is continued (every rank gets rank 0's)."""

@@ -260,15 +260,13 @@ def run_worker(config: TrainConfig, env: DistEnv) -> Summary:
         data = load_data(config, check_values=not said_by_launcher and ctx.is_main,
                          log=print if ctx.is_main and not said_by_launcher else (lambda message: None))
         model = make_model(config, data)
-        factor, rule = config.lr_scale(ctx.world_size)
+        factor, _ = config.lr_scale(ctx.world_size)
         lr = config.lr * factor
         if factor != 1 and ctx.is_main:
-            print(f"dptrain: {config.strategy} on {ctx.world_size} workers trains with learning rate {lr:g} "
-                  f"({config.lr:g} x {factor:.3g}, --lr-scaling {rule}); --lr-scaling none keeps {config.lr:g}",
-                  flush=True)
+            print(lr_line(config, ctx.world_size), flush=True)
         optimizer = build_optimizer(config.optimizer, model.parameters(), lr=lr, momentum=config.momentum,
                                     nesterov=config.nesterov, weight_decay=config.weight_decay)
-        schedule = partial(_schedule, config)
+        schedule = partial(_schedule, config, ctx.world_size)
         trainer = Trainer(model, optimizer, build_loss(config, data), build_strategy(config),
                           batch_size=config.batch_size, schedule=schedule, amp=config.amp,
                           grad_clip=config.grad_clip, seed=config.seed, shuffle=config.shuffle,
@@ -294,6 +292,15 @@ def loader_workers(asked: Optional[int], ctx) -> int:
     return max(0, min(4, (os.cpu_count() or 1) // ranks_here - 1))
 
 
-def _schedule(config: TrainConfig, optimizer, steps_per_epoch: int, epochs: int):
+def _schedule(config: TrainConfig, world: int, optimizer, steps_per_epoch: int, epochs: int):
     return build_schedule(optimizer, steps_per_epoch=steps_per_epoch, epochs=epochs, schedule=config.lr_schedule,
-                          warmup_epochs=config.warmup_epochs, step_epochs=config.lr_step_epochs, gamma=config.lr_gamma)
+                          warmup_epochs=config.warmup(world), step_epochs=config.lr_step_epochs, gamma=config.lr_gamma)
+
+
+def lr_line(config: TrainConfig, world: int) -> str:
+    """The line that says a run's LR was scaled for its workers (and warmed up), and how to keep --lr."""
+    factor, rule = config.lr_scale(world)
+    warmup = config.warmup(world)
+    warming = f", warmed up over {warmup:g} epochs" if warmup and config.warmup_epochs is None else ""
+    return (f"dptrain: {config.strategy} on {world} workers trains with learning rate {config.lr * factor:g} "
+            f"({config.lr:g} x {factor:.3g}, --lr-scaling {rule}{warming}); --lr-scaling none keeps {config.lr:g}")

@@ -209,8 +209,18 @@ def _moved(key: str, recorded: Any, now: Any) -> bool:
             and os.path.basename(recorded_path.rstrip("/")) == os.path.basename(now_path.rstrip("/")))
 
 
+# What a run recorded before a setting existed did, where that differs from the setting's default now:
+# such a run continues only with that value given (e.g. --lr-scaling none), and the refusal says so.
+BEFORE_IT_EXISTED = {"lr_scaling": "none"}
+# Settings whose default became None ("decided by other settings") with --lr-scaling: in a run recorded
+# before that, the old default means the same as not given.
+OLD_DEFAULTS = {"warmup_epochs": 0.0}
+
+
 def _default(key: str) -> Any:
-    """A setting's default as config.yaml records it (tuples as lists), for runs recorded before it existed."""
+    """What a run recorded before `key` existed did, as config.yaml records it (tuples as lists)."""
+    if key in BEFORE_IT_EXISTED:
+        return BEFORE_IT_EXISTED[key]
     field = TrainConfig.model_fields.get(key)
     return None if field is None else json.loads(json.dumps(field.default))
 
@@ -237,7 +247,9 @@ def open_run_dir(path: str, settings: dict[str, Any], resume: bool = False) -> t
     # A run recorded before config.yaml held absolute paths named its files relative to the same directory.
     previous = with_absolute_paths(yaml.safe_load(saved.read_text()) or {})
     for key, value in settings.items():
-        recorded = previous[key] if key in previous else _default(key)  # a setting newer than the run: its default
+        recorded = previous[key] if key in previous else _default(key)  # a setting newer than the run
+        if key in OLD_DEFAULTS and value is None and recorded == OLD_DEFAULTS[key] and "lr_scaling" not in previous:
+            recorded = None
         if key not in RESUMABLE_CHANGES and recorded != value and not _moved(key, recorded, value):
             raise UserError(f"run directory '{path}' holds a run with other settings ({key}: {recorded!r} "
                             f"there, {value!r} now); give --out a new directory, or the same settings to continue it")
