@@ -100,7 +100,7 @@ def test_comm_bytes_are_exact_and_sync_sends_over_10x_less(digits_runs):
 def test_sync_scales_the_lr_by_default_says_so_and_equals_the_scaled_lr_given_by_hand(digits_runs, tmp_path):
     run_dir, result = digits_runs["sync"]
     assert ("[rank0] dptrain: sync on 2 workers trains with learning rate 0.1 (0.05 x 2, --lr-scaling linear, "
-            "warmed up over 1 epochs); --lr-scaling none keeps 0.05") in result.stdout
+            "warmed up over 1 epoch); --lr-scaling none keeps 0.05") in result.stdout
     assert "learning rate" not in digits_runs["allreduce"][1].stdout  # allreduce keeps its LR
     by_hand = dptrain("train", *DIGITS[:-1], "0.1", "--lr-scaling", "none", "--warmup-epochs", "1", "--strategy",
                       "sync", "--workers", "2",

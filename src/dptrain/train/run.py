@@ -301,6 +301,7 @@ def lr_line(config: TrainConfig, world: int) -> str:
     """The line that says a run's LR was scaled for its workers (and warmed up), and how to keep --lr."""
     factor, rule = config.lr_scale(world)
     warmup = config.warmup(world)
-    warming = f", warmed up over {warmup:g} epochs" if warmup and config.warmup_epochs is None else ""
+    warming = (f", warmed up over {warmup:g} epoch{'' if warmup == 1 else 's'}"
+               if warmup and config.warmup_epochs is None else "")
     return (f"dptrain: {config.strategy} on {world} workers trains with learning rate {config.lr * factor:g} "
             f"({config.lr:g} x {factor:.3g}, --lr-scaling {rule}{warming}); --lr-scaling none keeps {config.lr:g}")
