@@ -292,7 +292,8 @@ def test_a_run_recorded_before_lr_scaling_continues_only_with_lr_scaling_none(tm
     ({"strategy": "async", "optimizer": "adamw", "lr_scaling": "sqrt"}, 9, (3.0, "sqrt")),
     ({"strategy": "streaming"}, 3, (3.0, "linear")),
     ({"strategy": "allreduce"}, 4, (1.0, "none")),
-    ({"strategy": "fedavg"}, 4, (1.0, "none")),
+    ({"strategy": "fedavg"}, 4, (4.0, "linear")),  # iid partitions by default: sync with fixed shards
+    ({"strategy": "fedavg", "partition": "dirichlet"}, 4, (1.0, "none")),
     ({"strategy": "hierarchical"}, 4, (1.0, "none")),
     ({"strategy": "sync"}, 1, (1.0, "linear")),  # one worker: nothing to scale
     ({"strategy": "sync", "lr_scaling": "none"}, 4, (1.0, "none")),

@@ -77,8 +77,8 @@ class TrainConfig(BaseModel):
                                                                    "scales the LR, a tenth of the epochs, at most 5)")
     lr_scaling: Literal["auto", "none", "linear", "sqrt"] = Field(
         "auto", description="the LR for W workers: linear (x W), sqrt (x sqrt(W)) or none; auto: linear, with a "
-                            "warm-up, under the weight-averaging strategies (sync, streaming, async), none under "
-                            "the others")
+                            "warm-up, under the weight-averaging strategies (sync, streaming, async, fedavg over "
+                            "iid partitions), none under the others")
     scale_lr: bool = Field(False, description="short for --lr-scaling linear")
     loss: str = Field("auto", description="auto (cross-entropy for classes, mse for regression), cross-entropy, "
                                           "mse, or package.module:function(output, target) returning the loss")
@@ -229,10 +229,12 @@ class TrainConfig(BaseModel):
         `auto` is the linear scaling rule with warm-up (Goyal et al. 2017), which held one worker's
         accuracy there with SGD and with Adam, where the square-root rule (`sqrt`, Malladi et al. 2022)
         fell short at 8 workers. allreduce keeps its LR, so that it stays identical to one process
-        training on the union of the batches; fedavg's clients keep theirs."""
+        training on the union of the batches; fedavg scales only over iid partitions (where it is sync
+        with fixed shards), not under label skew, where a larger client LR did not help."""
         rule = "linear" if self.scale_lr else self.lr_scaling
         if rule == "auto":
-            rule = "linear" if self.strategy in WEIGHT_AVERAGING else "none"
+            averaging = self.strategy in WEIGHT_AVERAGING or (self.strategy == "fedavg" and self.partition == "iid")
+            rule = "linear" if averaging else "none"
         if world == 1:
             return 1.0, rule
         return {"none": 1.0, "linear": float(world), "sqrt": math.sqrt(world)}[rule], rule
