@@ -196,11 +196,12 @@ def plot(records: list[dict], bench: str, epochs: int, path: Path) -> None:
 
     mine = [r for r in records if r["bench"] == bench and r["epochs"] == epochs and r["curve"]]
     worker_counts = sorted({r["workers"] for r in mine if r["workers"] > 1}) or [1]
-    fig, axes = plt.subplots(1, len(worker_counts), figsize=(5 * len(worker_counts), 4), squeeze=False,
-                             sharey=True)
+    # Top row: whole runs; bottom row: the same zoomed on the last 80 % of the epochs near the top.
+    fig, axes = plt.subplots(2, len(worker_counts), figsize=(5 * len(worker_counts), 7.5), squeeze=False)
     configs = [c for c in CONFIGS if any(r["config"] == c for r in mine)]
     colors = {c: plt.cm.tab20(i % 20) for i, c in enumerate(configs)}
-    for ax, workers in zip(axes[0], worker_counts):
+    top = max((a for r in mine for _, a, _ in r["curve"]), default=1.0)
+    for column, workers in enumerate(worker_counts):
         for config in configs:
             runs = [r for r in mine if r["config"] == config and (r["workers"] == workers or config == "one-worker")]
             if not runs:
@@ -209,11 +210,16 @@ def plot(records: list[dict], bench: str, epochs: int, path: Path) -> None:
             xs = [runs[0]["curve"][i][0] for i in range(length)]
             ys = [statistics.fmean(r["curve"][i][1] for r in runs) for i in range(length)]
             style = dict(color="black", linestyle=":") if config == "one-worker" else dict(color=colors[config])
-            ax.plot(xs, ys, label=f"{config} (n={len(runs)})", linewidth=1.2, **style)
-        ax.set_title(f"{workers} workers" if workers > 1 else "1 worker")
-        ax.set_xlabel("epoch")
-        ax.grid(alpha=0.3)
+            for ax in axes[:, column]:
+                ax.plot(xs, ys, label=f"{config} (n={len(runs)})", linewidth=1.2, **style)
+        axes[0][column].set_title(f"{workers} workers" if workers > 1 else "1 worker")
+        axes[1][column].set_xlim(0.2 * epochs, epochs)
+        axes[1][column].set_ylim(top - 0.08, top + 0.005)
+        for ax in axes[:, column]:
+            ax.set_xlabel("epoch")
+            ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("test accuracy (mean over seeds)")
+    axes[1][0].set_ylabel("zoomed")
     axes[0][-1].legend(fontsize=7, loc="lower right")
     fig.suptitle(f"{bench}, {epochs} epochs")
     fig.tight_layout()
