@@ -68,6 +68,9 @@ CONFIGS: dict[str, tuple[str, object, str]] = {
     "sync-e1-sum-half": ("sync", lambda w: ["--outer", "nesterov", "--outer-lr", str((1 + w) / 2),
                                             "--outer-momentum", "0"],
                          "outer SGD lr (1+W)/2, no momentum: halfway between the mean and the sum"),
+    "sync-e1-outer-gain-w": ("sync", lambda w: ["--outer", "nesterov", "--outer-lr", f"{0.1 * w:.6g}",
+                                                 "--outer-momentum", "0.9"],
+                             "outer Nesterov lr 0.1*W momentum 0.9: long-run gain lr/(1-m) = W, the sum's, smoothed"),
     "sync-e1-sum-m5": ("sync", lambda w: ["--outer", "nesterov", "--outer-lr", str(w / 2), "--outer-momentum", "0.5"],
                        "outer Nesterov lr W/2 momentum 0.5 (the same long-run step as the sum)"),
     "sync-e1-scale-lr": ("sync", lambda w: ["--scale-lr"], "inner learning rate x W"),
@@ -272,12 +275,14 @@ def main() -> int:
             parser.error(f"unknown bench '{bench}'; valid: {', '.join(BENCHES)}")
     if not configs:
         parser.error(f"--only {args.only} matches no configuration; valid: {', '.join(CONFIGS)}")
+    if args.epochs is not None and args.epochs < 1:
+        parser.error(f"--epochs {args.epochs} is invalid; use a positive integer")
     seeds = [int(s) for s in args.seeds.split(",")]
     worker_counts = [int(w) for w in args.workers.split(",")]
     # Seed-major order: the first seed of every configuration comes before any second seed.
     for seed in seeds:
         for bench in benches:
-            epochs = args.epochs or BENCHES[bench][1]
+            epochs = args.epochs if args.epochs is not None else BENCHES[bench][1]
             for config in configs:
                 for workers in ([1] if config == "one-worker" else worker_counts):
                     target = run_dir(runs, bench, epochs, config, workers, seed)
