@@ -77,6 +77,8 @@ CONFIGS: dict[str, tuple[str, object, str]] = {
     "sync-e1-scale-lr-warmup": ("sync", lambda w: ["--scale-lr", "--warmup-epochs", "5"],
                                 "inner learning rate x W, linear warm-up over 5 epochs"),
     "sync-e1-sqrt-lr": ("sync", lambda w: ["__lr_times__", str(w ** 0.5)], "inner learning rate x sqrt(W)"),
+    "sync-e1-sqrt-lr-warmup": ("sync", lambda w: ["__lr_times__", str(w ** 0.5), "--warmup-epochs", "5"],
+                               "inner learning rate x sqrt(W), linear warm-up over 5 epochs"),
     "sync-e1-avg-state": ("sync", lambda w: ["--optimizer-state", "average"], "optimizer state averaged too"),
     "sync-e1-sum-avg-state": ("sync", lambda w: ["--outer", "nesterov", "--outer-lr", str(w), "--outer-momentum", "0",
                                                  "--optimizer-state", "average"],
