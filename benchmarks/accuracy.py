@@ -165,7 +165,8 @@ def aggregate(records: list[dict]) -> list[dict]:
                      "seeds": sorted(m["seed"] for m in members), "failed": len(members) - len(accuracies),
                      "mean": statistics.fmean(accuracies) if accuracies else None,
                      "std": statistics.stdev(accuracies) if len(accuracies) > 1 else 0.0 if accuracies else None,
-                     "accuracies": accuracies})
+                     "accuracies": accuracies,
+                     "by_seed": {str(m["seed"]): m["test_accuracy"] for m in members if m["test_accuracy"] is not None}})
     return rows
 
 
@@ -180,16 +181,21 @@ def table(rows: list[dict], bench: str, epochs: int) -> str:
     reference = next((r for r in mine if r["config"] == "one-worker" and r["mean"] is not None), None)
     lines = [f"### {bench}, {epochs} epochs: {BENCHES[bench][2] if bench in BENCHES else bench}", "",
              "Test accuracy of the final model, mean ± std over seeds (n = seeds that finished); "
-             "Δ = mean minus one worker's mean, in points.", "",
-             "| configuration | workers | test accuracy | Δ vs 1 worker | n | failed |",
-             "|---|---:|---:|---:|---:|---:|"]
+             "Δ = mean minus one worker's mean, in points; paired Δ = the mean over the seeds both have of "
+             "(this run − one worker's run of the same seed), in points.", "",
+             "| configuration | workers | test accuracy | Δ vs 1 worker | paired Δ | n | failed |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
     for r in mine:
+        paired = ""
         if r["mean"] is None:
             accuracy, delta = "—", "—"
         else:
             accuracy = f"{r['mean']:.4f} ± {r['std']:.4f}"
             delta = "" if reference is None or r is reference else f"{100 * (r['mean'] - reference['mean']):+.1f}"
-        lines.append(f"| {r['config']} | {r['workers']} | {accuracy} | {delta} | {len(r['accuracies'])} | "
+            common = [] if reference is None or r is reference else sorted(set(r["by_seed"]) & set(reference["by_seed"]))
+            if common:
+                paired = f"{100 * statistics.fmean(r['by_seed'][k] - reference['by_seed'][k] for k in common):+.1f}"
+        lines.append(f"| {r['config']} | {r['workers']} | {accuracy} | {delta} | {paired} | {len(r['accuracies'])} | "
                      f"{r['failed']} |")
     return "\n".join(lines) + "\n"
 

@@ -53,6 +53,7 @@ def test_the_report_gives_mean_std_and_the_difference_to_one_worker_and_counts_f
     _finished(runs, "sync-e1", 2, 0, [0.4, 0.7, 0.85])
     _finished(runs, "sync-e1", 2, 1, [0.4, 0.7, 0.89])
     _finished(runs, "sync-e1", 2, 2, None)
+    _finished(runs, "sync-e1", 4, 1, [0.3, 0.6, 0.95])
     accuracy.report(runs, tmp_path / "out")
     saved = json.loads((tmp_path / "out" / "results.json").read_text())
     rows = {(r["config"], r["workers"]): r for r in saved["summary"]}
@@ -63,6 +64,8 @@ def test_the_report_gives_mean_std_and_the_difference_to_one_worker_and_counts_f
     one = next(r for r in saved["runs"] if r["config"] == "one-worker" and r["seed"] == 1)
     assert one["curve"] == [[1, 0.5, 1.0], [2, 0.8, 0.5], [3, 0.92, pytest.approx(1 / 3)]]
     table = (tmp_path / "out" / "mnist1d-adam-3ep.md").read_text()
-    assert "| one-worker | 1 | 0.9100 ± 0.0141 |  | 2 | 0 |" in table
-    assert "| sync-e1 | 2 | 0.8700 ± 0.0283 | -4.0 | 2 | 1 |" in table
+    assert "| one-worker | 1 | 0.9100 ± 0.0141 |  |  | 2 | 0 |" in table
+    # paired: ((0.85 - 0.90) + (0.89 - 0.92)) / 2 = -0.04; seed 1 only: 0.95 - 0.92 = +0.03 (unpaired: +0.04)
+    assert "| sync-e1 | 2 | 0.8700 ± 0.0283 | -4.0 | -4.0 | 2 | 1 |" in table
+    assert "| sync-e1 | 4 | 0.9500 ± 0.0000 | +4.0 | +3.0 | 1 | 0 |" in table
     assert (tmp_path / "out" / "mnist1d-adam-3ep.png").stat().st_size > 0
