@@ -1,7 +1,7 @@
 """The Flower FedAvg baseline (benchmarks/baselines/flower_fedavg.py) and its comparison script.
 
 The summary statistics are checked by hand without flwr; the Flower parts skip when flwr is not
-installed (it is an optional benchmark extra: `pip install -e .[benchmark]`).
+installed (it is an optional benchmark extra: `pip install -e .[flower]`).
 """
 
 import importlib.util
@@ -18,7 +18,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 HAS_FLWR = importlib.util.find_spec("flwr") is not None
-needs_flwr = pytest.mark.skipif(not HAS_FLWR, reason="flwr is not installed (optional: pip install -e .[benchmark])")
+needs_flwr = pytest.mark.skipif(not HAS_FLWR, reason="flwr is not installed (optional: pip install -e .[flower])")
 
 
 def load(name, path):

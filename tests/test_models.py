@@ -29,6 +29,9 @@ NATURAL = [
     ("nfnet", (1, 8, 8), 10),
     ("nfnet", (3, 32, 32), 10),
     ("mlp-regression", (8,), 1),
+    ("cnn1d", (1, 40), 10),
+    ("cnn1d", (40,), 10),
+    ("cnn1d", (3, 7), 4),
 ]
 ONE_PER_MODEL = [next(case for case in NATURAL if case[0] == name) for name in MODEL_NAMES]
 
@@ -120,7 +123,7 @@ def test_nfnet_building_blocks_preserve_unit_variance():
 
 @pytest.mark.parametrize("name", MODEL_NAMES)
 def test_same_seed_builds_identical_weights(name):
-    shape = (8,) if name == "mlp-regression" else (3, 8, 8)
+    shape = (8,) if name == "mlp-regression" else (1, 40) if name == "cnn1d" else (3, 8, 8)
 
     def weights(seed):
         torch.manual_seed(seed)
@@ -134,6 +137,28 @@ def test_same_seed_builds_identical_weights(name):
 def test_image_models_reject_flat_samples_and_suggest_mlp():
     with pytest.raises(UserError, match=r"'cnn'.*\(8,\).*mlp"):
         build_model("cnn", (8,), 2)
+
+
+def test_cnn1d_is_mnist1ds_baseline_cnn():
+    # Greydanus 2020: conv(1->25, k5 s2 p1), conv(25->25, k3 s2 p1) twice, ReLUs, linear(125 -> 10);
+    # 40 steps -> 19 -> 10 -> 5, so 150 + 1,900 + 1,900 + 1,260 = 5,210 parameters.
+    model = build_model("cnn1d", (1, 40), 10)
+    convs = [m for m in model.modules() if isinstance(m, nn.Conv1d)]
+    assert [(c.in_channels, c.out_channels, c.kernel_size, c.stride, c.padding) for c in convs] == [
+        (1, 25, (5,), (2,), (1,)), (25, 25, (3,), (2,), (1,)), (25, 25, (3,), (2,), (1,))]
+    assert [(m.in_features, m.out_features) for m in model.modules() if isinstance(m, nn.Linear)] == [(125, 10)]
+    assert count_parameters(model) == 5210
+    assert count_parameters(build_model("cnn1d", (1, 40), 10, options={"channels": 8})) == (
+        1 * 8 * 5 + 8 + 2 * (8 * 8 * 3 + 8) + 8 * 5 * 10 + 10)
+
+
+def test_cnn1d_rejects_images_and_too_short_sequences():
+    with pytest.raises(UserError, match=r"^model 'cnn1d' needs sequences shaped \(C, L\) or \(L,\), but the data's "
+                                        r"samples have shape \(1, 8, 8\); use --model cnn for images$"):
+        build_model("cnn1d", (1, 8, 8), 10)
+    with pytest.raises(UserError, match=r"at least 3 steps.*\(1, 2\)"):
+        build_model("cnn1d", (1, 2), 10)
+    assert build_model("cnn1d", (1, 3), 10)(torch.zeros(2, 1, 3)).shape == (2, 10)
 
 
 def test_unknown_model_name_suggests_the_closest():

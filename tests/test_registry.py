@@ -122,14 +122,14 @@ def test_a_module_missing_a_protocol_member_does_not_satisfy_it():
 @pytest.mark.parametrize("name", registry.names("model"))
 def test_every_model_builds_and_runs_a_batch(name):
     flat = name.startswith("mlp")
-    shape = (12,) if flat else (3, 16, 16)
+    shape = (12,) if flat else (2, 12) if name == "cnn1d" else (3, 16, 16)
     model = build_model(name, shape, 3)
     assert model(torch.zeros(2, *shape)).shape == (2, 3)
 
 
 @pytest.mark.parametrize("name", registry.names("dataset"))
 def test_every_dataset_loads(name):
-    small = {} if name == "digits" else {"samples": 40, "image_size": 8}
+    small = {} if name in ("digits", "mnist1d") else {"samples": 40, "image_size": 8}
     data = load_dataset(name, **small)
     assert data.name == name
     assert len(data.x_train) > 0 and len(data.x_test) > 0

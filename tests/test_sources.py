@@ -64,6 +64,36 @@ def test_stratified_split_is_scikit_learns_train_test_split(seed):
         assert all(np.array_equal(a, b) for a, b in zip(got, expected)), (classes, n, test_size)
 
 
+def test_mnist1d_is_the_packages_generated_dataset_with_its_split():
+    from mnist1d.data import get_dataset_args, make_dataset
+
+    expected = make_dataset(get_dataset_args())
+    np.random.seed(123)
+    before = np.random.get_state()[1].copy()
+    ds = load_dataset("mnist1d", seed=3)
+    assert np.array_equal(np.random.get_state()[1], before)  # the package's global seeding is undone
+    x, y, x_test, y_test = arrays(ds)
+    assert x.shape == (4000, 1, 40) and x_test.shape == (1000, 1, 40)
+    assert x.dtype == np.float32 and y.dtype == y_test.dtype == np.int64
+    assert np.array_equal(x[:, 0], expected["x"].astype(np.float32))
+    assert np.array_equal(x_test[:, 0], expected["x_test"].astype(np.float32))
+    assert np.array_equal(y, expected["y"]) and np.array_equal(y_test, expected["y_test"])
+    assert ds.task == "classification" and ds.num_classes == 10 and ds.input_shape == (1, 40)
+    assert same(ds, load_dataset("mnist1d", seed=0))
+
+
+def test_mnist1d_without_the_package_is_one_sentence_naming_pip_install(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "mnist1d", None)  # import mnist1d now raises ImportError
+    monkeypatch.delitem(sys.modules, "mnist1d.data", raising=False)
+    with pytest.raises(UserError, match=r"^dataset mnist1d needs the mnist1d package; install it with: "
+                                        r"pip install mnist1d$"):
+        load_dataset("mnist1d")
+    with pytest.raises(UserError, match="--samples 100 applies only to synthetic data sets, not to mnist1d"):
+        load_dataset("mnist1d", samples=100)
+
+
 def test_digits_rejects_samples():
     with pytest.raises(UserError, match="--samples 100 applies only to synthetic"):
         load_dataset("digits", samples=100)
@@ -107,7 +137,7 @@ def test_block_size_is_passed_on():
     "kwargs, message",
     [
         (dict(name="digit"), "unknown dataset 'digit'; did you mean 'digits'\\? choose one of: digits"),
-        (dict(name="mnist"), "unknown dataset 'mnist'; choose one of"),
+        (dict(name="imagenet"), "unknown dataset 'imagenet'; choose one of"),
         (dict(name=None), "no data given"),
         (dict(name="synthetic-images", samples=0), "samples 0 is invalid"),
         (dict(name="synthetic-images", classes=1), "classes 1 is invalid"),
@@ -123,7 +153,7 @@ def test_bad_arguments_are_user_errors(kwargs, message):
 
 
 def test_names_are_listed():
-    assert DATASET_NAMES == ("digits", "synthetic-images", "synthetic-regression")
+    assert DATASET_NAMES == ("digits", "mnist1d", "synthetic-images", "synthetic-regression")
 
 
 # ------------------------------------------------------------------- user files

@@ -60,6 +60,7 @@ CONTAINER_RUNTIMES: dict[str, Entry] = {
 MODELS: dict[str, Entry] = {
     "mlp": Entry("dptrain.models.zoo:mlp", "fully connected classifier of flat (or flattened) samples"),
     "cnn": Entry("dptrain.models.zoo:cnn", "small convolutional classifier of (C, H, W) images"),
+    "cnn1d": Entry("dptrain.models.zoo:cnn1d", "MNIST-1D's baseline CNN (three strided convolutions) of (C, L) sequences"),
     "resnet": Entry("dptrain.models.resnet:resnet", "CIFAR-style ResNet of (C, H, W) images"),
     "nfnet": Entry("dptrain.models.nfnet:nfnet", "normaliser-free ResNet of (C, H, W) images (no BatchNorm)"),
     "mlp-regression": Entry("dptrain.models.zoo:mlp_regression", "fully connected regressor with a sigmoid output"),
@@ -68,6 +69,8 @@ MODELS: dict[str, Entry] = {
 # Loaders `(settings: dptrain.data.sources.BuiltinSettings) -> Dataset`.
 DATASETS: dict[str, Entry] = {
     "digits": Entry("dptrain.data.sources:digits", "scikit-learn's bundled 8x8 handwritten digits, 10 classes"),
+    "mnist1d": Entry("dptrain.data.sources:mnist1d", "MNIST-1D (Greydanus 2020), 40-step sequences, 10 classes; "
+                     "pip install mnist1d"),
     "synthetic-images": Entry("dptrain.data.sources:synthetic_images", "class-conditional images from the seed"),
     "synthetic-regression": Entry("dptrain.data.sources:synthetic_regression",
                                   "a nonlinear target in (0, 1) of standard-normal inputs"),

@@ -6,6 +6,11 @@ Built-in datasets (``DATASET_NAMES``):
   ``(n, 1, 8, 8)`` in [0, 1], 10 classes. The train/test split is fixed (stratified,
   ``random_state=0``, 1437 train / 360 test) whatever ``seed`` is, so every run is
   evaluated on the same test set.
+- ``mnist1d``: MNIST-1D (Greydanus 2020, "Scaling down deep learning"), generated offline by the
+  ``mnist1d`` package (``pip install mnist1d``) with its default arguments
+  (``make_dataset(get_dataset_args())``, seed 42; its download path is never used): x float32
+  ``(n, 1, 40)`` (one channel, 40 steps), 10 classes, the package's own split (4000 train /
+  1000 test) whatever ``seed`` is.
 - ``synthetic-images``: class-conditional images generated from ``seed``, float32
   ``(n, channels, image_size, image_size)``. Each class has a smooth random template (a sum
   of low-frequency waves); a sample is its class template, circularly shifted and scaled at
@@ -173,6 +178,44 @@ def _digits_arrays() -> tuple[np.ndarray, np.ndarray]:
             table = np.loadtxt(handle, delimiter=",")
         data, target = table[:, :-1], table[:, -1].astype(int, copy=False)
     return (data / 16.0).astype(np.float32).reshape(-1, 1, 8, 8), target.astype(np.int64)
+
+
+def mnist1d(settings: BuiltinSettings) -> Dataset:
+    if settings.samples is not None:
+        raise UserError(f"--samples {settings.samples} applies only to synthetic data sets, not to mnist1d.")
+    x, y, x_test, y_test = mnist1d_arrays()
+    block_size = settings.block_size
+    return Dataset(
+        x_train=DSTensor.from_array(x, block_size),
+        y_train=DSTensor.from_array(y, block_size),
+        x_test=DSTensor.from_array(x_test, block_size),
+        y_test=DSTensor.from_array(y_test, block_size),
+        task="classification",
+        num_classes=10,
+        input_shape=x.shape[1:],
+        name="mnist1d",
+    )
+
+
+def mnist1d_arrays() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(x, y, x_test, y_test) of ``mnist1d.data.make_dataset(get_dataset_args())``: x as float32
+    ``(n, 1, 40)``, labels int64. Generated (about a second), never downloaded. The package seeds
+    NumPy's global generator; its state is restored afterwards so nothing else sees the change."""
+    try:
+        from mnist1d.data import get_dataset_args, make_dataset
+    except ImportError:
+        raise UserError("dataset mnist1d needs the mnist1d package; install it with: pip install mnist1d") from None
+    state = np.random.get_state()
+    try:
+        data = make_dataset(get_dataset_args())
+    finally:
+        np.random.set_state(state)
+
+    def samples(key: str) -> np.ndarray:
+        return np.asarray(data[key], dtype=np.float32)[:, None, :]
+
+    return (samples("x"), np.asarray(data["y"], dtype=np.int64), samples("x_test"),
+            np.asarray(data["y_test"], dtype=np.int64))
 
 
 def stratified_split(y: np.ndarray, test_size: float, seed: int) -> tuple[np.ndarray, np.ndarray]:

@@ -44,6 +44,11 @@ def build_model(
             f"model '{name}' needs samples shaped (C, H, W), but the data's samples have shape {input_shape}; "
             "use --model mlp for flat features"
         )
+    if name == "cnn1d" and len(input_shape) not in (1, 2):
+        raise UserError(
+            f"model 'cnn1d' needs sequences shaped (C, L) or (L,), but the data's samples have shape {input_shape}; "
+            "use --model cnn for images"
+        )
     builder = registry.load("model", name)
     return builder(input_shape, num_outputs, **_check_options(name, builder, options))
 

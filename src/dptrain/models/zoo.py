@@ -1,10 +1,12 @@
-"""Small built-in models: a classifier MLP, a regression MLP and a plain convolutional net."""
+"""Small built-in models: a classifier MLP, a regression MLP, a plain convolutional net and a 1-D one."""
 
 from __future__ import annotations
 
 import math
 
 from torch import nn
+
+from dptrain.errors import UserError
 
 
 def mlp(input_shape: tuple[int, ...], num_outputs: int, *, hidden: tuple[int, ...] = (128, 64)) -> nn.Module:
@@ -45,6 +47,32 @@ def cnn(input_shape: tuple[int, ...], num_outputs: int, *, width: int = 32) -> n
         nn.AdaptiveAvgPool2d(2),
         nn.Flatten(),
         nn.Linear(2 * width * 4, num_outputs),
+    )
+
+
+def cnn1d(input_shape: tuple[int, ...], num_outputs: int, *, channels: int = 25) -> nn.Module:
+    """The baseline CNN of MNIST-1D (Greydanus 2020) for (C, L) sequences (a flat (L,) sample is one channel).
+
+    Three convolutions of ``channels`` filters (kernel 5 stride 2 padding 1, then twice kernel 3
+    stride 2 padding 1), each followed by a ReLU, then one linear layer on the flattened
+    features: for MNIST-1D's 40 steps that is 25 x 5 = 125 features, 5,210 parameters in all.
+    """
+    in_channels, length = (1, input_shape[0]) if len(input_shape) == 1 else input_shape
+    for kernel in (5, 3, 3):
+        length = (length + 2 - kernel) // 2 + 1
+    if length < 1:
+        raise UserError(f"model 'cnn1d' needs sequences of at least 3 steps, but the samples have shape "
+                        f"{tuple(input_shape)}")
+    return nn.Sequential(
+        nn.Unflatten(1, (1, input_shape[0])) if len(input_shape) == 1 else nn.Identity(),
+        nn.Conv1d(in_channels, channels, 5, stride=2, padding=1),
+        nn.ReLU(),
+        nn.Conv1d(channels, channels, 3, stride=2, padding=1),
+        nn.ReLU(),
+        nn.Conv1d(channels, channels, 3, stride=2, padding=1),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(channels * length, num_outputs),
     )
 
 
