@@ -55,27 +55,33 @@ def test_a_failing_step_is_recorded_and_the_others_still_run(tmp_path):
     assert "plain:nosuchmodel: UserError: unknown model 'nosuchmodel'" in result.stdout
 
 
+# One of each kind of step (the other strategies' steps are the same code with another name; the whole
+# list runs with `python benchmarks/gpu_check.py --dry-run-cpu`, about a minute on idle cores).
+DRY_RUN_STEPS = ["nccl", "strategy:sync", "amp:bf16", "amp:fp16", "dptrain:nfnet", "plain:nfnet"]
+
+
 @pytest.mark.slow
-@pytest.mark.timeout(900)  # eleven processes that each import torch: about a minute idle, minutes on busy cores
-def test_dry_run_on_the_cpu_runs_every_step(tmp_path):
+@pytest.mark.timeout(900)  # six processes that each import torch: half a minute idle, minutes on busy cores
+def test_dry_run_on_the_cpu_runs_one_step_of_each_kind(tmp_path):
     out = tmp_path / "check.json"
-    result = gpu_check("--dry-run-cpu", "--budget", "850", "--out", str(out), cwd=tmp_path)
+    result = gpu_check("--dry-run-cpu", "--budget", "850", "--steps", ",".join(DRY_RUN_STEPS), "--out", str(out),
+                       cwd=tmp_path)
     report = json.loads(out.read_text())
     assert result.returncode == 0, json.dumps(report["steps"], indent=1)
-    assert report["ok"] is True and report["dry_run_cpu"] is True and list(report["steps"]) == STEPS
+    assert report["ok"] is True and report["dry_run_cpu"] is True and list(report["steps"]) == DRY_RUN_STEPS
     steps = report["steps"]
-    for strategy in ("allreduce", "sync", "async", "fedavg"):
+    for strategy in ("sync",):
         run = steps[f"strategy:{strategy}"]
         assert run["strategy"] == strategy and run["backend"] == "gloo" and run["device"] == "cpu"
         assert run["test_accuracy"] >= 0.5
     assert steps["amp:bf16"]["test_accuracy"] >= 0.5
     assert steps["amp:bf16"]["grad_scaler_scale"] is None  # read from the checkpoint: no GradScaler under bf16
     assert steps["amp:fp16"]["note"].startswith("refused on the CPU as expected: --amp fp16 needs a GPU")
-    for model in ("resnet", "nfnet"):
+    for model in ("nfnet",):
         ours, plain = steps[f"dptrain:{model}"], steps[f"plain:{model}"]
         assert ours["train_samples"] == plain["train_samples"] and ours["batch_size"] == plain["batch_size"] == 16
         assert ours["images_per_second"] > 0 and plain["images_per_second"] > 0
         assert report["dptrain_vs_plain"][model] == pytest.approx(ours["images_per_second"] / plain["images_per_second"])
     table = result.stdout.splitlines()
-    assert any(line.startswith("resnet: dptrain at ") for line in table)
+    assert any(line.startswith("nfnet: dptrain at ") for line in table)
     assert table[-1].startswith("gpu-check: all steps passed;")
