@@ -18,7 +18,7 @@ from runs_table import run_all, write_table
 
 COMMON = ["--dataset", "synthetic-images", "--model", "nfnet", "--optimizer", "sgd", "--lr", "0.05",
           "--momentum", "0.9", "--grad-clip", "1.0", "--batch-size", "32", "--seed", "0", "--no-progress",
-          "--checkpoint-every", "0"]
+          "--checkpoint-every", "0", "--lr-scaling", "none"]  # the same LR as one worker, as recorded in nfnet.md
 RUNS = [("serial (1 worker)", "allreduce", 1, [])] + [
     (f"sync every {every} epoch{'s' if every > 1 else ''}", "sync", workers, ["--sync-every", str(every)])
     for workers in (2, 4) for every in (1, 2)
