@@ -247,7 +247,15 @@ def plot(records: list[dict], bench: str, epochs: int, path: Path) -> None:
 
 
 def report(runs: Path, out: Path) -> None:
-    records = collect(runs)
+    """Tables and plots of every run: those in `runs`, and those recorded in OUT/results.json before
+    (their directories are not committed), a run found in `runs` replacing its recorded self."""
+    def key(record: dict) -> tuple:
+        return record["bench"], record["epochs"], record["config"], record["workers"], record["seed"]
+
+    recorded = out / "results.json"
+    merged = {key(r): r for r in (json.loads(recorded.read_text())["runs"] if recorded.is_file() else [])}
+    merged.update({key(r): r for r in collect(runs)})
+    records = list(merged.values())
     rows = aggregate(records)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps({
