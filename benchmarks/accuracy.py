@@ -64,6 +64,8 @@ CONFIGS: dict[str, tuple[str, object, str]] = {
     "sync-e1-default": ("sync", lambda w: [], "sync every epoch, today's defaults (--lr-scaling auto)"),
     "async-default": ("async", lambda w: [], "async, today's defaults (--lr-scaling auto)"),
     "fedavg-default": ("fedavg", lambda w: [], "fedavg IID, today's defaults (--lr-scaling auto)"),
+    "sync-e1-int8": ("sync", lambda w: ["--compression", "int8"],
+                     "sync every epoch, today's defaults, averages of int8 changes with error feedback"),
     # Candidates for sync's default (issue 12, question 3); all average every epoch.
     "sync-e1-sum": ("sync", lambda w: ["--outer", "nesterov", "--outer-lr", str(w), "--outer-momentum", "0"],
                     "outer SGD lr W, no momentum: the sum of the workers' changes instead of their mean"),
@@ -107,7 +109,7 @@ def command(bench: str, epochs: int, config: str, workers: int, seed: int, out: 
         at = common.index("--lr")
         common[at + 1] = f"{float(common[at + 1]) * float(extra[1]):.6g}"
         extra = extra[2:]
-    if not config.endswith("-default") and "--scale-lr" not in extra:
+    if not config.endswith(("-default", "-int8")) and "--scale-lr" not in extra:
         extra = ["--lr-scaling", "none", *extra]
     return [sys.executable, "-m", "dptrain", "train", *common, "--epochs", str(epochs), "--strategy", strategy,
             "--workers", str(workers), *extra, "--seed", str(seed), "--no-progress", "--checkpoint-every", "0",
