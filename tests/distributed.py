@@ -61,3 +61,21 @@ def run_distributed(fn, world: int = 2, *args, timeout: float = 120.0) -> list:
             if proc.is_alive():
                 proc.kill()
     return [collected[rank] for rank in range(world)]
+
+
+def toy_data(n: int = 128):
+    """(x, y): n samples of 6 standard-normal features and 3 classes, the same every call."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(n, 6)).astype(np.float32)
+    y = rng.integers(0, 3, size=n).astype(np.int64)
+    return x, y
+
+
+def toy_model():
+    """A 6-8-3 tanh MLP with the same initial weights every call."""
+    from torch import nn
+
+    torch.manual_seed(7)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))

@@ -11,12 +11,11 @@ from __future__ import annotations
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 import torch
 from torch import nn
 
-from distributed import run_distributed
+from distributed import run_distributed, toy_data, toy_model
 from dptrain.data import sharding
 from dptrain.errors import UserError
 from dptrain.strategies import AllReduce, Sync
@@ -27,15 +26,11 @@ N, BATCH, SEED, LR, MOMENTUM = 128, 16, 3, 0.1, 0.5
 
 
 def _data():
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(N, 6)).astype(np.float32)
-    y = rng.integers(0, 3, size=N).astype(np.int64)
-    return x, y
+    return toy_data(N)
 
 
 def _model():
-    torch.manual_seed(7)
-    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    return toy_model()
 
 
 MODEL_BYTES = sum(p.numel() for p in _model().parameters()) * 4  # no buffers

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import copy
 
-import numpy as np
 import pytest
 import torch
 from torch import nn
 
-from distributed import run_distributed
+from distributed import run_distributed, toy_data, toy_model
 from dptrain.strategies import AllReduce, Async, FedAvg, Sync
 from dptrain.strategies.collectives import average_module, broadcast_module
 from dptrain.data import sharding
@@ -81,15 +79,11 @@ N, BATCH, SEED = 128, 16, 3
 
 
 def _data():
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(N, 6)).astype(np.float32)
-    y = rng.integers(0, 3, size=N).astype(np.int64)
-    return x, y
+    return toy_data(N)
 
 
 def _model():
-    torch.manual_seed(7)
-    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    return toy_model()
 
 
 def _params(model):

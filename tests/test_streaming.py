@@ -13,12 +13,11 @@ for the tensors of the fragment sent, and checks every other tensor did not move
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 from torch import nn
 
-from distributed import run_distributed
+from distributed import run_distributed, toy_data
 from dptrain.config import build_config
 from dptrain.errors import UserError
 from dptrain.strategies import Sync, build_strategy
@@ -31,10 +30,7 @@ STEPS_PER_EPOCH = N // 2 // BATCH  # 4
 
 
 def _data():
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(N, 6)).astype(np.float32)
-    y = rng.integers(0, 3, size=N).astype(np.int64)
-    return x, y
+    return toy_data(N)
 
 
 def _model():

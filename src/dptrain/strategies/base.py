@@ -21,6 +21,12 @@ from dptrain.runtime.distributed import DistContext
 from dptrain.runtime.guard import any_rank, gather_objects
 
 
+def check_period(every: int, every_steps: Optional[int]) -> None:
+    """The averaging period of the periodic strategies: every `every` epochs, or every `every_steps` steps."""
+    if every < 1 or (every_steps is not None and every_steps < 1):
+        raise ValueError("every and every_steps must be at least 1")
+
+
 class Strategy:
     """Base class: no communication at all (each worker trains alone).
 

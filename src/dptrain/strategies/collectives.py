@@ -83,10 +83,15 @@ def average_module(module: nn.Module, group=None) -> int:
     return average_tensors(floating, group) + max_tensors(integer, group)
 
 
+def broadcast_tensors(tensors: list[torch.Tensor], src: int = 0, group=None) -> int:
+    """Make every rank's `tensors` equal to rank `src`'s (in place); return bytes handed over."""
+    return _apply_flat(tensors, lambda flat: dist.broadcast(flat, src=src, group=group))
+
+
 def broadcast_module(module: nn.Module, src: int = 0, group=None) -> int:
     """Make every rank's parameters and buffers equal to rank `src`'s."""
     floating, integer = module_state(module)
-    return _apply_flat(floating + integer, lambda flat: dist.broadcast(flat, src=src, group=group))
+    return broadcast_tensors(floating + integer, src, group)
 
 
 def weighted_average_tensors(tensors: list[torch.Tensor], weight: float, group=None) -> int:

@@ -55,7 +55,7 @@ from dptrain.runtime.distributed import DistContext
 from dptrain.runtime.env import detect
 from dptrain.runtime.guard import gather_objects
 from dptrain.strategies.allreduce import HOOKS
-from dptrain.strategies.base import Strategy
+from dptrain.strategies.base import Strategy, check_period
 from dptrain.strategies.collectives import (average_module, broadcast_module, module_state, tensor_bytes,
                                             weighted_average_module)
 
@@ -103,8 +103,7 @@ class Hierarchical(Strategy):
     def __init__(self, every: int = 1, every_steps: Optional[int] = None, ranks_per_node: Optional[int] = None,
                  bucket_cap_mb: float = 25.0) -> None:
         super().__init__()
-        if every < 1 or (every_steps is not None and every_steps < 1):
-            raise ValueError("every and every_steps must be at least 1")
+        check_period(every, every_steps)
         if ranks_per_node is not None and ranks_per_node < 1:
             raise ValueError("ranks_per_node must be at least 1")
         self.every, self.every_steps, self.ranks_per_node = every, every_steps, ranks_per_node

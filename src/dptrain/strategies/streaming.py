@@ -75,7 +75,7 @@ from torch import nn
 from dptrain.data.sampler import EpochPlan
 from dptrain.errors import UserError
 from dptrain.runtime.distributed import DistContext
-from dptrain.strategies.base import Strategy
+from dptrain.strategies.base import Strategy, check_period
 from dptrain.strategies.collectives import average_module, broadcast_module, module_state, unflatten_into
 
 
@@ -134,8 +134,7 @@ class Streaming(Strategy):
     def __init__(self, every: int = 1, every_steps: Optional[int] = None, overlap_steps: Optional[int] = None,
                  fragments: int = 1) -> None:
         super().__init__()
-        if every < 1 or (every_steps is not None and every_steps < 1):
-            raise ValueError("every and every_steps must be at least 1")
+        check_period(every, every_steps)
         if overlap_steps is not None and overlap_steps < 0:
             raise ValueError("overlap_steps must be at least 0")
         if every_steps is not None and overlap_steps is not None and overlap_steps > every_steps:

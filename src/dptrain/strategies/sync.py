@@ -23,14 +23,13 @@ outer optimizer, compression), which PyTorch's PeriodicModelAverager does not do
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from dptrain.runtime.distributed import DistContext
-from dptrain.strategies.base import Strategy
-from dptrain.strategies.collectives import _apply_flat, broadcast_module, module_state, tensor_bytes
+from dptrain.strategies.base import Strategy, check_period
+from dptrain.strategies.collectives import broadcast_module, broadcast_tensors, module_state, tensor_bytes
 from dptrain.strategies.compression import COMPRESSIONS
 from dptrain.strategies.outer import OPTIMIZER_STATES, OUTERS, Averager, OuterOptimizer, settle_optimizer_state
 
@@ -49,8 +48,7 @@ class Sync(Strategy):
                  outer_betas: tuple[float, float] = (0.9, 0.99), outer_eps: float = 1e-3,
                  compression: str = "none", allreduce_epochs: int = 0) -> None:
         super().__init__()
-        if every < 1 or (every_steps is not None and every_steps < 1):
-            raise ValueError("every and every_steps must be at least 1")
+        check_period(every, every_steps)
         if optimizer_state not in OPTIMIZER_STATES:
             raise ValueError(f"optimizer_state must be one of {OPTIMIZER_STATES}, not {optimizer_state!r}")
         if compression not in COMPRESSIONS:
@@ -117,7 +115,7 @@ class Sync(Strategy):
         """The switch: rank 0's buffers everywhere (what DDP's next forward would do), a new anchor."""
         if self._ddp is not None:
             self._ddp.broadcast_buffers = False
-            self.comm_bytes += _apply_flat(list(self.model.buffers()), lambda flat: dist.broadcast(flat, src=0))
+            self.comm_bytes += broadcast_tensors(list(self.model.buffers()))
         self.averager.attach(self.model)
 
     # -- the hooks -----------------------------------------------------------------------------
