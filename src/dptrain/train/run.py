@@ -253,32 +253,38 @@ def run_worker(config: TrainConfig, env: DistEnv) -> Summary:
     ctx = init_process_group(env, device=config.device, timeout=config.timeout)
     held = ExitStack()  # the run directory's lock, when this rank holds it
     try:
-        if env.launcher != "local":
-            config = _join_run_dir(config, env, ctx, held)
-        # validate() checked the data before spawning (or running alone); under other launchers rank 0 does.
-        said_by_launcher = not env.launched or env.launcher == "local"
-        data = load_data(config, check_values=not said_by_launcher and ctx.is_main,
-                         log=print if ctx.is_main and not said_by_launcher else (lambda message: None))
-        model = make_model(config, data)
-        factor, _ = config.lr_scale(ctx.world_size)
-        lr = config.lr * factor
-        if factor != 1 and ctx.is_main:
-            print(lr_line(config, ctx.world_size), flush=True)
-        optimizer = build_optimizer(config.optimizer, model.parameters(), lr=lr, momentum=config.momentum,
-                                    nesterov=config.nesterov, weight_decay=config.weight_decay)
-        schedule = partial(_schedule, config, ctx.world_size)
-        trainer = Trainer(model, optimizer, build_loss(config, data), build_strategy(config),
-                          batch_size=config.batch_size, schedule=schedule, amp=config.amp,
-                          grad_clip=config.grad_clip, seed=config.seed, shuffle=config.shuffle,
-                          device=config.device, timeout=config.timeout, out=config.out, progress=config.progress,
-                          loader_workers=loader_workers(config.loader_workers, ctx),
-                          checkpoint_every=config.checkpoint_every, keep_checkpoints=config.keep_checkpoints,
-                          resume=True)
-        trainer.emulate_straggler(config.slow_workers().get(ctx.rank, 1.0))
-        return trainer.fit(data.train_set(), data.test_set(), epochs=config.epochs)
+        return train_in_group(config, env, ctx, held)
     finally:
         destroy_process_group()
         held.close()
+
+
+def train_in_group(config: TrainConfig, env: DistEnv, ctx, held: ExitStack) -> Summary:
+    """One run on a process group already joined (`ctx`), which stays up afterwards: a process may train
+    several runs in turn (benchmarks/robustness.py). `held` keeps rank 0's lock on the run directory."""
+    if env.launcher != "local":
+        config = _join_run_dir(config, env, ctx, held)
+    # validate() checked the data before spawning (or running alone); under other launchers rank 0 does.
+    said_by_launcher = not env.launched or env.launcher == "local"
+    data = load_data(config, check_values=not said_by_launcher and ctx.is_main,
+                     log=print if ctx.is_main and not said_by_launcher else (lambda message: None))
+    model = make_model(config, data)
+    factor, _ = config.lr_scale(ctx.world_size)
+    lr = config.lr * factor
+    if factor != 1 and ctx.is_main:
+        print(lr_line(config, ctx.world_size), flush=True)
+    optimizer = build_optimizer(config.optimizer, model.parameters(), lr=lr, momentum=config.momentum,
+                                nesterov=config.nesterov, weight_decay=config.weight_decay)
+    schedule = partial(_schedule, config, ctx.world_size)
+    trainer = Trainer(model, optimizer, build_loss(config, data), build_strategy(config),
+                      batch_size=config.batch_size, schedule=schedule, amp=config.amp,
+                      grad_clip=config.grad_clip, seed=config.seed, shuffle=config.shuffle,
+                      device=config.device, timeout=config.timeout, out=config.out, progress=config.progress,
+                      loader_workers=loader_workers(config.loader_workers, ctx),
+                      checkpoint_every=config.checkpoint_every, keep_checkpoints=config.keep_checkpoints,
+                      resume=True)
+    trainer.emulate_straggler(config.slow_workers().get(ctx.rank, 1.0))
+    return trainer.fit(data.train_set(), data.test_set(), epochs=config.epochs)
 
 
 def loader_workers(asked: Optional[int], ctx) -> int:
