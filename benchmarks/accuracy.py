@@ -58,14 +58,14 @@ CONFIGS: dict[str, tuple[str, object, str]] = {
     "sync-e3": ("sync", lambda w: ["--sync-every", "3"], "sync, average every 3 epochs"),
     "async": ("async", lambda w: [], "async, merge every epoch"),
     "fedavg": ("fedavg", lambda w: [], "fedavg, IID partitions, 1 local epoch per round"),
-    # Today's defaults (--lr-scaling auto: LR x W, warm-up over a tenth of the run, at most 5 epochs). Every
-    # other configuration runs with --lr-scaling none unless it scales the LR itself: the settings they were
-    # measured with, before auto became the default.
-    "sync-e1-default": ("sync", lambda w: [], "sync every epoch, today's defaults (--lr-scaling auto)"),
-    "async-default": ("async", lambda w: [], "async, today's defaults (--lr-scaling auto)"),
-    "fedavg-default": ("fedavg", lambda w: [], "fedavg IID, today's defaults (--lr-scaling auto)"),
+    # The defaults of issue 12 (LR x W, warm-up over a tenth of the run, at most 5 epochs; pinned by flags in
+    # command() since issue 20 changed the default). Every other configuration runs with --lr-scaling none
+    # unless it scales the LR itself: the settings they were measured with.
+    "sync-e1-default": ("sync", lambda w: [], "sync every epoch, issue 12's defaults (LR x W, warmed up)"),
+    "async-default": ("async", lambda w: [], "async, issue 12's defaults (LR x W, warmed up)"),
+    "fedavg-default": ("fedavg", lambda w: [], "fedavg IID, issue 12's defaults (LR x W, warmed up)"),
     "sync-e1-int8": ("sync", lambda w: ["--compression", "int8"],
-                     "sync every epoch, today's defaults, averages of int8 changes with error feedback"),
+                     "sync every epoch, issue 12's defaults, averages of int8 changes with error feedback"),
     # Candidates for sync's default (issue 12, question 3); all average every epoch.
     "sync-e1-sum": ("sync", lambda w: ["--outer", "nesterov", "--outer-lr", str(w), "--outer-momentum", "0"],
                     "outer SGD lr W, no momentum: the sum of the workers' changes instead of their mean"),
@@ -109,7 +109,11 @@ def command(bench: str, epochs: int, config: str, workers: int, seed: int, out: 
         at = common.index("--lr")
         common[at + 1] = f"{float(common[at + 1]) * float(extra[1]):.6g}"
         extra = extra[2:]
-    if not config.endswith(("-default", "-int8")) and "--scale-lr" not in extra:
+    if config.endswith(("-default", "-int8")):
+        # The defaults of issue 12, pinned since the default changed (issue 20): x W, warmed up over a tenth
+        # of the run, at most 5 epochs, unguarded.
+        extra = ["--lr-scaling", "linear", "--warmup-epochs", f"{min(5.0, epochs / 10):g}", *extra]
+    elif "--scale-lr" not in extra:
         extra = ["--lr-scaling", "none", *extra]
     return [sys.executable, "-m", "dptrain", "train", *common, "--epochs", str(epochs), "--strategy", strategy,
             "--workers", str(workers), *extra, "--seed", str(seed), "--no-progress", "--checkpoint-every", "0",

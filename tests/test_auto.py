@@ -174,8 +174,10 @@ def test_a_restarted_run_keeps_the_choice_it_began_with(tmp_path):
 
 
 @pytest.mark.parametrize("settings, chosen, lr", [
-    ({}, Candidate("sync", 1), 0.1),  # --lr-scaling auto: sync scales SGD's LR linearly, as --strategy sync would
-    ({"optimizer": "adam"}, Candidate("async", 1), 0.1),
+    ({"lr_scaling": "auto"}, Candidate("sync", 1), 0.1),  # auto: sync scales the LR, as --strategy sync would
+    ({"lr_scaling": "auto", "optimizer": "adam"}, Candidate("async", 1), 0.1),
+    ({"lr_scaling": "auto"}, Candidate("allreduce"), 0.05),
+    ({}, Candidate("sync", 1), 0.05),  # the default keeps --lr
     ({"lr_scaling": "sqrt"}, Candidate("allreduce"), 0.05 * 2 ** 0.5),  # applied before the choice, kept
     ({}, Candidate("allreduce"), 0.05),  # allreduce keeps it
     ({"lr_scaling": "linear"}, Candidate("allreduce"), 0.1),  # an explicit rule was applied before: not twice

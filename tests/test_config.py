@@ -38,7 +38,8 @@ def _user_error(call, *args) -> str:
 def test_defaults_validate():
     config = build_config({})
     assert config == TrainConfig()
-    assert (config.strategy, config.dataset, config.workers, config.lr) == ("allreduce", "digits", 2, 0.05)
+    assert (config.strategy, config.dataset, config.workers, config.lr) == ("allreduce", "digits", 2, 0.02)
+    assert config.lr_scaling == "none"
 
 
 def test_no_file_and_no_overrides_gives_the_defaults():
@@ -269,7 +270,7 @@ def test_a_run_recorded_before_a_setting_existed_continues_when_that_setting_is_
         open_run_dir("run", settings(outer_betas="0.5,0.99"))
 
 
-def test_a_run_recorded_before_lr_scaling_continues_only_with_lr_scaling_none(tmp_path, monkeypatch):
+def test_a_run_recorded_before_lr_scaling_continues_with_the_default_and_not_with_auto(tmp_path, monkeypatch):
     from dptrain.train.rundir import open_run_dir
 
     monkeypatch.chdir(tmp_path)
@@ -281,21 +282,23 @@ def test_a_run_recorded_before_lr_scaling_continues_only_with_lr_scaling_none(tm
     old["warmup_epochs"] = 0.0  # the default then
     (run / "config.yaml").write_text(yaml.safe_dump(old))
     settings = build_config({"dataset": "digits", "strategy": "sync", "out": "run"}).model_dump(mode="json")
+    assert settings["lr_scaling"] == "none"  # the default again since issue 20: what such a run trained with
+    assert open_run_dir("run", settings) == (Path("run"), True)
     with pytest.raises(UserError, match=r"other settings \(lr_scaling: 'none' there, 'auto' now\)"):
-        open_run_dir("run", settings)
-    assert open_run_dir("run", {**settings, "lr_scaling": "none"}) == (Path("run"), True)
+        open_run_dir("run", {**settings, "lr_scaling": "auto"})
 
 
 @pytest.mark.parametrize("settings, world, expected", [
-    ({"strategy": "sync"}, 4, (4.0, "linear")),  # SGD is the default optimizer
-    ({"strategy": "sync", "optimizer": "adam"}, 4, (4.0, "linear")),
+    ({"strategy": "sync", "lr_scaling": "auto"}, 4, (4.0, "auto")),
+    ({"strategy": "sync", "lr_scaling": "auto", "optimizer": "adam"}, 4, (4.0, "auto")),
     ({"strategy": "async", "optimizer": "adamw", "lr_scaling": "sqrt"}, 9, (3.0, "sqrt")),
-    ({"strategy": "streaming"}, 3, (3.0, "linear")),
-    ({"strategy": "allreduce"}, 4, (1.0, "none")),
-    ({"strategy": "fedavg"}, 4, (4.0, "linear")),  # iid partitions by default: sync with fixed shards
-    ({"strategy": "fedavg", "partition": "dirichlet"}, 4, (1.0, "none")),
-    ({"strategy": "hierarchical"}, 4, (1.0, "none")),
-    ({"strategy": "sync"}, 1, (1.0, "linear")),  # one worker: nothing to scale
+    ({"strategy": "streaming", "lr_scaling": "auto"}, 3, (1.0, "none")),  # no check of its averages: no guard
+    ({"strategy": "allreduce", "lr_scaling": "auto"}, 4, (1.0, "none")),
+    ({"strategy": "fedavg", "lr_scaling": "auto"}, 4, (4.0, "auto")),  # iid partitions: sync with fixed shards
+    ({"strategy": "fedavg", "lr_scaling": "auto", "partition": "dirichlet"}, 4, (1.0, "none")),
+    ({"strategy": "hierarchical", "lr_scaling": "auto"}, 4, (1.0, "none")),
+    ({"strategy": "sync", "lr_scaling": "auto", "sync_every_steps": 4}, 4, (1.0, "none")),  # meets every 4 steps
+    ({"strategy": "sync", "lr_scaling": "auto"}, 1, (1.0, "auto")),  # one worker: nothing to scale
     ({"strategy": "sync", "lr_scaling": "none"}, 4, (1.0, "none")),
     ({"strategy": "allreduce", "lr_scaling": "sqrt"}, 16, (4.0, "sqrt")),
     ({"strategy": "allreduce", "scale_lr": True}, 4, (4.0, "linear")),
@@ -305,10 +308,10 @@ def test_lr_scaling_rules(settings, world, expected):
 
 
 @pytest.mark.parametrize("settings, world, warmup", [
-    ({"strategy": "sync", "epochs": 10}, 2, 1.0),  # auto scaled the LR: a tenth of the run
-    ({"strategy": "sync", "epochs": 150}, 2, 5.0),  # at most 5 epochs
-    ({"strategy": "sync", "epochs": 10}, 1, 0.0),  # nothing scaled
-    ({"strategy": "allreduce", "epochs": 10}, 2, 0.0),
+    ({"strategy": "sync", "lr_scaling": "auto", "epochs": 10}, 2, 1.0),  # auto scaled the LR: a tenth of the run
+    ({"strategy": "sync", "lr_scaling": "auto", "epochs": 150}, 2, 5.0),  # at most 5 epochs
+    ({"strategy": "sync", "lr_scaling": "auto", "epochs": 10}, 1, 0.0),  # nothing scaled
+    ({"strategy": "allreduce", "lr_scaling": "auto", "epochs": 10}, 2, 0.0),
     ({"strategy": "sync", "epochs": 10, "lr_scaling": "linear"}, 2, 0.0),  # explicit rules warm up as told
     ({"strategy": "sync", "epochs": 10, "warmup_epochs": 0}, 2, 0.0),
     ({"strategy": "allreduce", "epochs": 10, "warmup_epochs": 2.5}, 2, 2.5),

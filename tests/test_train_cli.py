@@ -97,17 +97,29 @@ def test_comm_bytes_are_exact_and_sync_sends_over_10x_less(digits_runs):
     assert allreduce["comm_bytes"] >= 10 * sync["comm_bytes"]
 
 
-def test_sync_scales_the_lr_by_default_says_so_and_equals_the_scaled_lr_given_by_hand(digits_runs, tmp_path):
-    run_dir, result = digits_runs["sync"]
-    assert ("[rank0] dptrain: sync on 2 workers trains with learning rate 0.1 (0.05 x 2, --lr-scaling linear, "
-            "warmed up over 1 epoch); --lr-scaling none keeps 0.05") in result.stdout
-    assert "learning rate" not in digits_runs["allreduce"][1].stdout  # allreduce keeps its LR
-    by_hand = dptrain("train", *DIGITS[:-1], "0.1", "--lr-scaling", "none", "--warmup-epochs", "1", "--strategy",
-                      "sync", "--workers", "2",
-                      "--out", str(tmp_path / "by-hand"), cwd=tmp_path)
+def test_sync_keeps_the_lr_by_default_and_auto_says_what_it_scaled_to(digits_runs, tmp_path):
+    for strategy in ("allreduce", "sync"):
+        assert "learning rate" not in digits_runs[strategy][1].stdout  # --lr-scaling none, the default
+    records = [json.loads(line) for line in (digits_runs["sync"][0] / "metrics.jsonl").read_text().splitlines()]
+    assert {record["lr"] for record in records} == {0.05}
+    auto = dptrain("train", *DIGITS, "--strategy", "sync", "--workers", "2", "--epochs", "2", "--lr-scaling", "auto",
+                   "--out", str(tmp_path / "auto"), cwd=tmp_path)
+    assert auto.returncode == 0, auto.stderr
+    assert ("[rank0] dptrain: sync on 2 workers trains with learning rate 0.1 (0.05 x 2, --lr-scaling auto, "
+            "warmed up over 0.2 epochs, backed off if an average goes wrong); --lr-scaling none keeps 0.05") in auto.stdout
+
+
+def test_an_explicit_linear_rule_equals_the_scaled_lr_given_by_hand(tmp_path):
+    scaled = dptrain("train", *DIGITS, "--epochs", "2", "--strategy", "sync", "--workers", "2", "--lr-scaling",
+                     "linear", "--warmup-epochs", "1", "--out", str(tmp_path / "scaled"), cwd=tmp_path)
+    assert scaled.returncode == 0, scaled.stderr
+    assert ("[rank0] dptrain: sync on 2 workers trains with learning rate 0.1 (0.05 x 2, --lr-scaling linear); "
+            "--lr-scaling none keeps 0.05") in scaled.stdout
+    by_hand = dptrain("train", *DIGITS[:-1], "0.1", "--epochs", "2", "--warmup-epochs", "1", "--strategy",
+                      "sync", "--workers", "2", "--out", str(tmp_path / "by-hand"), cwd=tmp_path)
     assert by_hand.returncode == 0, by_hand.stderr
     assert "learning rate" not in by_hand.stdout
-    ours, theirs = (torch.load(d / "model.pt", weights_only=True) for d in (run_dir, tmp_path / "by-hand"))
+    ours, theirs = (torch.load(d / "model.pt", weights_only=True) for d in (tmp_path / "scaled", tmp_path / "by-hand"))
     assert all(torch.equal(ours[name], theirs[name]) for name in ours)
 
 

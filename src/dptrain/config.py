@@ -22,8 +22,18 @@ from dptrain.imports import FILE_SPEC, looks_like_spec
 BUILTIN_LOSSES = ("auto", "cross-entropy", "mse")
 
 
-# Strategies whose replicas train alone between averages: --lr-scaling auto scales their LR.
-WEIGHT_AVERAGING = ("sync", "streaming", "async")
+# Strategies whose replicas train alone for whole epochs between averages, and whose averages the trainer
+# checks: --lr-scaling auto scales their LR, guarded (dptrain.train.health). fedavg only over iid partitions.
+WEIGHT_AVERAGING = ("sync", "async", "fedavg")
+
+# The default LR rule: keep the user's --lr. On the tuning half of the robustness suite no rule held one
+# worker's accuracy on every problem, and scaling cost up to 20 points where --lr was already near the edge
+# of stability (benchmarks/README.md, "Robust defaults"); auto is opt-in, with the table saying when it pays.
+DEFAULT_LR_SCALING = "none"
+
+# --lr when not given, per optimizer: of 0.05, 0.02 and 0.01 (and Adam's 0.001) the steadiest for one worker
+# on the tuning half of benchmarks/robustness.py (benchmarks/README.md, "Robust defaults").
+LR_DEFAULTS = {"sgd": 0.02, "adam": 0.01, "adamw": 0.01}
 
 # --outer-lr when not given: DiLoCo's 0.7 (also recorded for `none`, where it is unused), FedAvgM's
 # server learning rate 1, and for FedAdam a step of about 0.01 per coordinate (Reddi et al. tune it per task).
@@ -65,7 +75,8 @@ class TrainConfig(BaseModel):
     epochs: int = Field(10, ge=1, description="passes over the training data")
     batch_size: int = Field(32, ge=1, description="samples per step and worker")
     optimizer: Literal["sgd", "adam", "adamw"] = Field("sgd", description="sgd, adam or adamw")
-    lr: float = Field(0.05, gt=0, description="learning rate")
+    lr: Optional[float] = Field(None, gt=0, description="learning rate (default: 0.02 for sgd, 0.01 for adam and "
+                                                         "adamw)")
     momentum: float = Field(0.9, ge=0, lt=1, description="SGD momentum")
     nesterov: bool = Field(False, description="Nesterov momentum for SGD")
     weight_decay: float = Field(0.0, ge=0, description="weight decay")
@@ -76,9 +87,10 @@ class TrainConfig(BaseModel):
                                                                    "allowed; default 0, but when --lr-scaling auto "
                                                                    "scales the LR, a tenth of the epochs, at most 5)")
     lr_scaling: Literal["auto", "none", "linear", "sqrt"] = Field(
-        "auto", description="the LR for W workers: linear (x W), sqrt (x sqrt(W)) or none; auto: linear, with a "
-                            "warm-up, under the weight-averaging strategies (sync, streaming, async, fedavg over "
-                            "iid partitions), none under the others")
+        DEFAULT_LR_SCALING, description="the LR for W workers: none (default) keeps --lr; linear (x W) and sqrt "
+                                        "(x sqrt(W)) as asked; auto: x W with a warm-up where replicas train alone "
+                                        "for whole epochs between averages (sync, async, fedavg over iid "
+                                        "partitions), backed off towards --lr whenever an average goes wrong")
     scale_lr: bool = Field(False, description="short for --lr-scaling linear")
     loss: str = Field("auto", description="auto (cross-entropy for classes, mse for regression), cross-entropy, "
                                           "mse, or package.module:function(output, target) returning the loss")
@@ -148,6 +160,9 @@ class TrainConfig(BaseModel):
 
     # Outputs
     out: Optional[str] = Field(None, description="run directory (default runs/STRATEGY-TIMESTAMP); must not hold a run already")
+    stop_on_collapse: bool = Field(False, description="stop the run when averaging collapses (two averages in a "
+                                                      "row clearly worse than the workers' own models); by default "
+                                                      "it is said and recorded, and training goes on")
     progress: bool = Field(True, description="progress bar on rank 0 when the terminal is interactive")
 
     @field_validator("loss")
@@ -208,11 +223,13 @@ class TrainConfig(BaseModel):
                              "(clients_per_round 1): a client that sat a round out has no state to average")
         if self.compression != "none" and self.strategy in ("streaming", "hierarchical"):
             raise ValueError(f"compression applies to strategies allreduce, sync, fedavg and async, not {self.strategy}")
-        if self.scale_lr and self.lr_scaling not in ("auto", "linear"):
+        if self.scale_lr and self.lr_scaling != "linear" and "lr_scaling" in self.model_fields_set:
             raise ValueError(f"scale_lr is short for lr_scaling linear and contradicts lr_scaling {self.lr_scaling}; "
                              "give one of them")
         if self.outer_lr is None:
             self.outer_lr = OUTER_LR_DEFAULTS[self.outer]
+        if self.lr is None:
+            self.lr = LR_DEFAULTS[self.optimizer]
         if self.resume and not self.out:
             raise ValueError("resume needs out, the run directory to continue")
         for rank, factor in self.slow_workers().items():
@@ -221,30 +238,34 @@ class TrainConfig(BaseModel):
         return self
 
     def lr_scale(self, world: int) -> tuple[float, str]:
-        """(factor the LR is multiplied by for `world` workers, the rule that gave it: none, linear or sqrt).
+        """(factor the LR is multiplied by for `world` workers, the rule that gave it: none, linear, sqrt or auto).
 
-        Replicas trained on disjoint shards and averaged behave like one model trained with a W times
-        larger batch at the same LR, and at equal epochs they lose accuracy against one worker; a larger
-        LR gives back the step size and noise (benchmarks/README.md, "Accuracy at equal epochs"):
-        `auto` is the linear scaling rule with warm-up (Goyal et al. 2017), which held one worker's
-        accuracy there with SGD and with Adam, where the square-root rule (`sqrt`, Malladi et al. 2022)
-        fell short at 8 workers. allreduce keeps its LR, so that it stays identical to one process
-        training on the union of the batches; fedavg scales only over iid partitions (where it is sync
-        with fixed shards), not under label skew, where a larger client LR did not help."""
+        Replicas trained on disjoint shards and averaged behave like one model trained with a W times larger
+        batch at the same LR; a larger LR can give back the step size, or tip training over (benchmarks/README.md,
+        "Robust defaults"). `auto` multiplies by W only where replicas train alone for whole epochs between
+        averages (sync every epoch or more, async, fedavg over iid partitions) and the trainer can check each
+        average: it warms up, and backs off towards --lr when an average goes wrong (dptrain.train.health).
+        Replicas that meet every few steps (--sync-every-steps, --allreduce-epochs) are one large-batch model,
+        as allreduce is, and keep --lr; so does fedavg under label skew."""
         rule = "linear" if self.scale_lr else self.lr_scaling
-        if rule == "auto":
-            averaging = self.strategy in WEIGHT_AVERAGING or (self.strategy == "fedavg" and self.partition == "iid")
-            rule = "linear" if averaging else "none"
+        if rule == "auto" and not self.auto_scales():
+            rule = "none"
         if world == 1:
             return 1.0, rule
-        return {"none": 1.0, "linear": float(world), "sqrt": math.sqrt(world)}[rule], rule
+        return {"none": 1.0, "linear": float(world), "auto": float(world), "sqrt": math.sqrt(world)}[rule], rule
+
+    def auto_scales(self) -> bool:
+        """Whether --lr-scaling auto raises this run's LR (see lr_scale)."""
+        if self.strategy not in WEIGHT_AVERAGING or (self.strategy == "fedavg" and self.partition != "iid"):
+            return False
+        return self.sync_every_steps is None and not self.allreduce_epochs
 
     def warmup(self, world: int) -> float:
         """Epochs of linear LR warm-up: --warmup-epochs when given; else, when --lr-scaling auto scales the
         LR, a tenth of the run up to 5 epochs (Goyal et al. warm up for 5 of 90), else none."""
         if self.warmup_epochs is not None:
             return self.warmup_epochs
-        if self.lr_scaling == "auto" and not self.scale_lr and self.lr_scale(world)[0] != 1:
+        if self.lr_scale(world)[1] == "auto" and self.lr_scale(world)[0] != 1:
             return min(5.0, self.epochs / 10)
         return 0.0
 

@@ -89,8 +89,14 @@ def flat_state(module: nn.Module) -> torch.Tensor:
 
 
 def load_flat_state(module: nn.Module, flat: torch.Tensor) -> None:
+    """Load a flat global state into `module`. A BatchNorm's running variance merged from stale bases
+    (global + (local - base) / W) can fall below 0, and the model then outputs NaN until later merges
+    lift it (found by benchmarks/robustness.py): it is kept at 0 or above."""
     with torch.no_grad():
         unflatten_into(module_state(module)[0], flat)
+        for layer in module.modules():
+            if isinstance(layer, nn.modules.batchnorm._NormBase) and layer.running_var is not None:
+                layer.running_var.clamp_(min=0)
 
 
 class GlobalModel:
@@ -264,6 +270,7 @@ class Async(Strategy):
     name = "async"
     # Other ranks may still merge after rank 0's last epoch, so finish() has a newer global model.
     final_model_is_last_evaluated = False
+    average_check = "alone"
 
     def __init__(self, every: int = 1, merge: str = "delta", max_staleness: Optional[int] = None,
                  server_momentum: float = 0.9, server_lr: float = 1.0, compression: str = "none") -> None:
@@ -391,6 +398,9 @@ class Async(Strategy):
         if (epoch + 1) % self.every == 0 and self._diverged:
             self.merge_now()
         return True  # a global model always exists: rank 0 evaluates it
+
+    def averaging_events(self) -> int:
+        return self.merges
 
     def evaluation_target(self) -> tuple[Optional[nn.Module], bool]:
         """Rank 0 evaluates a copy holding the current global model, alone: no one waits for it."""

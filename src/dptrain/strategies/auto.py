@@ -263,6 +263,8 @@ class Auto(Strategy):
         world = trainer.ctx.world_size
         applied, _ = self.config.lr_scale(world)
         wanted, _ = self.config.model_copy(update={"strategy": chosen.strategy}).lr_scale(world)
+        chosen_rule = self.config.model_copy(update={"strategy": chosen.strategy}).lr_scale(world)[1]
+        trainer.lr_scale = wanted if chosen_rule == "auto" else 1.0  # only auto's scale is guarded
         if wanted == applied:
             return
         for group in trainer.optimizer.param_groups:

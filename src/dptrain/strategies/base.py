@@ -39,6 +39,10 @@ class Strategy:
     # Whether the last epoch's evaluation (when there was one) is of the model finish() returns;
     # False when the global model can still change after a rank's last epoch (async).
     final_model_is_last_evaluated = True
+    # How the trainer checks this strategy's epoch-end averages (dptrain.train.health): "together" (every
+    # rank averages at the same epoch ends and sums the check), "alone" (each rank judges its own merges,
+    # no barrier), or None (no epoch-end averages to check).
+    average_check: Optional[str] = None
 
     def __init__(self) -> None:
         self.comm_bytes = 0
@@ -76,6 +80,16 @@ class Strategy:
         """The final global model (unwrapped), after any last communication."""
         assert self.model is not None, "setup() was not called"
         return self.model
+
+    def averaging_events(self) -> int:
+        """How many averages (merges, rounds) this rank took part in so far: the trainer checks the model
+        when end_epoch raised it."""
+        return 0
+
+    def restores_average(self) -> bool:
+        """Whether the replicas may be set back to an earlier average (the LR guard of --lr-scaling auto)
+        without the strategy's own state (an outer optimizer's anchor, compression's error feedback) going stale."""
+        return False
 
     def evaluation_target(self) -> "tuple[nn.Module | None, bool]":
         """(module to evaluate on this rank or None, whether all ranks evaluate it together)."""

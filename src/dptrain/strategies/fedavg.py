@@ -40,6 +40,7 @@ class FedAvg(Strategy):
     """Federated averaging over fixed client partitions."""
 
     name = "fedavg"
+    average_check = "together"
 
     def __init__(self, local_epochs: int = 1, partition: str = "iid", alpha: float = 0.5,
                  clients_per_round: float = 1.0, outer: str = "none", outer_lr: float = 0.7,
@@ -132,6 +133,12 @@ class FedAvg(Strategy):
             self.aggregate(epoch // self.local_epochs)
             return True
         return False  # the same answer on every rank, sampled or not: evaluation is collective
+
+    def averaging_events(self) -> int:
+        return self.rounds
+
+    def restores_average(self) -> bool:
+        return not self.averager.uses_anchor
 
     def finish(self) -> nn.Module:
         if self._diverged:  # a last, partial round

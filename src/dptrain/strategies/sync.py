@@ -42,6 +42,7 @@ class Sync(Strategy):
     gradient all-reduce (post-local SGD)."""
 
     name = "sync"
+    average_check = "together"
 
     def __init__(self, every: int = 1, every_steps: int | None = None, optimizer_state: str = "keep",
                  outer: str = "none", outer_lr: float = 0.7, outer_momentum: float = 0.9,
@@ -138,6 +139,12 @@ class Sync(Strategy):
         if self.every_steps is None and local_epochs % self.every == 0:
             self.synchronise()
         return not self._diverged
+
+    def averaging_events(self) -> int:
+        return self.averages
+
+    def restores_average(self) -> bool:
+        return not self.averager.uses_anchor and not self.allreducing
 
     def finish(self) -> nn.Module:
         if self._diverged:

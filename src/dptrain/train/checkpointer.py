@@ -70,7 +70,7 @@ class Checkpointer:
         for name, part in components.items():
             if name == "model":
                 load_model_state(part, state[name], epoch, self.out)
-            elif part is not None and state[name]:
+            elif part is not None and state.get(name):
                 part.load_state_dict(state[name])
         checkpoint.set_rng_state(state["rng"])
         self.log(f"dptrain: resuming after epoch {epoch} from {self.out}")

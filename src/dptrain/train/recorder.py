@@ -101,7 +101,8 @@ class Recorder:
         return self.out / name
 
     def record(self, epoch: int, epochs: int, per_worker: list[EpochStats], test: Optional[dict], wall: float,
-               lr: float) -> dict:
+               lr: float, checked: Optional[dict] = None) -> dict:
+        """`checked`: what the check of this epoch's average found (average_check, collapse, lr_backoff)."""
         record = {
             "epoch": epoch + 1,
             "test_loss": test["test_loss"] if test else None,
@@ -110,6 +111,7 @@ class Recorder:
             "wall_seconds": wall,
             "lr": lr,
             **aggregate(per_worker),
+            **(checked or {}),
         }
         self.history.append(record)
         if path := self._file("metrics.jsonl"):

@@ -269,7 +269,7 @@ def train_in_group(config: TrainConfig, env: DistEnv, ctx, held: ExitStack) -> S
     data = load_data(config, check_values=not said_by_launcher and ctx.is_main,
                      log=print if ctx.is_main and not said_by_launcher else (lambda message: None))
     model = make_model(config, data)
-    factor, _ = config.lr_scale(ctx.world_size)
+    factor, rule = config.lr_scale(ctx.world_size)
     lr = config.lr * factor
     if factor != 1 and ctx.is_main:
         print(lr_line(config, ctx.world_size), flush=True)
@@ -282,7 +282,8 @@ def train_in_group(config: TrainConfig, env: DistEnv, ctx, held: ExitStack) -> S
                       device=config.device, timeout=config.timeout, out=config.out, progress=config.progress,
                       loader_workers=loader_workers(config.loader_workers, ctx),
                       checkpoint_every=config.checkpoint_every, keep_checkpoints=config.keep_checkpoints,
-                      resume=True)
+                      resume=True, stop_on_collapse=config.stop_on_collapse,
+                      lr_scale=factor if rule == "auto" else 1.0)
     trainer.emulate_straggler(config.slow_workers().get(ctx.rank, 1.0))
     return trainer.fit(data.train_set(), data.test_set(), epochs=config.epochs)
 
@@ -309,5 +310,7 @@ def lr_line(config: TrainConfig, world: int) -> str:
     warmup = config.warmup(world)
     warming = (f", warmed up over {warmup:g} epoch{'' if warmup == 1 else 's'}"
                if warmup and config.warmup_epochs is None else "")
+    guarded = ", backed off if an average goes wrong" if rule == "auto" else ""
     return (f"dptrain: {config.strategy} on {world} workers trains with learning rate {config.lr * factor:g} "
-            f"({config.lr:g} x {factor:.3g}, --lr-scaling {rule}{warming}); --lr-scaling none keeps {config.lr:g}")
+            f"({config.lr:g} x {factor:.3g}, --lr-scaling {rule}{warming}{guarded}); "
+            f"--lr-scaling none keeps {config.lr:g}")

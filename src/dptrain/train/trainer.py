@@ -28,6 +28,7 @@ from dptrain.runtime.env import detect, launcher_reports_interrupts
 from dptrain.runtime.guard import gather_objects, guard, sum_tensor
 from dptrain.strategies.base import Strategy
 from dptrain.train.checkpointer import Checkpointer, describe_interruption
+from dptrain.train.health import AverageHealth, LRGuard
 from dptrain.train.preemption import StopSignals
 from dptrain.train.recorder import EpochStats, Recorder, Summary
 
@@ -35,6 +36,7 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 Schedule = Callable[[torch.optim.Optimizer, int, int], object]
 EVAL_BATCH = 1024
 AMP_DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+LOSS_GROWTH_LIMIT = 10.0  # a training loss this many times the first epoch's is divergence
 
 
 def make_loss(loss: Union[str, LossFn]) -> LossFn:
@@ -72,7 +74,8 @@ class Trainer:
                  amp: str = "none", grad_clip: Optional[float] = None, seed: int = 0, shuffle: str = "global",
                  device: str = "auto", timeout: float = 300.0, out: Optional[str] = None, progress: bool = True,
                  verbose: bool = True, loader_workers: int = 0, checkpoint_every: int = 0,
-                 keep_checkpoints: int = 2, resume: bool = False) -> None:
+                 keep_checkpoints: int = 2, resume: bool = False, check_averages: bool = True,
+                 stop_on_collapse: bool = False, lr_scale: float = 1.0) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer over the model's parameters, "
                             f"not {type(optimizer).__name__}")
@@ -89,6 +92,9 @@ class Trainer:
         self.out = Path(out) if out else None
         self.progress, self.verbose, self.loader_workers = progress, verbose, loader_workers
         self.checkpoint_every, self.keep_checkpoints, self.resume = checkpoint_every, keep_checkpoints, resume
+        # The check of every average (dptrain.train.health); with lr_scale > 1 (the factor --lr-scaling auto
+        # multiplied the optimizer's LR by) it also backs that factor off when averages go wrong.
+        self.check_averages, self.stop_on_collapse, self.lr_scale = check_averages, stop_on_collapse, lr_scale
         self.scaler: Optional[torch.amp.GradScaler] = None
         self.strategy_choice: Optional[dict] = None  # how --strategy auto chose (summary.json's strategy_options.auto)
         self.stop_signals = StopSignals()
@@ -145,7 +151,12 @@ class Trainer:
         train_model = guard(ctx, "setup", lambda: strategy.setup(self.model, self.optimizer, ctx))
         parts = {"model": self.model, "optimizer": self.optimizer, "scheduler": scheduler, "scaler": self.scaler,
                  "strategy": strategy}
+        health, lr_guard = self._health_checks(train, strategy)
+        if lr_guard is not None:
+            parts["lr_guard"] = lr_guard
         start_epoch, step, wall_before = self._restore(parts) if self.resume else (0, 0, 0.0)
+        if lr_guard is not None:
+            lr_guard.keep(self.model)
         self.stop_signals.watch()
         started = time.perf_counter() - wall_before
         evaluated = False  # whether the last epoch evaluated the global model
@@ -155,13 +166,22 @@ class Trainer:
             samples, loss_sum, step = self._train_epoch(train_model, reader, epoch, epochs, step, scheduler)
             train_loss = float(loss_sum) / max(samples, 1)
             self._check_finite(train_model, epoch, train_loss)
+            trained, averages = strategy.trains_in_epoch(epoch), strategy.averaging_events()
+            if health is not None:
+                health.before(self.model, trained)
             is_global = guard(ctx, "end_epoch", lambda: strategy.end_epoch(epoch))
+            checked = {}
+            if health is not None and strategy.averaging_events() > averages:
+                checked = self._check_average(health, lr_guard, epoch, trained, scheduler)
             stats = EpochStats(ctx.rank, samples, train_loss,
                                time.perf_counter() - epoch_start, strategy.comm_bytes)
             test_metrics = self._evaluate_global(test) if (test is not None and is_global) else None
             evaluated = test_metrics is not None
             self.recorder.record(epoch, epochs, strategy.gather_stats(stats), test_metrics,
-                                 time.perf_counter() - started, self.optimizer.param_groups[0]["lr"])
+                                 time.perf_counter() - started, self.optimizer.param_groups[0]["lr"], checked)
+            if checked.get("collapse") and self.stop_on_collapse:
+                raise Diverged(f"rank {ctx.rank}: stopped by --stop-on-collapse: {checked['collapse']}")
+            self._check_loss_growth(epoch)
             stop = strategy.agree_stop(self.stop_signals.requested) if self.checkpointer.enabled else None
             if stop or self.checkpointer.due(epoch + 1):
                 self.checkpointer.save(epoch + 1, step, time.perf_counter() - started, parts, self.recorder.history)
@@ -202,6 +222,48 @@ class Trainer:
                 bar.set_postfix(loss=f"{loss.item():.4f}", refresh=False)
         bar.close()
         return seen, loss_sum, step
+
+    def _health_checks(self, train: Dataset, strategy: Strategy) -> tuple[Optional[AverageHealth], Optional[LRGuard]]:
+        """The check of every average, when the strategy averages at epoch ends on more than one worker,
+        and the guard of a scaled LR (dptrain.train.health)."""
+        if not self.check_averages or self.ctx.world_size == 1 or strategy.average_check is None:
+            return None, None
+        log = self.recorder.log if strategy.average_check == "together" else self._rank_log
+        health = AverageHealth(self.ctx, train, self.loss_fn, self.classify, strategy.average_check == "together",
+                               self.seed, log, self.stop_on_collapse)
+        lr_guard = (LRGuard(self.lr_scale, strategy.restores_average(), log) if self.lr_scale > 1 else None)
+        return health, lr_guard
+
+    def _rank_log(self, message: str) -> None:
+        """A line about this rank alone (async's merges): said by that rank (launchers prefix its rank)."""
+        if self.verbose:
+            print(message, flush=True)
+
+    def _check_average(self, health: AverageHealth, lr_guard: Optional[LRGuard], epoch: int, trained: bool,
+                       scheduler) -> dict:
+        """Measure the average this epoch end made; say when averaging collapses; let the LR guard act.
+        Returns what metrics.jsonl records about it."""
+        check = health.after(self.model, epoch, trained)
+        checked: dict = {"average_check": check.record()}
+        line = health.verdict(check)
+        if line is not None:
+            health.log(line)
+            checked["collapse"] = line.removeprefix("dptrain: ")
+        if lr_guard is not None:
+            backoff = lr_guard.judge(check, self.model, self.optimizer, scheduler)
+            if backoff is not None:
+                checked["lr_backoff"] = backoff
+        return checked
+
+    def _check_loss_growth(self, epoch: int) -> None:
+        """Stop a run whose training loss (over the workers) became 10x its first epoch's: it diverges even
+        when the weights are still finite."""
+        history = self.recorder.history
+        first, last = history[0]["train_loss"], history[-1]["train_loss"]
+        if len(history) > 1 and math.isfinite(first) and first > 0 and last > LOSS_GROWTH_LIMIT * first:
+            raise Diverged(f"rank {self.ctx.rank}: training diverged in epoch {epoch + 1}: the training loss "
+                           f"{last:.4g} is more than {LOSS_GROWTH_LIMIT:g}x the first epoch's {first:.4g}; "
+                           "lower --lr (or --lr-scaling none), clip gradients (--grad-clip) or warm up (--warmup-epochs)")
 
     def _check_finite(self, model: nn.Module, epoch: int, loss: float) -> None:
         """Stop a run whose weights became NaN or infinite (they never recover, and an average would spread
