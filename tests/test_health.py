@@ -149,3 +149,20 @@ def test_loss_ten_times_its_first_is_divergence(tmp_path):
     records = _records(tmp_path / "run")
     assert all(math.isfinite(r["train_loss"]) for r in records)
     assert records[-1]["train_loss"] > 10 * records[0]["train_loss"]
+
+
+def test_lr_guard_recovers_from_divergence_only_while_it_can():
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.8)
+    guard = LRGuard(8.0, restore=True, log=lambda line: None)
+    assert not guard.can_recover  # nothing kept yet
+    guard.keep(model)
+    good = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        model.weight.fill_(float("nan"))
+    assert guard.can_recover
+    event = guard.recover(3, model, optimizer, None)
+    assert event == {"epoch": 3, "from_scale": 8.0, "to_scale": 4.0, "restored": True, "reason": "training diverged"}
+    assert all(torch.equal(model.state_dict()[k], good[k]) for k in good)
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.4)
+    assert not LRGuard(8.0, restore=False, log=print).can_recover  # async, an outer optimizer: cannot take it back

@@ -184,6 +184,15 @@ class LRGuard:
         if self.restore and self.active:
             self._good = copy.deepcopy(model.state_dict())
 
+    @property
+    def can_recover(self) -> bool:
+        """Whether a divergence can be taken back: the LR is still scaled and a good average is kept."""
+        return self.active and self.restore and self._good is not None
+
+    def recover(self, epoch: int, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler) -> dict:
+        """Training diverged in `epoch` (from 1): back to the last good average, with half the scale."""
+        return self._back_off(epoch, "training diverged", model, optimizer, scheduler)
+
     def judge(self, check: AverageCheck, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler) -> Optional[dict]:
         """After an average: keep it, or back off (halve the scale, restore the last good average)."""
         if not self.active:
@@ -193,6 +202,13 @@ class LRGuard:
             self.best_loss = min(self.best_loss, check.average_loss)
             self.keep(model)
             return None
+        why = check.why or f"its training loss {check.average_loss:.4g} rose above its best, {self.best_loss:.4g}"
+        return self._back_off(check.epoch, "bad average" if check.bad else "average loss rose", model, optimizer,
+                              scheduler, f"the averaged model went wrong ({why})")
+
+    def _back_off(self, epoch: int, reason: str, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler,
+                  said: str = "") -> dict:
+        """Halve the scale (not below 1) in the optimizer and the schedule; restore the last good average."""
         new_scale = max(1.0, self.scale / 2)
         ratio = new_scale / self.scale
         for group in optimizer.param_groups:
@@ -205,11 +221,10 @@ class LRGuard:
         if restored:
             model.load_state_dict(self._good)
             optimizer.state.clear()  # momentum and moments belonged to the run that went wrong
-        event = {"epoch": check.epoch, "from_scale": self.scale, "to_scale": new_scale, "restored": restored,
-                 "reason": "bad average" if check.bad else "average loss rose"}
+        event = {"epoch": epoch, "from_scale": self.scale, "to_scale": new_scale, "restored": restored,
+                 "reason": reason}
         self.backoffs.append(event)
-        why = check.why or f"its training loss {check.average_loss:.4g} rose above its best, {self.best_loss:.4g}"
-        self.log(f"dptrain: --lr-scaling auto backs off in epoch {check.epoch}: the averaged model went wrong ({why}); "
+        self.log(f"dptrain: --lr-scaling auto backs off in epoch {epoch}: {said or reason}; "
                  f"LR scale {self.scale:g} -> {new_scale:g}{', back to the previous average' if restored else ''}")
         self.scale = new_scale
         return event

@@ -25,7 +25,7 @@ from dptrain.data.sampler import PlanBatches, TrainData, as_dataset, evaluation_
 from dptrain.errors import Diverged, Interrupted, Preempted, UserError
 from dptrain.runtime.distributed import DistContext, init_process_group
 from dptrain.runtime.env import detect, launcher_reports_interrupts
-from dptrain.runtime.guard import gather_objects, guard, sum_tensor
+from dptrain.runtime.guard import any_rank, gather_objects, guard, sum_tensor
 from dptrain.strategies.base import Strategy
 from dptrain.train.checkpointer import Checkpointer, describe_interruption
 from dptrain.train.health import AverageHealth, LRGuard
@@ -165,7 +165,7 @@ class Trainer:
             batches.set_epoch(epoch)
             samples, loss_sum, step = self._train_epoch(train_model, reader, epoch, epochs, step, scheduler)
             train_loss = float(loss_sum) / max(samples, 1)
-            self._check_finite(train_model, epoch, train_loss)
+            recovered = self._recover_or_check(train_model, epoch, train_loss, lr_guard, scheduler)
             trained, averages = strategy.trains_in_epoch(epoch), strategy.averaging_events()
             if health is not None:
                 health.before(self.model, trained)
@@ -177,11 +177,14 @@ class Trainer:
                                time.perf_counter() - epoch_start, strategy.comm_bytes)
             test_metrics = self._evaluate_global(test) if (test is not None and is_global) else None
             evaluated = test_metrics is not None
+            if recovered is not None:
+                checked = {**checked, "lr_backoff": recovered}
             self.recorder.record(epoch, epochs, strategy.gather_stats(stats), test_metrics,
                                  time.perf_counter() - started, self.optimizer.param_groups[0]["lr"], checked)
             if checked.get("collapse") and self.stop_on_collapse:
                 raise Diverged(f"rank {ctx.rank}: stopped by --stop-on-collapse: {checked['collapse']}")
-            self._check_loss_growth(epoch)
+            if recovered is None:
+                self._check_loss_growth(epoch)
             stop = strategy.agree_stop(self.stop_signals.requested) if self.checkpointer.enabled else None
             if stop or self.checkpointer.due(epoch + 1):
                 self.checkpointer.save(epoch + 1, step, time.perf_counter() - started, parts, self.recorder.history)
@@ -255,6 +258,27 @@ class Trainer:
                 checked["lr_backoff"] = backoff
         return checked
 
+    def _recover_or_check(self, model: nn.Module, epoch: int, train_loss: float, lr_guard: Optional[LRGuard],
+                          scheduler) -> Optional[dict]:
+        """Divergence in an epoch (weights not finite, or a training loss 10x the first epoch's): under a scaled
+        LR that the guard can take back (ranks that average together, the last good average kept), every rank
+        returns to that average with half the scale, and this returns what happened; else the run stops."""
+        if lr_guard is None or not lr_guard.can_recover or self.strategy.average_check != "together":
+            self._check_finite(model, epoch, train_loss)
+            return None
+        history = self.recorder.history
+        first = history[0]["train_loss"] if history else math.nan
+        diverged = (not self._finite(model) or not math.isfinite(train_loss)
+                    or (math.isfinite(first) and first > 0 and train_loss > LOSS_GROWTH_LIMIT * first))
+        if not any_rank(self.ctx, "divergence check", diverged):
+            return None
+        return lr_guard.recover(epoch + 1, self.model, self.optimizer, scheduler)
+
+    @staticmethod
+    def _finite(model: nn.Module) -> bool:
+        finite = [torch.isfinite(p).all() for p in model.parameters()]
+        return not finite or bool(torch.stack(finite).all())  # one device sync, not one a tensor
+
     def _check_loss_growth(self, epoch: int) -> None:
         """Stop a run whose training loss (over the workers) became 10x its first epoch's: it diverges even
         when the weights are still finite."""
@@ -268,8 +292,7 @@ class Trainer:
     def _check_finite(self, model: nn.Module, epoch: int, loss: float) -> None:
         """Stop a run whose weights became NaN or infinite (they never recover, and an average would spread
         them to every replica): one line naming the rank and epoch; earlier checkpoints stay."""
-        finite = [torch.isfinite(p).all() for p in model.parameters()]
-        if not finite or bool(torch.stack(finite).all()):  # one device sync, not one a tensor
+        if self._finite(model):
             return
         before = next((f"; the epoch before, it was {r['train_loss']:.4g}" for r in reversed(self.recorder.history)
                        if math.isfinite(r["train_loss"])), "")
