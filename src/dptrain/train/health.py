@@ -116,6 +116,15 @@ class AverageHealth:
         model.train(was_training)
         return totals
 
+    def start(self, model: nn.Module) -> float:
+        """The probe loss of the model training starts from (summed over the workers that meet): the first
+        'best' an average is compared with, so that an average worse than no training at all is bad too."""
+        totals = self._measure(model)
+        if self.together and self.ctx.world_size > 1:
+            totals = sum_tensor(self.ctx, "checking the first model", torch.nan_to_num(totals, nan=-1.0))
+        self.best_loss = float(totals[0]) / max(float(totals[2]), 1.0)
+        return self.best_loss
+
     def before(self, model: nn.Module, trained: bool) -> None:
         """This worker's own model, just before the average (a worker that sat the round out counts nothing)."""
         self._local = self._measure(model) if trained else torch.zeros(4, dtype=torch.float64)
@@ -178,6 +187,11 @@ class LRGuard:
     @property
     def active(self) -> bool:
         return self.scale > 1
+
+    def start(self, model: nn.Module, loss: float) -> None:
+        """Training starts (or resumes) from `model`, whose probe loss is `loss`: the first good state."""
+        self.best_loss = loss
+        self.keep(model)
 
     def keep(self, model: nn.Module) -> None:
         """Remember `model` (an average judged good) to come back to."""

@@ -155,8 +155,10 @@ class Trainer:
         if lr_guard is not None:
             parts["lr_guard"] = lr_guard
         start_epoch, step, wall_before = self._restore(parts) if self.resume else (0, 0, 0.0)
-        if lr_guard is not None:
-            lr_guard.keep(self.model)
+        if health is not None:
+            start_loss = health.start(self.model)
+            if lr_guard is not None:
+                lr_guard.start(self.model, start_loss)
         self.stop_signals.watch()
         started = time.perf_counter() - wall_before
         evaluated = False  # whether the last epoch evaluated the global model
