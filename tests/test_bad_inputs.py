@@ -330,7 +330,7 @@ CASES = [
     case("checkpoint-with-nan-weights", checkpoint_with_nan_weights, "rank-00000.pt'", "non-finite weights"),
     # run directory
     case("rundir-finished-run", lambda s: train(out=s.finished_run().name), "'run' holds a finished run"),
-    case("rundir-other-settings", interrupted_run_with_other_lr, "'run'", "lr: 0.05 there, 0.1 now"),
+    case("rundir-other-settings", interrupted_run_with_other_lr, "'run'", "lr: 0.02 there, 0.1 now"),
     case("rundir-resume-empty-directory", lambda s: train("--resume"), "'out' holds no run to continue"),
     case("rundir-resume-without-checkpoint", interrupted_run_without_checkpoints, "'run' has no checkpoint yet"),
     case("rundir-out-is-a-file", lambda s: train(out=s.write("taken", "not a directory\n")), "'taken' is a file"),

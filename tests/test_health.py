@@ -24,8 +24,9 @@ HERE = Path(__file__).parent
 def _dptrain(tmp_path: Path, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
     shutil.copy(HERE / "blobs_factory.py", tmp_path)
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    # --lr 0.05: the default of the report (0.02 since)
     return subprocess.run([sys.executable, "-m", "dptrain", "train", "--data", "blobs_factory:make", "--model", "mlp",
-                           "--no-progress", *args], cwd=tmp_path, env=env, capture_output=True, text=True,
+                           "--lr", "0.05", "--no-progress", *args], cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=timeout)
 
 

@@ -223,9 +223,11 @@ class TrainConfig(BaseModel):
                              "(clients_per_round 1): a client that sat a round out has no state to average")
         if self.compression != "none" and self.strategy in ("streaming", "hierarchical"):
             raise ValueError(f"compression applies to strategies allreduce, sync, fedavg and async, not {self.strategy}")
-        if self.scale_lr and self.lr_scaling != "linear" and "lr_scaling" in self.model_fields_set:
-            raise ValueError(f"scale_lr is short for lr_scaling linear and contradicts lr_scaling {self.lr_scaling}; "
-                             "give one of them")
+        if self.scale_lr and self.lr_scaling != "linear":
+            if "lr_scaling" in self.model_fields_set and self.lr_scaling != "auto":
+                raise ValueError(f"scale_lr is short for lr_scaling linear and contradicts lr_scaling "
+                                 f"{self.lr_scaling}; give one of them")
+            self.lr_scaling = "linear"  # recorded so in config.yaml
         if self.outer_lr is None:
             self.outer_lr = OUTER_LR_DEFAULTS[self.outer]
         if self.lr is None:
