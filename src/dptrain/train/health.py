@@ -78,9 +78,9 @@ class AverageHealth:
     """Measures each average (see the module's docstring) and says when averaging collapses."""
 
     def __init__(self, ctx, train, loss_fn: Callable, classify: Optional[bool], together: bool, seed: int,
-                 log: Callable[[str], None], stop_on_collapse: bool = False) -> None:
+                 log: Callable[[str], None]) -> None:
         self.ctx, self.loss_fn, self.classify, self.together = ctx, loss_fn, classify, together
-        self.log, self.stop_on_collapse = log, stop_on_collapse
+        self.log = log
         rows = probe_rows(len(train), ctx.rank, ctx.world_size, seed, probe_size(train))
         with torch.random.fork_rng(devices=[]):  # read once, kept in memory (at most PROBE_BYTES)
             self.batches = list(loader(train, [rows[i:i + 128] for i in range(0, len(rows), 128)]))

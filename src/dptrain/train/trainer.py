@@ -235,7 +235,7 @@ class Trainer:
             return None, None
         log = self.recorder.log if strategy.average_check == "together" else self._rank_log
         health = AverageHealth(self.ctx, train, self.loss_fn, self.classify, strategy.average_check == "together",
-                               self.seed, log, self.stop_on_collapse)
+                               self.seed, log)
         lr_guard = (LRGuard(self.lr_scale, strategy.restores_average(), log) if self.lr_scale > 1 else None)
         return health, lr_guard
 
