@@ -100,6 +100,8 @@ class Trainer:
         self.stop_signals = StopSignals()
         self._slowdown = 1.0
         self._evaluation: Optional[tuple] = None  # (test set, (rank, world), its DataLoader)
+        self._forward_mark: Optional[tuple] = None  # (the DDP model, its forward pre-hook) for _forward
+        self._in_user_forward = False
 
     def emulate_straggler(self, factor: float) -> "Trainer":
         """Make this rank's steps take `factor` times as long (benchmarks of unequal workers)."""
@@ -307,7 +309,7 @@ class Trainer:
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         dtype = AMP_DTYPES[self.amp]
         with torch.autocast(device.type, dtype=dtype) if dtype else contextlib.nullcontext():
-            output = model(x)
+            output = self._forward(model, x)
             loss = self.loss_fn(output.float(), y)
         scaled = self.scaler.scale(loss) if self.scaler else loss
         guard(self.ctx, "backward", scaled.backward, communication_failed=self.strategy.communication_failed)
@@ -323,6 +325,22 @@ class Trainer:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss.detach()
+
+    def _forward(self, model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """`model(x)`. DistributedDataParallel communicates before it calls the user's module (the bucket
+        order after the first step, buffers): an error raised before the user's forward was entered is a
+        peer's (one line naming it), one raised inside it keeps its traceback."""
+        if not isinstance(model, nn.parallel.DistributedDataParallel):
+            return model(x)
+        if self._forward_mark is None or self._forward_mark[0] is not model:
+            if self._forward_mark is not None:
+                self._forward_mark[1].remove()
+            self._forward_mark = (model, model.module.register_forward_pre_hook(self._entered_forward))
+        self._in_user_forward = False
+        return guard(self.ctx, "forward", lambda: model(x), communication_failed=lambda: not self._in_user_forward)
+
+    def _entered_forward(self, module: nn.Module, inputs) -> None:
+        self._in_user_forward = True
 
     def _restore(self, parts: dict) -> tuple[int, int, float]:
         """Continue from the newest complete checkpoint, if any: (epoch, step, wall seconds) to start from."""
