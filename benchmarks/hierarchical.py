@@ -41,6 +41,7 @@ def worker() -> None:
     import torch.distributed as dist
 
     from dptrain.models.zoo import cnn
+    from dptrain.runtime.group import Group
     from dptrain.strategies.collectives import average_module, broadcast_module
 
     torch.set_num_threads(1)
@@ -48,22 +49,22 @@ def worker() -> None:
     dist.init_process_group("gloo", init_method=f"tcp://{os.environ['MASTER_ADDR']}:{PORT}", rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=120))
     nodes = [list(range(first, first + RANKS_PER_HOST)) for first in range(0, world, RANKS_PER_HOST)]
-    node_group, _ = dist.new_subgroups_by_enumeration(nodes)
+    job = Group.default()  # dptrain's communication seam over the group just made
+    node_group = job.split(nodes, name="a host")
     leaders = [node[0] for node in nodes]
-    leader_group = dist.new_group(leaders)
-    node = nodes[rank // RANKS_PER_HOST]
+    leader_group = job.subgroup(leaders, name="the leaders")
     torch.manual_seed(rank)
     model = cnn((1, 8, 8), 10)
     gradients = torch.randn(sum(p.numel() for p in model.parameters()))
 
     def hierarchical_average() -> None:
-        if rank in leaders:
+        if leader_group is not None:
             average_module(model, group=leader_group)
-        broadcast_module(model, src=node[0], group=node_group)
+        broadcast_module(model, src=0, group=node_group)  # from the host's leader
 
     operations = {
         "step_flat": lambda: dist.all_reduce(gradients),
-        "step_node": lambda: dist.all_reduce(gradients, group=node_group),
+        "step_node": lambda: node_group.all_reduce(gradients),
         "average_flat": lambda: average_module(model),
         "average_leaders": hierarchical_average,
     }

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from dptrain.errors import UserError
 from dptrain.runtime.env import DistEnv
+from dptrain.runtime.group import Group, PeerFailure
 from dptrain.runtime.heartbeat import Heartbeat, StoreUnanswered, bounded, default_store, store_abandoned
 from dptrain.runtime.spawn import STORE_FD
 
@@ -39,6 +40,12 @@ class DistContext:
     timeout: float
     launcher: str = "single"
     heartbeat: Optional[Heartbeat] = None
+    group: Optional[Group] = None  # every collective of the run goes through it (runtime/group.py)
+
+    def __post_init__(self) -> None:
+        if self.group is None:
+            self.group = Group(self.rank, self.world_size, self.device, self.backend, self.timeout,
+                               heartbeat=self.heartbeat)
 
     @property
     def is_main(self) -> bool:
@@ -48,10 +55,6 @@ class DistContext:
     def collective_device(self) -> torch.device:
         """Where a tensor handed to a collective must live: the GPU under NCCL, else the CPU."""
         return self.device if self.backend == "nccl" else torch.device("cpu")
-
-
-class PeerFailure(RuntimeError):
-    """A collective failed or timed out because another worker is gone or stuck."""
 
 
 def choose_device(preference: str, local_rank: int) -> torch.device:
@@ -105,9 +108,11 @@ def init_process_group(env: DistEnv, *, device: str = "auto", timeout: float = 3
                     f"({env.world_size} ranks expected, launcher {env.launcher}): {str(exc).splitlines()[0]}") from None
     world = dist.get_world_size()
     store = default_store() if world > 1 else None
+    heartbeat = _heartbeat(store, dist.get_rank(), world)
+    group = Group(dist.get_rank(), world, dev, dist.get_backend(), timeout, heartbeat=heartbeat, store=store)
     return DistContext(rank=dist.get_rank(), world_size=world, local_rank=env.local_rank,
                        device=dev, backend=dist.get_backend(), timeout=timeout, launcher=env.launcher,
-                       heartbeat=_heartbeat(store, dist.get_rank(), world))
+                       heartbeat=heartbeat, group=group)
 
 
 def rendezvous_store(env: DistEnv, timeout: float, where: str) -> dist.TCPStore:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-from torch.nn.parallel import DistributedDataParallel
 
 from dptrain.runtime.distributed import DistContext
 from dptrain.strategies.base import Strategy
@@ -45,9 +44,7 @@ class AllReduce(Strategy):
         # buffers (BatchNorm statistics) from rank 0 before every forward in training.
         self.comm_bytes += tensor_bytes(floating + integer)
         self._buffer_bytes = tensor_bytes(model.buffers())
-        ddp = DistributedDataParallel(
-            model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
-            bucket_cap_mb=self.bucket_cap_mb)
+        ddp = ctx.group.data_parallel(model, bucket_cap_mb=self.bucket_cap_mb)
         hook, compressed_size = HOOKS[self.compression]
 
         def counting_hook(state, bucket):
@@ -55,7 +52,7 @@ class AllReduce(Strategy):
             self.comm_bytes += grads.numel() * (compressed_size or grads.element_size())
             return hook(state, bucket).then(self.note_failure)
 
-        ddp.register_comm_hook(state=None, hook=counting_hook)
+        ddp.register_comm_hook(state=ctx.group.handle, hook=counting_hook)
         return ddp
 
     @classmethod

@@ -60,12 +60,10 @@ from datetime import timedelta
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from dptrain.errors import Preempted
 from dptrain.runtime.distributed import DistContext, PeerFailure
-from dptrain.runtime.guard import gather_objects
 from dptrain.strategies.base import Strategy
 from dptrain.strategies.collectives import broadcast_module, module_state, unflatten_into
 from dptrain.strategies.compression import COMPRESSIONS, ErrorFeedback, decode, payload_bytes
@@ -200,7 +198,7 @@ class MergeService:
         # since a worker may train for hours between merges. Liveness is judged from heartbeats
         # by join(), not by this wait.
         header = torch.zeros(HEADER_SIZE, dtype=torch.int64)
-        dist.recv(header, group=self.group, tag=TAG_REQUEST)  # from any worker
+        self.group.recv(header, tag=TAG_REQUEST)  # from any worker
         return header
 
     def _serve(self) -> None:
@@ -223,9 +221,9 @@ class MergeService:
                     state, version = self.model.snapshot(copy=kind == REFRESH)
                     staleness = version - base_version
                 reply = torch.tensor([version, staleness, int(self.model.stop_requested), 0], dtype=torch.int64)
-                dist.send(reply, dst=rank, group=self.group, tag=TAG_REPLY)
+                self.group.send(reply, rank, TAG_REPLY)
                 if kind in (MERGE, REFRESH):
-                    dist.send(state, dst=rank, group=self.group, tag=TAG_GLOBAL)
+                    self.group.send(state, rank, TAG_GLOBAL)
         except Exception as exc:  # noqa: BLE001 - reported by rank 0's training thread
             self.error = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
 
@@ -234,14 +232,14 @@ class MergeService:
         numel = self.model.state.numel()
         if self.compression == "none":
             payload = torch.empty_like(self.model.state)
-            dist.recv(payload, src=rank, group=self.group, tag=TAG_PAYLOAD)
+            self.group.recv(payload, rank, TAG_PAYLOAD)
             return payload
         encoded = torch.empty(payload_bytes(self.compression, numel), dtype=torch.uint8)
-        dist.recv(encoded, src=rank, group=self.group, tag=TAG_PAYLOAD)
+        self.group.recv(encoded, rank, TAG_PAYLOAD)
         return decode(self.compression, encoded, numel)
 
     def _conclude_for(self, rank: int, outcome: int) -> None:
-        dist.send(torch.tensor([outcome, 0, 0, 0], dtype=torch.int64), dst=rank, group=self.group, tag=TAG_REPLY)
+        self.group.send(torch.tensor([outcome, 0, 0, 0], dtype=torch.int64), rank, TAG_REPLY)
 
     def conclude(self, outcome: int) -> None:
         """Answer every finished rank (after join): FINISH, or STOP when the run stops to be continued."""
@@ -313,8 +311,9 @@ class Async(Strategy):
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, ctx: DistContext) -> nn.Module:
         super().setup(model, optimizer, ctx)
         if ctx.world_size > 1:
-            self.comm_bytes += broadcast_module(model)
-            self.group = dist.new_group(backend="gloo", timeout=SERVICE_GROUP_TIMEOUT)
+            self.comm_bytes += broadcast_module(model, group=self.ctx.group)
+            self.group = ctx.group.subgroup(range(ctx.world_size), backend="gloo",
+                                            timeout=SERVICE_GROUP_TIMEOUT.total_seconds(), name="the merge service")
         self.base = flat_state(model)
         if ctx.rank == 0:
             self.global_model = GlobalModel(self.base, ctx.world_size, self.merge, self.server_momentum,
@@ -336,23 +335,23 @@ class Async(Strategy):
             state, version = self.global_model.snapshot(copy=kind == REFRESH)
             return state, version, version - self.base_version
         header = torch.tensor([kind, self.ctx.rank, self.base_version, int(stopping)], dtype=torch.int64)
-        self._exchange(dist.isend, header, TAG_REQUEST)
+        self._exchange(self.group.isend, header, TAG_REQUEST)
         if kind == MERGE:
-            self._exchange(dist.isend, payload, TAG_PAYLOAD)
+            self._exchange(self.group.isend, payload, TAG_PAYLOAD)
         reply = torch.zeros(HEADER_SIZE, dtype=torch.int64)
-        self._exchange(dist.irecv, reply, TAG_REPLY)
+        self._exchange(self.group.irecv, reply, TAG_REPLY)
         if kind == DONE:
             return None, int(reply[0]), 0
         self._stop_seen = self._stop_seen or bool(reply[2])
         state = None
         if kind in (MERGE, REFRESH):
             state = torch.empty_like(self.base)
-            self._exchange(dist.irecv, state, TAG_GLOBAL)
+            self._exchange(self.group.irecv, state, TAG_GLOBAL)
         return state, int(reply[0]), int(reply[1])
 
     def _exchange(self, operation, tensor: torch.Tensor, tag: int) -> None:
         """One point-to-point message with rank 0, bounded by the run's timeout; counted both ways."""
-        work = operation(tensor, 0, group=self.group, tag=tag)
+        work = operation(tensor, 0, tag)
         try:
             work.wait(timeout=timedelta(seconds=self.ctx.timeout))
         except RuntimeError as exc:
@@ -428,9 +427,8 @@ class Async(Strategy):
             if outcome == STOP:
                 raise Preempted(f"rank {self.ctx.rank}: another rank stopped the run before it finished; "
                                 "run the same command again to continue")
-            self.comm_bytes += broadcast_module(self.model)
-            counts = [None] * self.ctx.world_size
-            dist.all_gather_object(counts, (self.merges, self.refreshes, self.max_staleness_seen))
+            self.comm_bytes += broadcast_module(self.model, group=self.ctx.group)
+            counts = self.ctx.group.gather_objects("summary", (self.merges, self.refreshes, self.max_staleness_seen))
         else:
             load_flat_state(self.model, self.global_model.snapshot()[0])
             counts = [(self.merges, self.refreshes, self.max_staleness_seen)]
@@ -465,7 +463,7 @@ class Async(Strategy):
         if self.ctx.world_size == 1:
             return None
         mine = {record["epoch"]: record["workers"][0] for record in history}
-        gathered = gather_objects(self.ctx, "metrics", mine)
+        gathered = self.ctx.group.gather_objects("metrics", mine)
         return {record["epoch"]: [theirs[record["epoch"]] for theirs in gathered if record["epoch"] in theirs]
                 for record in history}
 

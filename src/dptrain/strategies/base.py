@@ -18,7 +18,6 @@ from torch import nn
 
 from dptrain.data.sampler import EpochPlan, shard_plan
 from dptrain.runtime.distributed import DistContext
-from dptrain.runtime.guard import any_rank, gather_objects
 
 
 def check_period(every: int, every_steps: Optional[int]) -> None:
@@ -121,18 +120,18 @@ class Strategy:
     # -- agreement between ranks -------------------------------------------------------------
     def gather_stats(self, stats):
         """Every worker's numbers of this epoch, for the live record (all ranks meet here)."""
-        return gather_objects(self.ctx, "metrics", stats)
+        return self.ctx.group.gather_objects("metrics", stats)
 
     def agree_stop(self, requested: Optional[str]) -> Optional[str]:
         """The stop signal this run obeys at this epoch end: one rank's is everyone's."""
         if self.ctx.world_size == 1:
             return requested
-        return (requested or "a signal to another rank") if any_rank(self.ctx, "stop check", bool(requested)) else None
+        return (requested or "a signal to another rank") if self.ctx.group.any_rank("stop check", bool(requested)) else None
 
     def stop_together(self) -> None:
         """After this rank's checkpoint: return only once every rank's is on disk (under srun
         --kill-on-bad-exit the first rank to exit with 75 ends the others)."""
-        any_rank(self.ctx, "checkpoint before stopping", True)
+        self.ctx.group.any_rank("checkpoint before stopping", True)
 
     def workers_history(self, history: list[dict]) -> Optional[dict[int, list[dict]]]:
         """{epoch: every worker's numbers} when the live records lack them (barrier-free), else None."""

@@ -30,7 +30,8 @@ import math
 from typing import Optional, Sequence
 
 import torch
-import torch.distributed as dist
+
+from dptrain.runtime.group import Group
 
 COMPRESSIONS = ("none", "fp16", "bf16", "int8")
 INT8_BLOCK = 256
@@ -111,7 +112,7 @@ class ErrorFeedback:
 
 
 def compressed_mean(change: torch.Tensor, feedback: ErrorFeedback, weight: Optional[float] = None,
-                    group=None) -> tuple[torch.Tensor, int]:
+                    group: Optional[Group] = None) -> tuple[torch.Tensor, int]:
     """The mean (or `weight`-weighted mean) over ranks of each rank's compressed change.
 
     Returns (the mean as a flat float32 tensor, identical on every rank; bytes handed over).
@@ -119,23 +120,20 @@ def compressed_mean(change: torch.Tensor, feedback: ErrorFeedback, weight: Optio
     weight 0 contributes nothing: it hands over an encoded zero of the same size and keeps its
     residual for the next average it contributes to.
     """
-    world = dist.get_world_size(group)
+    group = group if group is not None else Group.default()
     flat = change.detach().reshape(-1)
     if weight is not None and float(weight) == 0:
         payload = encode(feedback.kind, torch.zeros_like(flat, dtype=torch.float32), feedback.block)
     else:
         payload = feedback.encode(flat)
-    gathered = [torch.empty_like(payload) for _ in range(world)]
-    dist.all_gather(gathered, payload, group=group)
-    sent = payload.numel()
+    gathered, sent = group.all_gather(payload)
     weights: Sequence[float]
     if weight is None:
-        weights = [1.0] * world
+        weights = [1.0] * group.world_size
     else:
         mine = torch.tensor([float(weight)], dtype=torch.float64, device=payload.device)
-        every = [torch.empty_like(mine) for _ in range(world)]
-        dist.all_gather(every, mine, group=group)
-        sent += mine.numel() * mine.element_size()
+        every, handed = group.all_gather(mine)
+        sent += handed
         weights = [float(w.item()) for w in every]
     total = sum(weights)
     if total <= 0:

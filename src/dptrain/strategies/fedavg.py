@@ -98,7 +98,7 @@ class FedAvg(Strategy):
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, ctx: DistContext) -> nn.Module:
         super().setup(model, optimizer, ctx)
         if ctx.world_size > 1:
-            self.comm_bytes += broadcast_module(model)
+            self.comm_bytes += broadcast_module(model, group=self.ctx.group)
         self.averager.attach(model)
         return model
 
@@ -150,8 +150,8 @@ class FedAvg(Strategy):
         outer optimizer; then the clients' optimizer state is kept, reset or averaged."""
         participants = self.clients_in_round(round_index)
         weight = float(len(self.parts[self.ctx.rank])) if self.ctx.rank in participants else 0.0
-        self.comm_bytes += self.averager.average(self.model, self.ctx.world_size, weight)
-        self.comm_bytes += settle_optimizer_state(self.optimizer, self.optimizer_state, self.ctx.world_size, weight)
+        self.comm_bytes += self.averager.average(self.model, self.ctx.group, weight)
+        self.comm_bytes += settle_optimizer_state(self.optimizer, self.optimizer_state, self.ctx.group, weight)
         self.rounds += 1
         self.participation.append(participants)
         self._diverged = False

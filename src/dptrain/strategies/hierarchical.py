@@ -2,7 +2,7 @@
 
 Ranks on one node share a fast link (shared memory, NVLink, the host's loopback); nodes share a
 slow one (the cluster network). Inside each node the ranks train as one DistributedDataParallel
-group (`process_group` = the node's group from `dist.new_subgroups_by_enumeration`): their
+group (`process_group` = the node's Group, from `Group.split`): their
 gradients are averaged every step over the fast link, so the replicas of one node stay equal.
 Across nodes nothing moves until the end of a period (every `every` epochs, or every
 `every_steps` steps), when the nodes average their weights, as `sync` does between ranks.
@@ -41,19 +41,16 @@ broadcast of rank 0's model, every average); `comm_bytes` is their sum. With one
 
 from __future__ import annotations
 
-import datetime
 import socket
 from typing import Optional, Sequence
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
 from dptrain.errors import UserError
 from dptrain.runtime.distributed import DistContext
 from dptrain.runtime.env import detect
-from dptrain.runtime.guard import gather_objects
+from dptrain.runtime.group import Group
 from dptrain.strategies.allreduce import HOOKS
 from dptrain.strategies.base import Strategy, check_period
 from dptrain.strategies.collectives import (average_module, broadcast_module, module_state, tensor_bytes,
@@ -113,8 +110,8 @@ class Hierarchical(Strategy):
         self.averages = 0
         self.nodes: list[list[int]] = []
         self._node: list[int] = []  # this rank's node
-        self._node_group = None  # None: the default group (one node)
-        self._leader_group = None  # None: the default group (one rank per node)
+        self._node_group: Optional[Group] = None  # None: the whole job (one node)
+        self._leader_group: Optional[Group] = None  # None: the whole job (one rank per node)
         self._buffer_bytes = 0
         self._diverged = False  # the nodes' models differ since the last average
         self._per_worker: Optional[list[tuple[int, int]]] = None
@@ -129,12 +126,22 @@ class Hierarchical(Strategy):
     def is_leader(self) -> bool:
         return bool(self._node) and self.ctx is not None and self.ctx.rank == self._node[0]
 
+    @property
+    def node_group(self) -> Group:
+        """The ranks of this rank's node (the leader is rank 0 in it)."""
+        return self._node_group or self.ctx.group
+
+    @property
+    def leader_group(self) -> Group:
+        """The node leaders (rank 0 of the job is rank 0 in it); meaningful on leaders only."""
+        return self._leader_group or self.ctx.group
+
     def _find_nodes(self, ctx: DistContext) -> list[list[int]]:
         if self.ranks_per_node is not None:
             return assign_nodes(ctx.world_size, self.ranks_per_node)
         env = detect()
         mine = (socket.gethostname(), env.local_world_size if env.launched else None)
-        gathered = gather_objects(ctx, "node membership", mine)
+        gathered = ctx.group.gather_objects("node membership", mine)
         return assign_nodes(ctx.world_size, None, [host for host, _ in gathered], [size for _, size in gathered])
 
     def _count(self, intra: int = 0, inter: int = 0) -> None:
@@ -150,15 +157,14 @@ class Hierarchical(Strategy):
             return model
         self.nodes = self._find_nodes(ctx)
         self._node = next(node for node in self.nodes if ctx.rank in node)
-        timeout = datetime.timedelta(seconds=ctx.timeout)
         # Every rank creates every group, in the same order (torch.distributed requires it).
         if len(self.nodes) > 1 and max(map(len, self.nodes)) > 1:
-            self._node_group, _ = dist.new_subgroups_by_enumeration(self.nodes, timeout=timeout)
+            self._node_group = ctx.group.split(self.nodes, name="this node")
         leaders = [node[0] for node in self.nodes]
         if 1 < len(leaders) < ctx.world_size:
-            self._leader_group = dist.new_group(leaders, timeout=timeout)
+            self._leader_group = ctx.group.subgroup(leaders, name="the node leaders")
         if self.is_leader and len(self.nodes) > 1:  # rank 0's model to every node, over the slow link
-            self._count(inter=broadcast_module(model, src=0, group=self._leader_group))
+            self._count(inter=broadcast_module(model, src=0, group=self.leader_group))
         if len(self._node) == 1:
             return model
         floating, integer = module_state(model)
@@ -166,16 +172,14 @@ class Hierarchical(Strategy):
         # re-broadcasts the buffers (BatchNorm statistics) from the leader before every forward.
         self._count(intra=tensor_bytes(floating + integer))
         self._buffer_bytes = tensor_bytes(model.buffers())
-        ddp = DistributedDataParallel(
-            model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
-            bucket_cap_mb=self.bucket_cap_mb, process_group=self._node_group)
+        ddp = self.node_group.data_parallel(model, bucket_cap_mb=self.bucket_cap_mb)
         hook, _ = HOOKS["none"]
 
         def counting_hook(state, bucket):
             self._count(intra=bucket.buffer().numel() * bucket.buffer().element_size())
             return hook(state, bucket).then(self.note_failure)
 
-        ddp.register_comm_hook(state=self._node_group, hook=counting_hook)
+        ddp.register_comm_hook(state=self.node_group.handle, hook=counting_hook)
         return ddp
 
     def after_step(self, step: int) -> None:
@@ -194,7 +198,7 @@ class Hierarchical(Strategy):
         if self._diverged:
             self.synchronise()
         if self.ctx is not None:
-            self._per_worker = gather_objects(self.ctx, "summary", (self.intra_node_bytes, self.inter_node_bytes))
+            self._per_worker = self.ctx.group.gather_objects("summary", (self.intra_node_bytes, self.inter_node_bytes))
         return super().finish()
 
     def synchronise(self) -> None:
@@ -207,11 +211,11 @@ class Hierarchical(Strategy):
         if self.is_leader:
             sizes = {len(node) for node in self.nodes}
             if len(sizes) == 1:
-                self._count(inter=average_module(self.model, group=self._leader_group))
+                self._count(inter=average_module(self.model, group=self.leader_group))
             else:  # the mean over ranks: each node's model counts as many times as it has ranks
-                self._count(inter=weighted_average_module(self.model, len(self._node), group=self._leader_group))
+                self._count(inter=weighted_average_module(self.model, len(self._node), group=self.leader_group))
         if len(self._node) > 1:
-            self._count(intra=broadcast_module(self.model, src=self._node[0], group=self._node_group))
+            self._count(intra=broadcast_module(self.model, src=0, group=self.node_group))  # from its leader
 
     # -- records -------------------------------------------------------------------------------
     def state_dict(self) -> dict:

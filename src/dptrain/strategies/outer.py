@@ -42,6 +42,7 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
+from dptrain.runtime.group import Group
 from dptrain.strategies.collectives import (average_module, average_tensors, max_tensors, module_state,
                                             unflatten_into, weighted_average_module, weighted_average_tensors)
 from dptrain.strategies.compression import COMPRESSIONS, ErrorFeedback, compressed_mean
@@ -147,18 +148,18 @@ class Averager:
         if self.compression != "none":
             self._buffer_anchor = [t.detach().clone() for t in module_state(model)[0][len(self.anchor):]]
 
-    def average(self, model: nn.Module, world: int, weight: Optional[float] = None) -> int:
+    def average(self, model: nn.Module, group: Group, weight: Optional[float] = None) -> int:
         """Replace the replicas by the new global model; return the bytes handed to collectives.
 
         `weight` (fedavg) weighs this rank's change (0: it contributes nothing but receives the result)."""
         sent = 0
-        if world > 1:
+        if group.world_size > 1:
             if self.compression != "none":
-                sent = self._compressed_average(model, weight)
+                sent = self._compressed_average(model, group, weight)
             elif weight is None:
-                sent = average_module(model)
+                sent = average_module(model, group)
             else:
-                sent = weighted_average_module(model, weight)
+                sent = weighted_average_module(model, weight, group)
         if self.uses_anchor:
             self.outer.step(list(model.parameters()))
             if self.compression != "none":
@@ -168,16 +169,16 @@ class Averager:
         return sent
 
     @torch.no_grad()
-    def _compressed_average(self, model: nn.Module, weight: Optional[float]) -> int:
+    def _compressed_average(self, model: nn.Module, group: Group, weight: Optional[float]) -> int:
         """Parameters and floating buffers become anchor + the compressed mean change; integer buffers the max."""
         floating, integer = module_state(model)
         if any(t.is_complex() for t in floating):
             raise ValueError("compressed averaging supports real floating-point parameters and buffers only")
         anchor = torch.cat([a.detach().reshape(-1).to(torch.float32) for a in self.anchor + self._buffer_anchor])
         local = torch.cat([t.detach().reshape(-1).to(torch.float32) for t in floating])
-        mean, sent = compressed_mean(local - anchor, self.feedback, weight)
+        mean, sent = compressed_mean(local - anchor, self.feedback, weight, group)
         unflatten_into(floating, anchor + mean)
-        return sent + max_tensors(integer)
+        return sent + max_tensors(integer, group)
 
     def state_dict(self) -> dict:
         return {"anchor": [a.detach() for a in self.anchor], "outer": self.outer.state_dict(),
@@ -210,7 +211,7 @@ def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return tensors
 
 
-def settle_optimizer_state(optimizer: torch.optim.Optimizer, mode: str, world: int,
+def settle_optimizer_state(optimizer: torch.optim.Optimizer, mode: str, group: Group,
                            weight: Optional[float] = None) -> int:
     """What happens to the workers' optimizer state at an average: `keep` it, `reset` it (fresh state,
     as classic FedAvg clients start each round), or `average` it over the ranks (`weight`-weighted
@@ -219,7 +220,7 @@ def settle_optimizer_state(optimizer: torch.optim.Optimizer, mode: str, world: i
         raise ValueError(f"optimizer_state must be one of {OPTIMIZER_STATES}, not {mode!r}")
     if mode == "reset":
         optimizer.state.clear()
-    elif mode == "average" and world > 1:
+    elif mode == "average" and group.world_size > 1:
         tensors = optimizer_tensors(optimizer)
-        return average_tensors(tensors) if weight is None else weighted_average_tensors(tensors, weight)
+        return average_tensors(tensors, group) if weight is None else weighted_average_tensors(tensors, weight, group)
     return 0

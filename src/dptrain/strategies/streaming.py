@@ -65,11 +65,10 @@ import datetime
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from dptrain.data.sampler import EpochPlan
@@ -88,7 +87,7 @@ class _Send:
     global_: list[torch.Tensor]
     flat: torch.Tensor  # handed to the all-reduce; holds the sum (or max) once waited for
     own: torch.Tensor  # what this rank sent (its change, or its snapshot)
-    work: Optional[dist.Work] = None
+    work: Optional[Any] = None  # the all-reduce in flight (torch.distributed's Work)
 
 
 @dataclass
@@ -184,7 +183,7 @@ class Streaming(Strategy):
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, ctx: DistContext) -> nn.Module:
         super().setup(model, optimizer, ctx)
         if ctx.world_size > 1:
-            self.comm_bytes += broadcast_module(model)
+            self.comm_bytes += broadcast_module(model, group=self.ctx.group)
             floating, integer = module_state(model)
             self._groups = split_fragments(floating + integer, self.fragments)
             self._global_model = copy.deepcopy(model)  # g: the last global model, equal on every rank
@@ -255,14 +254,14 @@ class Streaming(Strategy):
                 snapshot = torch.cat([t.detach().reshape(-1) for t in live])
                 if kind == "float":
                     flat = snapshot - torch.cat([t.detach().reshape(-1) for t in global_])
-                    op = dist.ReduceOp.SUM
+                    op = "sum"
                 else:
                     flat = snapshot.to(torch.uint8) if kind == "bool" else snapshot
-                    op = dist.ReduceOp.MAX
+                    op = "max"
                 own = flat.clone()
-                self.comm_bytes += flat.numel() * flat.element_size()
                 send = _Send(kind, live, global_, flat, own)
-                send.work = dist.all_reduce(flat, op=op, async_op=True)
+                send.work, sent = self.ctx.group.all_reduce_async(flat, op)
+                self.comm_bytes += sent
                 pending.sends.append(send)
         self._pending = pending
 
@@ -314,7 +313,7 @@ class Streaming(Strategy):
 
     def _final_average(self) -> None:
         """One blocking average of the whole model; afterwards every replica (and g) is the same."""
-        self.comm_bytes += average_module(self.model)
+        self.comm_bytes += average_module(self.model, self.ctx.group)
         with torch.no_grad():
             for global_, live in zip(self._global_model.state_dict().values(), self.model.state_dict().values()):
                 global_.copy_(live)

@@ -83,7 +83,7 @@ class Sync(Strategy):
         if ctx.world_size > 1 and self.allreduce_epochs > 0:
             train_model = self._wrap(model, ctx)
         elif ctx.world_size > 1:
-            self.comm_bytes += broadcast_module(model)
+            self.comm_bytes += broadcast_module(model, group=self.ctx.group)
         self.averager.attach(model)
         return train_model
 
@@ -99,7 +99,7 @@ class Sync(Strategy):
         floating, integer = module_state(model)
         self.comm_bytes += tensor_bytes(floating + integer)
         self._buffer_bytes = tensor_bytes(model.buffers())
-        self._ddp = DistributedDataParallel(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
+        self._ddp = ctx.group.data_parallel(model)
 
         def hook(state, bucket):
             if not self.allreducing:  # local phase: this worker's own gradient, no communication
@@ -109,14 +109,14 @@ class Sync(Strategy):
             self.comm_bytes += bucket.buffer().numel() * bucket.buffer().element_size()
             return default_hooks.allreduce_hook(state, bucket).then(self.note_failure)
 
-        self._ddp.register_comm_hook(state=None, hook=hook)
+        self._ddp.register_comm_hook(state=ctx.group.handle, hook=hook)
         return self._ddp
 
     def _start_local_phase(self) -> None:
         """The switch: rank 0's buffers everywhere (what DDP's next forward would do), a new anchor."""
         if self._ddp is not None:
             self._ddp.broadcast_buffers = False
-            self.comm_bytes += broadcast_tensors(list(self.model.buffers()))
+            self.comm_bytes += broadcast_tensors(list(self.model.buffers()), group=self.ctx.group)
         self.averager.attach(self.model)
 
     # -- the hooks -----------------------------------------------------------------------------
@@ -156,8 +156,8 @@ class Sync(Strategy):
         assert self.model is not None and self.ctx is not None and self.optimizer is not None
         self._diverged = False
         self.averages += 1
-        self.comm_bytes += self.averager.average(self.model, self.ctx.world_size)
-        self.comm_bytes += settle_optimizer_state(self.optimizer, self.optimizer_state, self.ctx.world_size)
+        self.comm_bytes += self.averager.average(self.model, self.ctx.group)
+        self.comm_bytes += settle_optimizer_state(self.optimizer, self.optimizer_state, self.ctx.group)
 
     def state_dict(self) -> dict:
         state = super().state_dict()

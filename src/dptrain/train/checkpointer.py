@@ -13,7 +13,6 @@ from typing import Callable, Optional
 from dptrain.errors import UserError
 from dptrain import faults
 from dptrain.runtime.distributed import DistContext
-from dptrain.runtime.guard import broadcast_object
 from dptrain.train import checkpoint
 
 
@@ -63,7 +62,7 @@ class Checkpointer:
             epoch, notes = checkpoint.latest_complete(self.out, self.ctx.world_size)
             for note in notes:
                 self.log(f"dptrain: {note}")
-        epoch = broadcast_object(self.ctx, "resume", epoch)
+        epoch = self.ctx.group.broadcast_object("resume", epoch)
         if epoch is None:
             return None
         state = checkpoint.load(self.out, epoch, self.ctx.rank)

@@ -30,7 +30,6 @@ import torch
 from torch import nn
 
 from dptrain.data.sampler import loader
-from dptrain.runtime.guard import sum_tensor
 
 PROBE_ROWS = 256  # training rows per worker the check evaluates, twice per average (forward passes only)
 PROBE_BYTES = 32 << 20  # the probe is kept in memory, up to this size
@@ -121,7 +120,7 @@ class AverageHealth:
         'best' an average is compared with, so that an average worse than no training at all is bad too."""
         totals = self._measure(model)
         if self.together and self.ctx.world_size > 1:
-            totals = sum_tensor(self.ctx, "checking the first model", torch.nan_to_num(totals, nan=-1.0))
+            totals = self.ctx.group.sum_tensor("checking the first model", torch.nan_to_num(totals, nan=-1.0))
         self.best_loss = float(totals[0]) / max(float(totals[2]), 1.0)
         return self.best_loss
 
@@ -135,7 +134,7 @@ class AverageHealth:
         average = self._measure(model) if trained else torch.zeros(4, dtype=torch.float64)
         both = torch.stack([self._local, average])
         if self.together and self.ctx.world_size > 1:
-            both = sum_tensor(self.ctx, "checking the average", torch.nan_to_num(both, nan=-1.0).reshape(-1)).reshape(2, 4)
+            both = self.ctx.group.sum_tensor("checking the average", torch.nan_to_num(both, nan=-1.0).reshape(-1)).reshape(2, 4)
             both[both < 0] = math.nan  # a regression's accuracy stays undefined
         count = max(float(both[0, 2]), 1.0)
         local_loss, average_loss = float(both[0, 0]) / count, float(both[1, 0]) / count

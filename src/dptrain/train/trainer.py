@@ -25,7 +25,6 @@ from dptrain.data.sampler import PlanBatches, TrainData, as_dataset, evaluation_
 from dptrain.errors import Diverged, Interrupted, Preempted, UserError
 from dptrain.runtime.distributed import DistContext, init_process_group
 from dptrain.runtime.env import detect, launcher_reports_interrupts
-from dptrain.runtime.guard import any_rank, gather_objects, guard, sum_tensor
 from dptrain.strategies.base import Strategy
 from dptrain.train.checkpointer import Checkpointer, describe_interruption
 from dptrain.train.health import AverageHealth, LRGuard
@@ -37,6 +36,11 @@ Schedule = Callable[[torch.optim.Optimizer, int, int], object]
 EVAL_BATCH = 1024
 AMP_DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 LOSS_GROWTH_LIMIT = 10.0  # a training loss this many times the first epoch's is divergence
+
+
+def _grew(loss: float, first: float) -> bool:
+    """Whether a training loss is past LOSS_GROWTH_LIMIT times the first epoch's (divergence)."""
+    return math.isfinite(first) and first > 0 and loss > LOSS_GROWTH_LIMIT * first
 
 
 def make_loss(loss: Union[str, LossFn]) -> LossFn:
@@ -150,7 +154,7 @@ class Trainer:
         reader = loader(train, batches, self.loader_workers, pin_memory=ctx.device.type == "cuda")
         scheduler = self.schedule(self.optimizer, plan.steps, epochs) if self.schedule else None
         torch.manual_seed(self.seed + ctx.rank)  # dropout and friends differ per worker, reproducibly
-        train_model = guard(ctx, "setup", lambda: strategy.setup(self.model, self.optimizer, ctx))
+        train_model = ctx.group.bounded("setup", lambda: strategy.setup(self.model, self.optimizer, ctx))
         parts = {"model": self.model, "optimizer": self.optimizer, "scheduler": scheduler, "scaler": self.scaler,
                  "strategy": strategy}
         health, lr_guard = self._health_checks(train, strategy)
@@ -173,7 +177,7 @@ class Trainer:
             trained, averages = strategy.trains_in_epoch(epoch), strategy.averaging_events()
             if health is not None:
                 health.before(self.model, trained)
-            is_global = guard(ctx, "end_epoch", lambda: strategy.end_epoch(epoch))
+            is_global = ctx.group.bounded("end_epoch", lambda: strategy.end_epoch(epoch))
             checked = {}
             if health is not None and strategy.averaging_events() > averages:
                 checked = self._check_average(health, lr_guard, epoch, trained, scheduler)
@@ -193,10 +197,10 @@ class Trainer:
             if stop or self.checkpointer.due(epoch + 1):
                 self.checkpointer.save(epoch + 1, step, time.perf_counter() - started, parts, self.recorder.history)
             if stop:
-                guard(ctx, "checkpoint before stopping", strategy.stop_together)
+                ctx.group.bounded("checkpoint before stopping", strategy.stop_together)
                 raise Preempted(f"rank {ctx.rank}: stopped by {stop} after epoch {epoch + 1}; a checkpoint is saved "
                                 f"in {self.out}: run the same command again to continue")
-        final = guard(ctx, "finish", strategy.finish)
+        final = ctx.group.bounded("finish", strategy.finish)
         wall = time.perf_counter() - started
         final_metrics = None
         if test is not None:
@@ -221,7 +225,7 @@ class Trainer:
             step += 1
             if scheduler is not None:
                 scheduler.step()
-            guard(self.ctx, "after_step", lambda: self.strategy.after_step(step))
+            self.ctx.group.bounded("after_step", lambda: self.strategy.after_step(step))
             loss_sum = loss_sum + loss * len(y)  # a tensor: no device sync per step
             seen += len(y)
             if self.recorder.show_progress:
@@ -272,9 +276,8 @@ class Trainer:
             return None
         history = self.recorder.history
         first = history[0]["train_loss"] if history else math.nan
-        diverged = (not self._finite(model) or not math.isfinite(train_loss)
-                    or (math.isfinite(first) and first > 0 and train_loss > LOSS_GROWTH_LIMIT * first))
-        if not any_rank(self.ctx, "divergence check", diverged):
+        diverged = not self._finite(model) or not math.isfinite(train_loss) or _grew(train_loss, first)
+        if not self.ctx.group.any_rank("divergence check", diverged):
             return None
         return lr_guard.recover(epoch + 1, self.model, self.optimizer, scheduler)
 
@@ -288,7 +291,7 @@ class Trainer:
         when the weights are still finite."""
         history = self.recorder.history
         first, last = history[0]["train_loss"], history[-1]["train_loss"]
-        if len(history) > 1 and math.isfinite(first) and first > 0 and last > LOSS_GROWTH_LIMIT * first:
+        if len(history) > 1 and _grew(last, first):
             raise Diverged(f"rank {self.ctx.rank}: training diverged in epoch {epoch + 1}: the training loss "
                            f"{last:.4g} is more than {LOSS_GROWTH_LIMIT:g}x the first epoch's {first:.4g}; "
                            "lower --lr (or --lr-scaling none), clip gradients (--grad-clip) or warm up (--warmup-epochs)")
@@ -312,7 +315,7 @@ class Trainer:
             output = self._forward(model, x)
             loss = self.loss_fn(output.float(), y)
         scaled = self.scaler.scale(loss) if self.scaler else loss
-        guard(self.ctx, "backward", scaled.backward, communication_failed=self.strategy.communication_failed)
+        self.ctx.group.bounded("backward", scaled.backward, communication_failed=self.strategy.communication_failed)
         self.strategy.after_backward(model)
         if self.grad_clip is not None:
             if self.scaler:
@@ -337,7 +340,7 @@ class Trainer:
                 self._forward_mark[1].remove()
             self._forward_mark = (model, model.module.register_forward_pre_hook(self._entered_forward))
         self._in_user_forward = False
-        return guard(self.ctx, "forward", lambda: model(x), communication_failed=lambda: not self._in_user_forward)
+        return self.ctx.group.bounded("forward", lambda: model(x), communication_failed=lambda: not self._in_user_forward)
 
     def _entered_forward(self, module: nn.Module, inputs) -> None:
         self._in_user_forward = True
@@ -380,7 +383,7 @@ class Trainer:
             totals[2] += len(y)
         model.train(was_training)
         if world > 1:
-            totals = sum_tensor(self.ctx, "evaluate", totals)
+            totals = self.ctx.group.sum_tensor("evaluate", totals)
         count = max(totals[2].item(), 1.0)
         return {"test_loss": totals[0].item() / count,
                 "test_accuracy": totals[1].item() / count if classify else None}
@@ -398,7 +401,7 @@ class Trainer:
         workers = self.strategy.workers_history(self.recorder.history)
         if workers is not None:
             self.recorder.complete(workers)
-        comm = gather_objects(self.ctx, "summary", self.strategy.comm_bytes)
+        comm = self.ctx.group.gather_objects("summary", self.strategy.comm_bytes)
         summary = Summary(
             strategy=self.strategy.name, workers=self.ctx.world_size,
             strategy_options={**self.strategy.describe(), **({"auto": self.strategy_choice} if self.strategy_choice else {})},

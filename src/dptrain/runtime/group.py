@@ -1,0 +1,246 @@
+"""The communication seam: every collective a run makes goes through a Group.
+
+A Group is the set of ranks a run talks to (the whole job, node leaders, the async merge
+service) with its deadline and its heartbeat. Strategies, the trainer and the benchmarks reach
+other ranks only through it: no module outside runtime/ calls a torch.distributed collective
+(a test walks the source for that). Ranks given to a Group's methods are ranks *in the group*.
+
+Every tensor collective returns the bytes this rank handed over (its payload, counted once,
+here), which is what strategies add to `comm_bytes`; `handed_over` keeps the running total.
+
+A Group can be closed and replaced by one with other members: `rebuild(members, generation)`
+makes a fresh process group over the same rendezvous store under a new key prefix, without
+touching the default group (what live fault tolerance needs; nothing in dptrain rebuilds yet).
+
+The waiting policy is `bounded`: a failed or timed-out wait on another rank becomes
+PeerFailure naming the silent rank (from heartbeats). Which errors count as a peer failure is
+decided by *where* they happen, not by their wording: torch's own distributed error types
+always do, and so does any error of an operation that only communicates (our collectives on
+tensors we built). An error in code that also runs the user's model (the backward pass)
+counts only when the communication in it is known to have failed (`communication_failed`), so
+a bug in a user's model keeps its own traceback.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from typing import Any, Callable, Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dptrain.runtime.heartbeat import Heartbeat
+
+OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+class PeerFailure(RuntimeError):
+    """A collective failed or timed out because another worker is gone or stuck."""
+
+
+def payload_bytes(tensor: torch.Tensor) -> int:
+    """The bytes a rank hands over when it gives `tensor` to a collective."""
+    return tensor.numel() * tensor.element_size()
+
+
+class Group:
+    """A set of ranks, its deadline, and every collective among them (see the module's docstring)."""
+
+    def __init__(self, rank: int, world_size: int, device: torch.device, backend: str, timeout: float, *,
+                 heartbeat: Optional[Heartbeat] = None, handle: Any = None, store: Any = None,
+                 members: Optional[Sequence[int]] = None, name: str = "the job") -> None:
+        self.rank, self.world_size, self.device, self.backend = rank, world_size, device, backend
+        self.timeout, self.heartbeat, self.store, self.name = timeout, heartbeat, store, name
+        self.handle = handle  # the torch process group; None: the default one
+        self.members = list(members) if members is not None else list(range(world_size))  # ranks of the job
+        self.handed_over = 0
+        self.closed = False
+
+    @classmethod
+    def default(cls, timeout: float = 300.0) -> "Group":
+        """The default process group as a Group (for code handed no context, such as tests' helpers)."""
+        backend = dist.get_backend()
+        device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        return cls(dist.get_rank(), dist.get_world_size(), device, backend, timeout)
+
+    @property
+    def collective_device(self) -> torch.device:
+        """Where a tensor handed to a collective must live: the GPU under NCCL, else the CPU."""
+        return self.device if self.backend == "nccl" else torch.device("cpu")
+
+    def _count(self, tensor: torch.Tensor) -> int:
+        sent = payload_bytes(tensor)
+        self.handed_over += sent
+        return sent
+
+    # -- tensor collectives: each returns the bytes this rank handed over ----------------------
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> int:
+        """Reduce `tensor` over the group in place ("sum", "max" or "min")."""
+        dist.all_reduce(tensor, op=OPS[op], group=self.handle)
+        return self._count(tensor)
+
+    def all_reduce_async(self, tensor: torch.Tensor, op: str = "sum") -> tuple[Any, int]:
+        """Start an all-reduce of `tensor` in place: (its work handle, bytes handed over)."""
+        work = dist.all_reduce(tensor, op=OPS[op], group=self.handle, async_op=True)
+        return work, self._count(tensor)
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> int:
+        """Make every rank's `tensor` rank `src`'s (in place)."""
+        dist.broadcast(tensor, group=self.handle, **self._peer("src", src))
+        return self._count(tensor)
+
+    def all_gather(self, tensor: torch.Tensor) -> tuple[list[torch.Tensor], int]:
+        """(Every rank's `tensor`, in rank order; bytes handed over: this rank's one payload)."""
+        gathered = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        dist.all_gather(gathered, tensor, group=self.handle)
+        return gathered, self._count(tensor)
+
+    def _peer(self, kind: str, rank: Optional[int]) -> dict:
+        """torch's keyword for a peer: `src`/`dst` (ranks of the job) on the default group,
+        `group_src`/`group_dst` (ranks in the group) on any other."""
+        if rank is None:
+            return {}
+        return {kind: rank} if self.handle is None else {f"group_{kind}": rank}
+
+    def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> int:
+        dist.send(tensor, group=self.handle, tag=tag, **self._peer("dst", dst))
+        return self._count(tensor)
+
+    def recv(self, tensor: torch.Tensor, src: Optional[int] = None, tag: int = 0) -> int:
+        """Receive into `tensor` from `src` (any rank when None); returns the sender's rank in the group."""
+        sender = dist.recv(tensor, group=self.handle, tag=tag, **self._peer("src", src))
+        return sender if self.handle is None else dist.get_group_rank(self.handle, sender)
+
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Any:
+        work = dist.isend(tensor, group=self.handle, tag=tag, **self._peer("dst", dst))
+        self._count(tensor)
+        return work
+
+    def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Any:
+        return dist.irecv(tensor, group=self.handle, tag=tag, **self._peer("src", src))
+
+    # -- bookkeeping (metric traffic: never counted), each bounded and named ----------------
+    def gather_objects(self, what: str, value: Any) -> list:
+        """Every rank's `value`, in rank order, on every rank."""
+        if self.world_size == 1:
+            return [value]
+        gathered: list = [None] * self.world_size
+        self.bounded(what, lambda: dist.all_gather_object(gathered, value, group=self.handle))
+        return gathered
+
+    def broadcast_object(self, what: str, value: Any, src: int = 0) -> Any:
+        """Rank `src`'s `value` on every rank."""
+        if self.world_size == 1:
+            return value
+        box = [value]
+        self.bounded(what, lambda: dist.broadcast_object_list(box, src=src, group=self.handle))
+        return box[0]
+
+    def any_rank(self, what: str, flag: bool) -> bool:
+        """Whether `flag` is true on at least one rank (every rank waits for all)."""
+        if self.world_size == 1:
+            return flag
+        value = torch.tensor([1 if flag else 0], device=self.collective_device)
+        self.bounded(what, lambda: dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.handle))
+        return bool(value.item())
+
+    def sum_tensor(self, what: str, values: torch.Tensor) -> torch.Tensor:
+        """`values` summed over all ranks (returned on the CPU)."""
+        if self.world_size == 1:
+            return values
+        reduced = values.to(self.collective_device)
+        self.bounded(what, lambda: dist.all_reduce(reduced, group=self.handle))
+        return reduced.cpu()
+
+    def barrier(self, what: str) -> None:
+        if self.world_size > 1:
+            self.bounded(what, lambda: dist.barrier(group=self.handle))
+
+    # -- groups built from this one ------------------------------------------------------------
+    def subgroup(self, ranks: Sequence[int], *, backend: Optional[str] = None, timeout: Optional[float] = None,
+                 name: str = "a subgroup") -> Optional["Group"]:
+        """A group of `ranks` (of this group). Every rank of this group must call it; ranks outside
+        `ranks` get None. `backend` gloo gives a CPU side channel beside an NCCL job."""
+        wait = self.timeout if timeout is None else timeout
+        handle = dist.new_group(list(ranks), backend=backend, timeout=datetime.timedelta(seconds=wait))
+        if self.rank not in ranks:
+            return None
+        chosen = backend or self.backend
+        device = self.device if chosen == "nccl" else torch.device("cpu")
+        return Group(list(ranks).index(self.rank), len(ranks), device, chosen, wait, heartbeat=self.heartbeat,
+                     handle=handle, members=[self.members[r] for r in ranks], name=name)
+
+    def split(self, parts: Sequence[Sequence[int]], *, name: str = "a part") -> Optional["Group"]:
+        """This rank's part of a partition of this group's ranks into groups (each rank in one part).
+        Every rank must call it with the same `parts`; a rank alone in its part gets None."""
+        handle, _ = dist.new_subgroups_by_enumeration([list(part) for part in parts],
+                                                      timeout=datetime.timedelta(seconds=self.timeout))
+        part = next(list(part) for part in parts if self.rank in part)
+        if len(part) == 1:
+            return None
+        return Group(part.index(self.rank), len(part), self.device, self.backend, self.timeout,
+                     heartbeat=self.heartbeat, handle=handle, members=[self.members[r] for r in part], name=name)
+
+    def data_parallel(self, module: nn.Module, **options: Any) -> nn.parallel.DistributedDataParallel:
+        """`module` under DistributedDataParallel on this group (its gradient all-reduce, its broadcasts)."""
+        device_ids = [self.device.index] if self.device.type == "cuda" else None
+        return nn.parallel.DistributedDataParallel(module, device_ids=device_ids, process_group=self.handle,
+                                                   **options)
+
+    def rebuild(self, members: Sequence[int], generation: int) -> Optional["Group"]:
+        """A fresh group of `members` (ranks of the job) over the same store under the prefix
+        `group{generation}/`, the default group untouched. Every member must call it with the same
+        arguments; a rank outside `members` gets None. Closes this group first."""
+        if self.store is None:
+            raise RuntimeError(f"{self.name} has no rendezvous store to rebuild a group on")
+        self.close()
+        me = self.members[self.rank]
+        if me not in members:
+            return None
+        rank, wait = list(members).index(me), datetime.timedelta(seconds=self.timeout)
+        prefixed = dist.PrefixStore(f"group{generation}", self.store)
+        if self.backend == "nccl":
+            handle = dist.ProcessGroupNCCL(prefixed, rank, len(members))
+        else:
+            handle = dist.ProcessGroupGloo(prefixed, rank, len(members), wait)
+        return Group(rank, len(members), self.device, self.backend, self.timeout, heartbeat=self.heartbeat,
+                     handle=handle, store=self.store, members=members, name=f"generation {generation}")
+
+    def close(self) -> None:
+        """Leave this group (a group made by `rebuild`: its connections are dropped; the default
+        group is destroyed by the runtime, not here)."""
+        if self.closed:
+            return
+        self.closed = True
+        if self.handle is not None and hasattr(self.handle, "abort"):
+            try:
+                self.handle.abort()
+            except RuntimeError:
+                pass
+
+    # -- the waiting policy ----------------------------------------------------------------------
+    def bounded(self, what: str, action: Callable[[], Any], *,
+                communication_failed: Union[bool, Callable[[], bool]] = True) -> Any:
+        """Run `action`; turn a failed or timed-out wait on another rank into one line naming it."""
+        begun = time.perf_counter()
+        try:
+            return action()
+        except (dist.DistError, RuntimeError) as exc:  # a PeerFailure inside too: named with `what`
+            if self.world_size == 1:
+                raise
+            if not isinstance(exc, dist.DistError):
+                failed = communication_failed() if callable(communication_failed) else communication_failed
+                if not failed:
+                    raise
+            waited = time.perf_counter() - begun
+            who = self.heartbeat.silent_peers() if self.heartbeat else "no heartbeat store to tell which peer"
+            raise PeerFailure(
+                f"rank {self.rank}: {what} failed after {waited:.1f} s (timeout {self.timeout:g} s): {who}; "
+                f"cause: {_first_line(exc)}") from None
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = [line for line in str(exc).splitlines() if line.strip()]
+    return lines[0] if lines else type(exc).__name__

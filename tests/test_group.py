@@ -1,0 +1,144 @@
+"""The communication seam (runtime/group.py): every collective goes through a Group, which counts
+the bytes, builds subgroups, and can be rebuilt with other members on the same store."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import torch
+
+from distributed import run_distributed
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "dptrain"
+SEAM = {"runtime/group.py"}
+# What reaches another rank: torch.distributed's collectives, point-to-point messages, group
+# construction, and DistributedDataParallel (its constructor and forward communicate).
+COMMUNICATING = {"all_reduce", "broadcast", "all_gather", "all_gather_object", "all_gather_into_tensor",
+                 "broadcast_object_list", "gather", "gather_object", "scatter", "scatter_object_list", "reduce",
+                 "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "barrier",
+                 "monitored_barrier", "send", "recv", "isend", "irecv", "batch_isend_irecv", "new_group",
+                 "new_subgroups", "new_subgroups_by_enumeration", "DistributedDataParallel",
+                 "ProcessGroupGloo", "ProcessGroupNCCL"}
+
+
+def communicating_calls(path: Path) -> list[str]:
+    """`file:line name` for each call of a communicating torch.distributed function in `path`, whatever
+    it was imported as (`dist.all_reduce`, `torch.distributed.all_reduce`, `from ... import all_reduce`)."""
+    tree = ast.parse(path.read_text(), str(path))
+    bare: set[str] = set()  # names imported from torch.distributed / torch.nn.parallel themselves
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith(("torch.distributed",
+                                                                                        "torch.nn.parallel")):
+            bare |= {alias.asname or alias.name for alias in node.names if alias.name in COMMUNICATING}
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
+        if isinstance(node.func, ast.Attribute) and name in COMMUNICATING:
+            owner = ast.unparse(node.func.value)
+            if owner in ("dist", "torch.distributed", "c10d", "nn.parallel", "torch.nn.parallel") \
+                    or owner.endswith("distributed_c10d"):
+                found.append(f"{path.relative_to(SRC)}:{node.lineno} {owner}.{name}")
+        elif name in bare:
+            found.append(f"{path.relative_to(SRC)}:{node.lineno} {name}")
+    return found
+
+
+def test_no_module_outside_the_seam_calls_a_collective():
+    outside = [call for path in sorted(SRC.rglob("*.py")) if str(path.relative_to(SRC)) not in SEAM
+               for call in communicating_calls(path)]
+    assert outside == [], "torch.distributed called outside runtime/group.py:\n" + "\n".join(outside)
+
+
+def test_the_walk_finds_collectives_however_they_are_imported(tmp_path):
+    global SRC
+    sample = tmp_path / "sample.py"
+    sample.write_text("import torch.distributed as dist\nfrom torch.distributed import barrier as b\n"
+                      "from torch.nn.parallel import DistributedDataParallel\n"
+                      "def f(t, m):\n    dist.all_reduce(t)\n    b()\n    torch.distributed.send(t, 1)\n"
+                      "    DistributedDataParallel(m)\n    dist.get_rank()\n")
+    saved, SRC = SRC, tmp_path
+    try:
+        assert communicating_calls(sample) == ["sample.py:5 dist.all_reduce", "sample.py:6 b",
+                                               "sample.py:7 torch.distributed.send",
+                                               "sample.py:8 DistributedDataParallel"]
+    finally:
+        SRC = saved
+
+
+def _job_group(rank, world):
+    from dptrain.runtime.group import Group
+    from dptrain.runtime.heartbeat import default_store
+    return Group(rank, world, torch.device("cpu"), "gloo", 30.0, store=default_store())
+
+
+def _rebuilt(rank, world):
+    group = _job_group(rank, world)
+    before = torch.tensor([float(rank + 1)])
+    sent = group.all_reduce(before)
+    new = group.rebuild([0, 2], generation=1)  # rank 1 leaves; the default group is untouched
+    if new is None:
+        return rank, before.item(), sent, None
+    total = torch.tensor([float(rank + 1)])
+    new.all_reduce(total)
+    chosen = torch.tensor([float(rank)])
+    new.broadcast(chosen, src=1)  # rank 1 of the new group: rank 2 of the job
+    gathered, handed = new.all_gather(torch.tensor([rank], dtype=torch.int64))
+    return rank, before.item(), sent, (new.rank, new.world_size, new.members, total.item(), chosen.item(),
+                                       [int(t) for t in gathered], handed, new.handed_over)
+
+
+def test_a_group_is_rebuilt_with_other_members_on_a_prefixed_store():
+    results = run_distributed(_rebuilt, 3)
+    assert [r[1] for r in results] == [6.0, 6.0, 6.0] and {r[2] for r in results} == {4}  # float32: 4 bytes
+    assert results[1][3] is None
+    # all_reduce of 1 and 3; broadcast from job rank 2; all_gather in member order; bytes: 4 + 4 + 8
+    assert results[0][3] == (0, 2, [0, 2], 4.0, 2.0, [0, 2], 8, 16)
+    assert results[2][3] == (1, 2, [0, 2], 4.0, 2.0, [0, 2], 8, 16)
+
+
+def _parts(rank, world):
+    group = _job_group(rank, world)
+    part = group.split([[0, 1], [2, 3]], name="a node")
+    leaders = group.subgroup([0, 2], name="the leaders")
+    value = torch.tensor([float(rank)])
+    part.broadcast(value, src=0)  # from the part's first rank
+    message = torch.tensor([-1])
+    if part.rank == 0:
+        part.send(torch.tensor([10 * rank]), 1, tag=3)
+    else:
+        sender = part.recv(message, tag=3)
+        message = torch.cat([message, torch.tensor([sender])])
+    seen = None
+    if leaders is not None:
+        mine = torch.tensor([float(rank)])
+        leaders.all_reduce(mine, "max")
+        seen = (leaders.rank, leaders.members, mine.item())
+    return part.rank, part.members, value.item(), message.tolist(), seen
+
+
+def test_split_and_subgroup_speak_in_ranks_of_the_group():
+    results = run_distributed(_parts, 4)
+    assert results[0] == (0, [0, 1], 0.0, [-1], (0, [0, 2], 2.0))
+    assert results[1] == (1, [0, 1], 0.0, [0, 0], None)  # rank 0's message, from the part's rank 0
+    assert results[2] == (0, [2, 3], 2.0, [-1], (1, [0, 2], 2.0))
+    assert results[3] == (1, [2, 3], 2.0, [20, 0], None)
+
+
+def _peer_gone(rank, world):
+    from dptrain.runtime.group import PeerFailure
+    group = _job_group(rank, world)
+    if rank == 1:
+        return None  # leaves: its connections close
+    try:
+        group.any_rank("the stop check", False)
+    except PeerFailure as exc:
+        return str(exc)
+    return "no failure"
+
+
+def test_a_wait_on_a_rank_that_left_is_a_peer_failure_naming_what_waited():
+    said = run_distributed(_peer_gone, 2)[0]
+    assert said.startswith("rank 0: the stop check failed after ") and "cause: " in said, said
