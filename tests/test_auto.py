@@ -235,8 +235,6 @@ def test_measure_compute_times_the_callers_step_and_puts_everything_back():
 
 
 def test_a_schedule_of_the_users_own_is_kept_when_auto_rescales():
-    from types import SimpleNamespace
-
     from dptrain import lr_policy
 
     config = build_config({"strategy": "auto", "lr": 0.05, "lr_scaling": "auto"})
