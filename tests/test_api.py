@@ -109,3 +109,13 @@ def test_train_from_config_spawns_the_workers_and_returns_their_summary(tmp_path
                                          "progress": False})
     assert isinstance(summary, Summary) and summary.workers == 2 and summary.launcher == "local"
     assert summary.to_dict() == json.loads((tmp_path / "r" / "summary.json").read_text())
+
+
+def test_every_registered_strategy_is_exported_as_its_registered_class():
+    from dptrain import registry
+
+    for name, entry in registry.STRATEGIES.items():
+        module, _, attribute = entry.target.partition(":")
+        assert attribute in dptrain.__all__, f"strategy {name} ({attribute}) is not exported by dptrain"
+        assert getattr(dptrain, attribute) is registry.load("strategy", name)
+        assert issubclass(getattr(dptrain, attribute), dptrain.Strategy)

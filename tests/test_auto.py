@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import subprocess
@@ -15,6 +14,7 @@ import torch
 from dptrain.bench import costmodel
 from dptrain.config import build_config
 from dptrain.errors import UserError
+from dptrain.lr_policy import ConfigSchedule
 from dptrain.strategies.auto import (ALL_CANDIDATES, SAFE_CANDIDATES, Auto, Candidate, bandwidth_from, decision_line,
                                      latency_from, pick, predict)
 from dptrain.strategies.sync import Sync
@@ -190,11 +190,57 @@ def test_the_chosen_strategy_gets_the_lr_its_own_flag_would_give(settings, chose
     applied = 0.05 * config.lr_scale(2)[0]  # what the launcher gave the optimizer before the choice
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=applied)
     said = []
-    schedule = functools.partial(lambda config, world, *rest: config, config, 2)  # as run_worker binds it
     trainer = SimpleNamespace(ctx=SimpleNamespace(world_size=2), optimizer=optimizer,
-                              recorder=SimpleNamespace(log=said.append), schedule=schedule)
+                              recorder=SimpleNamespace(log=said.append),
+                              schedule=ConfigSchedule(config, 2))  # as train_in_group builds it
     Auto.from_config(config)._scale_lr_for(chosen, trainer)
     assert optimizer.param_groups[0]["lr"] == pytest.approx(lr)
     assert len(said) == (1 if lr != applied else 0)
-    scheduled_as = trainer.schedule()  # the schedule (its warm-up) follows the chosen strategy's settings
-    assert scheduled_as.strategy == (chosen.strategy if lr != applied else "auto")
+    # the schedule (its warm-up) follows the chosen strategy's settings
+    assert trainer.schedule.config.strategy == (chosen.strategy if lr != applied else "auto")
+    assert trainer.schedule.world == 2
+    assert trainer.lr_scale == (2.0 if settings.get("lr_scaling") == "auto" and chosen.strategy != "allreduce" else 1.0)
+
+
+def test_measure_compute_times_the_callers_step_and_puts_everything_back():
+    """auto times the step its caller gives (the Trainer's timing_step), with a fresh optimizer of the run's
+    kind, and leaves the model, the run's optimizer and the RNG as they were."""
+    from types import SimpleNamespace
+
+    from dptrain.data.sampler import as_dataset
+    from dptrain.strategies.auto import measure_compute
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    before = {name: value.clone() for name, value in model.state_dict().items()}
+    train = as_dataset((torch.randn(10, 3), torch.randint(0, 2, (10,))))
+    calls = []
+
+    def step(stepped, timed, x, y):
+        assert stepped is model and timed is not optimizer
+        assert type(timed) is torch.optim.SGD and timed.defaults == optimizer.defaults
+        torch.nn.functional.cross_entropy(stepped(x), y).backward()
+        timed.step()
+        calls.append(len(y))
+
+    rng = torch.get_rng_state()
+    seconds = measure_compute(step, model, optimizer, SimpleNamespace(rank=0, device=torch.device("cpu")), 4, train,
+                              steps=2)
+    assert calls == [4, 4, 4]  # one warm-up and `steps` timed steps of whole batches
+    assert seconds > 0
+    assert all(torch.equal(model.state_dict()[name], value) for name, value in before.items())
+    assert optimizer.state_dict()["state"] == {} and all(p.grad is None for p in model.parameters())
+    assert torch.equal(torch.get_rng_state(), rng)
+
+
+def test_a_schedule_of_the_users_own_is_kept_when_auto_rescales():
+    from dptrain import lr_policy
+
+    config = build_config({"strategy": "auto", "lr": 0.05, "lr_scaling": "auto"})
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.05)
+    own = lambda optimizer, steps, epochs: None  # noqa: E731 - a schedule the trainer was given by its user
+    rescaled = lr_policy.rescale_for(config, "sync", 4, optimizer, own)
+    assert (rescaled.schedule, rescaled.lr_scale, optimizer.param_groups[0]["lr"]) == (own, 4.0, pytest.approx(0.2))
+    assert rescaled.line == lr_policy.lr_line(config.model_copy(update={"strategy": "sync"}), 4)
+    assert "learning rate 0.2 (0.05 x 4, --lr-scaling auto" in rescaled.line

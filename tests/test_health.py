@@ -16,7 +16,7 @@ import torch
 
 from dptrain.config import TrainConfig
 from dptrain.train.health import COLLAPSE_RATIO, AverageCheck, AverageHealth, LRGuard, probe_rows
-from dptrain.train.optim import build_schedule
+from dptrain.lr_policy import build_schedule
 
 HERE = Path(__file__).parent
 

@@ -14,8 +14,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from dptrain.errors import UserError
-from dptrain.models import MODEL_NAMES, build_model, check_output_shape, count_parameters
+from dptrain.models import MODEL_NAMES, build_model, check_output_shape
 from dptrain.models.nfnet import ScaledGELU, WSConv2d
+
+
+def count_parameters(model: torch.nn.Module) -> int:
+    """Scalar parameters, each shared tensor counted once."""
+    return sum(p.numel() for p in model.parameters())
+
 
 # (name, per-sample shape, outputs) covering each built-in model's natural inputs.
 NATURAL = [

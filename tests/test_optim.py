@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from dptrain.train.optim import build_optimizer, build_schedule, lr_factor
+from dptrain.lr_policy import build_schedule, lr_factor
+from dptrain.train.optim import build_optimizer
 
 
 def factors(steps, **kwargs):

@@ -136,8 +136,8 @@ def test_block_size_is_passed_on():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(name="digit"), "unknown dataset 'digit'; did you mean 'digits'\\? choose one of: digits"),
-        (dict(name="imagenet"), "unknown dataset 'imagenet'; choose one of"),
+        (dict(name="digit"), "unknown dataset 'digit'; did you mean 'digits'\\? valid names are digits"),
+        (dict(name="imagenet"), "unknown dataset 'imagenet'; valid names are"),
         (dict(name=None), "no data given"),
         (dict(name="synthetic-images", samples=0), "samples 0 is invalid"),
         (dict(name="synthetic-images", classes=1), "classes 1 is invalid"),

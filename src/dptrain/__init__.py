@@ -17,8 +17,11 @@ __version__ = "0.1.0"
 # Imported on first use, so that `dptrain --help` or `dptrain launch` do not pay for torch.
 _EXPORTS = {
     "Trainer": "dptrain.train.trainer", "Summary": "dptrain.train.recorder",
-    "AllReduce": "dptrain.strategies", "Async": "dptrain.strategies", "FedAvg": "dptrain.strategies",
-    "Strategy": "dptrain.strategies", "Sync": "dptrain.strategies",
+    # every registered strategy (dptrain.registry.STRATEGIES), from its own module, and their base class
+    "AllReduce": "dptrain.strategies.allreduce", "Sync": "dptrain.strategies.sync",
+    "Streaming": "dptrain.strategies.streaming", "Async": "dptrain.strategies.asynchronous",
+    "FedAvg": "dptrain.strategies.fedavg", "Hierarchical": "dptrain.strategies.hierarchical",
+    "Auto": "dptrain.strategies.auto", "Strategy": "dptrain.strategies.base",
     "DSTensor": "dptrain.data", "load_dataset": "dptrain.data",
     "TrainConfig": "dptrain.config", "train_from_config": "dptrain.train.run",
     "run": "dptrain.program", "exit_process": "dptrain.runtime.distributed",

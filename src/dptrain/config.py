@@ -7,33 +7,19 @@ the field, the bad value and what is valid (dptrain.errors.UserError).
 
 from __future__ import annotations
 
-import math
-
 import os
 from typing import Any, Iterable, Literal, Optional, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from dptrain import registry
+from dptrain import lr_policy, registry
 from dptrain.errors import UserError, did_you_mean
 from dptrain.imports import FILE_SPEC, looks_like_spec
+from dptrain.lr_policy import DEFAULT_LR_SCALING, LR_DEFAULTS
 
 BUILTIN_LOSSES = ("auto", "cross-entropy", "mse")
 
-
-# Strategies whose replicas train alone for whole epochs between averages, and whose averages the trainer
-# checks: --lr-scaling auto scales their LR, guarded (dptrain.train.health). fedavg only over iid partitions.
-WEIGHT_AVERAGING = ("sync", "async", "fedavg")
-
-# The default LR rule: keep the user's --lr. On the tuning half of the robustness suite no rule held one
-# worker's accuracy on every problem, and scaling cost up to 20 points where --lr was already near the edge
-# of stability (benchmarks/README.md, "Robust defaults"); auto is opt-in, with the table saying when it pays.
-DEFAULT_LR_SCALING = "none"
-
-# --lr when not given, per optimizer: of 0.05, 0.02 and 0.01 (and Adam's 0.001) the steadiest for one worker
-# on the tuning half of benchmarks/robustness.py (benchmarks/README.md, "Robust defaults").
-LR_DEFAULTS = {"sgd": 0.02, "adam": 0.01, "adamw": 0.01}
 
 # --outer-lr when not given: DiLoCo's 0.7 (also recorded for `none`, where it is unused), FedAvgM's
 # server learning rate 1, and for FedAdam a step of about 0.01 per coordinate (Reddi et al. tune it per task).
@@ -240,36 +226,16 @@ class TrainConfig(BaseModel):
         return self
 
     def lr_scale(self, world: int) -> tuple[float, str]:
-        """(factor the LR is multiplied by for `world` workers, the rule that gave it: none, linear, sqrt or auto).
-
-        Replicas trained on disjoint shards and averaged behave like one model trained with a W times larger
-        batch at the same LR; a larger LR can give back the step size, or tip training over (benchmarks/README.md,
-        "Robust defaults"). `auto` multiplies by W only where replicas train alone for whole epochs between
-        averages (sync every epoch or more, async, fedavg over iid partitions) and the trainer can check each
-        average: it warms up, and backs off towards --lr when an average goes wrong (dptrain.train.health).
-        Replicas that meet every few steps (--sync-every-steps, --allreduce-epochs) are one large-batch model,
-        as allreduce is, and keep --lr; so does fedavg under label skew."""
-        rule = "linear" if self.scale_lr else self.lr_scaling
-        if rule == "auto" and not self.auto_scales():
-            rule = "none"
-        if world == 1:
-            return 1.0, rule
-        return {"none": 1.0, "linear": float(world), "auto": float(world), "sqrt": math.sqrt(world)}[rule], rule
+        """(factor the LR is multiplied by for `world` workers, the rule that gave it): dptrain.lr_policy.lr_scale."""
+        return lr_policy.lr_scale(self, world)
 
     def auto_scales(self) -> bool:
-        """Whether --lr-scaling auto raises this run's LR (see lr_scale)."""
-        if self.strategy not in WEIGHT_AVERAGING or (self.strategy == "fedavg" and self.partition != "iid"):
-            return False
-        return self.sync_every_steps is None and not self.allreduce_epochs
+        """Whether --lr-scaling auto raises this run's LR: dptrain.lr_policy.auto_scales."""
+        return lr_policy.auto_scales(self)
 
     def warmup(self, world: int) -> float:
-        """Epochs of linear LR warm-up: --warmup-epochs when given; else, when --lr-scaling auto scales the
-        LR, a tenth of the run up to 5 epochs (Goyal et al. warm up for 5 of 90), else none."""
-        if self.warmup_epochs is not None:
-            return self.warmup_epochs
-        if self.lr_scale(world)[1] == "auto" and self.lr_scale(world)[0] != 1:
-            return min(5.0, self.epochs / 10)
-        return 0.0
+        """Epochs of linear LR warm-up for `world` workers: dptrain.lr_policy.warmup."""
+        return lr_policy.warmup(self, world)
 
     def slow_workers(self) -> dict[int, float]:
         """--slow-worker as {rank: factor}."""

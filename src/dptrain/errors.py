@@ -60,3 +60,11 @@ def did_you_mean(name: str, candidates: "list[str] | tuple[str, ...]") -> str:
     if match is None:
         return ""
     return f"did you mean {match}?" if match.startswith("-") else f"did you mean '{match}'?"
+
+
+def unknown_name(kind: str, name: str, valid: "list[str] | tuple[str, ...]", alternative: str = "") -> UserError:
+    """The one line for a `name` that is none of the `valid` names of `kind`: the did-you-mean hint, then the
+    valid names (and `alternative`, what else would do). Every registry lookup says it this way."""
+    hint = did_you_mean(name, valid)
+    also = f", {alternative}" if alternative else ""
+    return UserError(f"unknown {kind} '{name}'; {hint + ' ' if hint else ''}valid names are {', '.join(valid)}{also}")

@@ -12,7 +12,7 @@ import importlib
 from dataclasses import dataclass
 from typing import Any
 
-from dptrain.errors import UserError, did_you_mean
+from dptrain.errors import unknown_name
 
 
 @dataclass(frozen=True)
@@ -99,8 +99,7 @@ def load(kind: str, name: str) -> Any:
     """Import the object (or backend module) registered as `name`. An unknown name is one line with a hint."""
     table = TABLES[kind]
     if name not in table:
-        hint = did_you_mean(name, names(kind))
-        raise UserError(f"unknown {kind} '{name}'; {hint + ' ' if hint else ''}valid names are {', '.join(table)}")
+        raise unknown_name(kind, name, names(kind))
     module_name, _, attribute = table[name].target.partition(":")
     module = importlib.import_module(module_name)
     return getattr(module, attribute) if attribute else module

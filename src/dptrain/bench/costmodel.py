@@ -36,7 +36,8 @@ Modes beyond the plain strategies, chosen by `Settings` (their defaults give the
   intra-node link (node_bandwidth, node_latency), and per period an average among the N/G node
   leaders over the slow link (bandwidth, latency), which each leader then broadcasts to its node
   (M/node_bandwidth + node_latency).
-- auto (`--strategy auto`): the candidate it would pick (dptrain.strategies.auto).
+- auto (`--strategy auto`): the candidate it would pick (its candidates and the rule are here, below
+  the strategy, dptrain.strategies.auto, which measures and then picks by them).
 """
 
 from __future__ import annotations
@@ -200,11 +201,38 @@ def _hierarchical_allreduce(workers: int, cal: Calibration, settings: Settings, 
     return inside + settings.per_epoch(average + handout, steps)
 
 
+# -- `--strategy auto`'s candidates and its rule (the strategy measures and calls pick; the model predicts it) --
+
+# A safer candidate (listed earlier) is kept when predicted at most this fraction slower than the fastest:
+# the model ignores DDP's overlap of the gradient all-reduce with the backward pass, so when allreduce's
+# predicted cost is within a few per cent its exactness is worth more than the predicted saving.
+TOLERANCE = 0.05
+
+
+@dataclass(frozen=True)
+class Candidate:
+    strategy: str  # a registered strategy
+    every: int = 1  # epochs between averages (sync) or merges (async)
+
+    @property
+    def label(self) -> str:
+        return f"{self.strategy} every {self.every}" if self.strategy == "sync" else self.strategy
+
+
+SAFE_CANDIDATES = (Candidate("allreduce"), Candidate("sync", 1))
+ALL_CANDIDATES = SAFE_CANDIDATES + (Candidate("sync", 2), Candidate("sync", 3), Candidate("async", 1))
+
+
+def pick(candidates: tuple[Candidate, ...], predictions: dict[str, float], tolerance: float = TOLERANCE) -> Candidate:
+    """The first candidate (they are listed safest first) predicted within `tolerance` of the fastest:
+    the fastest, unless a safer one costs at most that fraction more per epoch."""
+    fastest = min(predictions[candidate.label] for candidate in candidates)
+    return next(candidate for candidate in candidates if predictions[candidate.label] <= fastest * (1 + tolerance))
+
+
 def _auto(workers: int, cal: Calibration, settings: Settings, compute: float) -> float:
     """`--strategy auto`: the communication of the default (safe) candidate it would pick (the fastest, or a
     safer one predicted within its tolerance)."""
-    from dptrain.strategies.auto import SAFE_CANDIDATES, pick  # the candidates and the rule live with the strategy
-
     seconds = {candidate.label: communication_seconds(registry.STRATEGIES[candidate.strategy].communication, workers,
                                                       cal, Settings(**{**asdict(settings), "every": candidate.every}),
                                                       compute)

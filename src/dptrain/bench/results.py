@@ -20,10 +20,6 @@ RUN_COLUMNS = ("kind", "strategy", "workers", "repeat", "network", "epochs", "fi
                "wall_seconds", "process_seconds", "epoch_seconds", "samples_per_second",
                "samples_per_second_per_worker", "comm_bytes", "speedup", "efficiency", "model_parameters",
                "train_samples", "batch_size", "run_dir")
-SUMMARY_COLUMNS = ("kind", "strategy", "workers", "network", "runs", "final_accuracy", "time_to_target_seconds",
-                   "time_to_target_ci", "reached_target", "wall_seconds", "wall_seconds_ci", "epoch_seconds",
-                   "samples_per_second", "samples_per_second_per_worker", "comm_bytes", "speedup", "efficiency",
-                   "unreliable")
 # A summary row is judged unreliable when its efficiency is above this, or when the spread of its
 # wall time (or time to target) over repeats is wider than the mean. Linear scaling is the ceiling
 # for these CPU runs, so an efficiency above 1 means the 1-worker time it is measured against was

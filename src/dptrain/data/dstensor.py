@@ -184,12 +184,6 @@ class DSTensor:
     def to_numpy(self) -> np.ndarray:
         return self.take(np.arange(self.n_samples))
 
-    def source_rows(self) -> np.ndarray:
-        """Source row of every logical sample, in logical order."""
-        if self._index is None:
-            return np.arange(self.n_samples)
-        return self._index.copy()
-
     def _read_sorted(self, rows: np.ndarray) -> np.ndarray:
         if rows.size == 0:
             return np.empty((0, *self.shape[1:]), dtype=self.dtype)
@@ -291,20 +285,6 @@ class DSTensor:
         return self._derive(self._logical_rows()[indices], _even_blocks(indices.size, self._block_size))
 
     # ------------------------------------------------------------------ distribution
-
-    def blocks_of(self, rank: int, world: int) -> list[int]:
-        """Whole blocks of worker ``rank`` out of ``world``: contiguous runs, balanced by sample count.
-
-        A block goes to the worker whose equal share ``[r*n/world, (r+1)*n/world)`` holds the
-        block's midpoint, so every block has exactly one owner and the owners never decrease
-        along the blocks. With fewer blocks than workers, some workers get none.
-        """
-        _check_rank(rank, world)
-        n = self.n_samples
-        if n == 0:
-            return []
-        owners = np.minimum((self._offsets[:-1] + self._offsets[1:]) * world // (2 * n), world - 1)
-        return [int(i) for i in np.flatnonzero(owners == rank)]
 
     def shard(self, rank: int, world: int) -> DSTensor:
         """Logical samples ``[rank*n//world, (rank+1)*n//world)``; shard sizes differ by at most one."""

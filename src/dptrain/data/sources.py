@@ -44,7 +44,7 @@ import numpy as np
 
 from dptrain import registry
 from dptrain.data.dstensor import DSTensor, list_arrays
-from dptrain.errors import UserError, did_you_mean
+from dptrain.errors import UserError, unknown_name
 
 DATASET_NAMES = registry.names("dataset")
 ARRAY_NAMES = ("x", "y", "x_test", "y_test")
@@ -111,10 +111,7 @@ def load_dataset(
     if name is None:
         raise UserError(f"no data given; name a --dataset ({', '.join(DATASET_NAMES)}) or give --data.")
     if name not in DATASET_NAMES:
-        hint = did_you_mean(name, DATASET_NAMES)
-        raise UserError(
-            f"unknown dataset '{name}'; {hint + ' ' if hint else ''}choose one of: {', '.join(DATASET_NAMES)}."
-        )
+        raise unknown_name("dataset", name, DATASET_NAMES)
     settings = BuiltinSettings(seed, block_size, samples, image_size, channels, classes, features, test_fraction)
     return registry.load("dataset", name)(settings)
 

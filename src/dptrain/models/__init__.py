@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from dptrain import registry
-from dptrain.errors import UserError, did_you_mean
+from dptrain.errors import UserError, unknown_name
 from dptrain.models import user
 
 MODEL_NAMES = registry.names("model")
@@ -33,12 +33,7 @@ def build_model(
     if user.is_user_model(name):
         return user.build_user_model(name, input_shape, num_outputs, options)
     if name not in MODEL_NAMES:
-        hint = did_you_mean(name, MODEL_NAMES)
-        hint = f"{hint} " if hint else ""
-        raise UserError(
-            f"unknown model '{name}'; {hint}valid names are {', '.join(MODEL_NAMES)}, "
-            "or a user model as package.module:factory"
-        )
+        raise unknown_name("model", name, MODEL_NAMES, "or a user model as package.module:factory")
     if name in _IMAGE_MODELS and len(input_shape) != 3:
         raise UserError(
             f"model '{name}' needs samples shaped (C, H, W), but the data's samples have shape {input_shape}; "
@@ -51,11 +46,6 @@ def build_model(
         )
     builder = registry.load("model", name)
     return builder(input_shape, num_outputs, **_check_options(name, builder, options))
-
-
-def count_parameters(model: nn.Module) -> int:
-    """Number of scalar parameters, trainable or not, each shared tensor counted once."""
-    return sum(p.numel() for p in model.parameters())
 
 
 def check_output_shape(model: nn.Module, input_shape: tuple[int, ...], num_outputs: int) -> None:
@@ -133,4 +123,4 @@ def _is_positive_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
-__all__ = ["MODEL_NAMES", "build_model", "check_output_shape", "count_parameters"]
+__all__ = ["MODEL_NAMES", "build_model", "check_output_shape"]

@@ -32,18 +32,19 @@ alone) without measuring, and says so.
 
 from __future__ import annotations
 
-import functools
-
 import json
 import statistics
 import time
-from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
-from dptrain import registry
+from dptrain import lr_policy, registry
+from dptrain.bench import costmodel
+# The candidates and the rule that picks among them are the cost model's (it predicts `--strategy auto`
+# with them); they are auto's names too.
+from dptrain.bench.costmodel import ALL_CANDIDATES, SAFE_CANDIDATES, TOLERANCE, Candidate, pick  # noqa: F401
 from dptrain.runtime.guard import broadcast_object, gather_objects, guard
 from dptrain.strategies.base import Strategy
 
@@ -51,26 +52,6 @@ CANDIDATE_SETS = ("safe", "all")
 LINK_BYTES = 4 * 2 ** 20  # payload of the bandwidth all-reduces
 LATENCY_REPEATS, BANDWIDTH_REPEATS, COMPUTE_STEPS = 7, 3, 5
 CHOICE_FILE = "strategy_choice.json"
-# A safer candidate (listed earlier) is kept when predicted at most this fraction slower than the fastest:
-# the model ignores DDP's overlap of the gradient all-reduce with the backward pass, so when allreduce's
-# predicted cost is within a few per cent its exactness is worth more than the predicted saving.
-TOLERANCE = 0.05
-
-
-@dataclass(frozen=True)
-class Candidate:
-    strategy: str  # a registered strategy
-    every: int = 1  # epochs between averages (sync) or merges (async)
-
-    @property
-    def label(self) -> str:
-        return f"{self.strategy} every {self.every}" if self.strategy == "sync" else self.strategy
-
-
-SAFE_CANDIDATES = (Candidate("allreduce"), Candidate("sync", 1))
-ALL_CANDIDATES = SAFE_CANDIDATES + (Candidate("sync", 2), Candidate("sync", 3), Candidate("async", 1))
-
-
 def candidates_of(which: str) -> tuple[Candidate, ...]:
     if which not in CANDIDATE_SETS:
         raise ValueError(f"candidates must be one of {CANDIDATE_SETS}, not {which!r}")
@@ -93,8 +74,6 @@ def bandwidth_from(seconds: float, payload_bytes: int, workers: int, latency: fl
 def predict(candidates: tuple[Candidate, ...], workers: int, cal, compression: str = "none") -> dict[str, float]:
     """Predicted seconds per epoch of each candidate (by label), from a costmodel.Calibration.
     Compression applies to the averages and gradients it compresses, not to async merges."""
-    from dptrain.bench import costmodel
-
     predictions = {}
     for candidate in candidates:
         settings = costmodel.Settings(every=candidate.every,
@@ -102,13 +81,6 @@ def predict(candidates: tuple[Candidate, ...], workers: int, cal, compression: s
         predictions[candidate.label] = costmodel.epoch_seconds(candidate.strategy, workers, cal,
                                                                settings=settings)["total"]
     return predictions
-
-
-def pick(candidates: tuple[Candidate, ...], predictions: dict[str, float], tolerance: float = TOLERANCE) -> Candidate:
-    """The first candidate (they are listed safest first) predicted within `tolerance` of the fastest:
-    the fastest, unless a safer one costs at most that fraction more per epoch."""
-    fastest = min(predictions[candidate.label] for candidate in candidates)
-    return next(candidate for candidate in candidates if predictions[candidate.label] <= fastest * (1 + tolerance))
 
 
 def decision_line(choice: dict) -> str:
@@ -153,21 +125,24 @@ def measure_link(ctx, payload_bytes: int = LINK_BYTES) -> dict:
             "tiny_allreduce_seconds": tiny_times, "payload_bytes": payload_bytes, "payload_allreduce_seconds": big_times}
 
 
-def measure_compute(trainer, train, steps: int = COMPUTE_STEPS) -> float:
-    """Median seconds per sample of `steps` training steps (after one warm-up) of the trainer's model
-    on the first batches of this rank's part of `train`. The model's parameters and buffers are put
-    back afterwards; the trainer's optimizer, data order and RNG streams are left as they were."""
-    from dptrain.data.sampler import loader
-    from dptrain.train.trainer import AMP_DTYPES
+# A training step as the Trainer takes it, without communication: step(model, optimizer, inputs, targets).
+Step = Callable[[torch.nn.Module, torch.optim.Optimizer, torch.Tensor, torch.Tensor], None]
 
-    model, ctx, batch = trainer.model, trainer.ctx, trainer.batch_size
+
+def measure_compute(step: Step, model: torch.nn.Module, optimizer: torch.optim.Optimizer, ctx, batch_size: int,
+                    train, steps: int = COMPUTE_STEPS) -> float:
+    """Median seconds per sample of `steps` training steps (after one warm-up), each `step` (the caller's:
+    the Trainer's Trainer.timing_step) of `model` with a fresh optimizer of `optimizer`'s kind, on the first
+    batches of this rank's part of `train`. The model's parameters, buffers and gradients are put back
+    afterwards; `optimizer`, the data order and the RNG streams are left as they were."""
+    from dptrain.data.sampler import loader
+
     n = len(train)
-    first = (ctx.rank * batch * (steps + 1)) % n
-    rows = [[(first + i * batch + j) % n for j in range(min(batch, n))] for i in range(steps + 1)]
+    first = (ctx.rank * batch_size * (steps + 1)) % n
+    rows = [[(first + i * batch_size + j) % n for j in range(min(batch_size, n))] for i in range(steps + 1)]
     saved = {name: value.detach().clone() for name, value in model.state_dict().items()}
     grads = [p.grad for p in model.parameters()]
-    optimizer = _same_kind_of_optimizer(trainer.optimizer, model)
-    dtype = AMP_DTYPES[trainer.amp]
+    timed_optimizer = _same_kind_of_optimizer(optimizer, model)
     per_sample = []
     devices = [ctx.device] if ctx.device.type == "cuda" else []
     was_training = model.training
@@ -176,19 +151,14 @@ def measure_compute(trainer, train, steps: int = COMPUTE_STEPS) -> float:
             model.train()
             batches = iter(loader(train, rows))
 
-            def step() -> int:  # reading the batch is part of a step, as in the Trainer
+            def one_step() -> int:  # reading the batch is part of a step, as in the Trainer
                 x, y = next(batches)
-                inputs, targets = x.to(ctx.device), y.to(ctx.device)
-                with torch.autocast(ctx.device.type, dtype=dtype, enabled=dtype is not None):
-                    loss = trainer.loss_fn(model(inputs).float(), targets)
-                loss.backward()
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
+                step(model, timed_optimizer, x, y)
                 return len(y)
 
             for _ in rows:
                 sizes = []
-                seconds = _timed(ctx, lambda: sizes.append(step()))
+                seconds = _timed(ctx, lambda: sizes.append(one_step()))
                 per_sample.append(seconds / sizes[0])
     finally:
         with torch.no_grad():
@@ -256,26 +226,14 @@ class Auto(Strategy):
         return self.build(chosen), {key: value for key, value in choice.items() if key != "reused"}
 
     def _scale_lr_for(self, chosen: Candidate, trainer) -> None:
-        """--lr-scaling auto scales the LR as `--strategy <chosen>` would (the launcher could not know it
-        before the choice); an explicit rule was already applied for every strategy alike."""
+        """The LR (and the schedule's warm-up) as `--strategy <chosen>` would set it (dptrain.lr_policy.rescale_for)."""
         if self.config is None:
             return
-        world = trainer.ctx.world_size
-        applied, _ = self.config.lr_scale(world)
-        wanted, _ = self.config.model_copy(update={"strategy": chosen.strategy}).lr_scale(world)
-        chosen_rule = self.config.model_copy(update={"strategy": chosen.strategy}).lr_scale(world)[1]
-        trainer.lr_scale = wanted if chosen_rule == "auto" else 1.0  # only auto's scale is guarded
-        if wanted == applied:
-            return
-        for group in trainer.optimizer.param_groups:
-            group["lr"] *= wanted / applied
-        chosen_config = self.config.model_copy(update={"strategy": chosen.strategy})
-        schedule = trainer.schedule
-        if isinstance(schedule, functools.partial) and schedule.args and schedule.args[0] is self.config:
-            trainer.schedule = functools.partial(schedule.func, chosen_config, *schedule.args[1:])  # its warm-up
-        from dptrain.train.run import lr_line
-
-        trainer.recorder.log(lr_line(chosen_config, world))
+        rescaled = lr_policy.rescale_for(self.config, chosen.strategy, trainer.ctx.world_size, trainer.optimizer,
+                                         trainer.schedule)
+        trainer.schedule, trainer.lr_scale = rescaled.schedule, rescaled.lr_scale
+        if rescaled.line is not None:
+            trainer.recorder.log(rescaled.line)
 
     def _reused(self, trainer) -> Optional[dict]:
         """The choice recorded when this run began, when it is continued (every rank gets rank 0's)."""
@@ -286,10 +244,9 @@ class Auto(Strategy):
 
     def _decide(self, trainer, train) -> dict:
         ctx = trainer.ctx
-        from dptrain.bench import costmodel
-
         link = measure_link(ctx)
-        per_sample = gather_objects(ctx, "auto: gathering compute times", measure_compute(trainer, train))
+        seconds = measure_compute(trainer.timing_step, trainer.model, trainer.optimizer, ctx, trainer.batch_size, train)
+        per_sample = gather_objects(ctx, "auto: gathering compute times", seconds)
         choice = None
         if ctx.is_main:
             parameters = sum(p.numel() for p in trainer.model.parameters())

@@ -12,12 +12,12 @@ import json
 import os
 import sys
 from contextlib import ExitStack
-from functools import partial
 from pathlib import Path
 from typing import Callable, Optional, Union
 
 import torch
 
+from dptrain import lr_policy
 from dptrain.config import BUILTIN_LOSSES, TrainConfig, build_config, to_yaml, with_absolute_paths
 from dptrain.data import Dataset, load_dataset, sharding
 from dptrain.data.images import is_image_folder, load_image_folder
@@ -34,7 +34,7 @@ from dptrain.runtime.launcher import NOT_RESTARTED, launch_local
 from dptrain.runtime.prestart import prestart, quiet_cpp_logs_of_children
 from dptrain.runtime.spawn import Ranks
 from dptrain.strategies import build_strategy
-from dptrain.train.optim import build_optimizer, build_schedule
+from dptrain.train.optim import build_optimizer
 from dptrain.train import checkpoint
 from dptrain.train.rundir import default_run_dir, lock_run_dir, open_run_dir
 from dptrain.train.preemption import catch_stop_signals_early, release_early_stop_signals
@@ -269,13 +269,13 @@ def train_in_group(config: TrainConfig, env: DistEnv, ctx, held: ExitStack) -> S
     data = load_data(config, check_values=not said_by_launcher and ctx.is_main,
                      log=print if ctx.is_main and not said_by_launcher else (lambda message: None))
     model = make_model(config, data)
-    factor, rule = config.lr_scale(ctx.world_size)
+    factor, _ = lr_policy.lr_scale(config, ctx.world_size)
     lr = config.lr * factor
     if factor != 1 and ctx.is_main:
-        print(lr_line(config, ctx.world_size), flush=True)
+        print(lr_policy.lr_line(config, ctx.world_size), flush=True)
     optimizer = build_optimizer(config.optimizer, model.parameters(), lr=lr, momentum=config.momentum,
                                 nesterov=config.nesterov, weight_decay=config.weight_decay)
-    schedule = partial(_schedule, config, ctx.world_size)
+    schedule = lr_policy.ConfigSchedule(config, ctx.world_size)
     trainer = Trainer(model, optimizer, build_loss(config, data), build_strategy(config),
                       batch_size=config.batch_size, schedule=schedule, amp=config.amp,
                       grad_clip=config.grad_clip, seed=config.seed, shuffle=config.shuffle,
@@ -283,7 +283,7 @@ def train_in_group(config: TrainConfig, env: DistEnv, ctx, held: ExitStack) -> S
                       loader_workers=loader_workers(config.loader_workers, ctx),
                       checkpoint_every=config.checkpoint_every, keep_checkpoints=config.keep_checkpoints,
                       resume=True, stop_on_collapse=config.stop_on_collapse,
-                      lr_scale=factor if rule == "auto" else 1.0)
+                      lr_scale=lr_policy.guarded_scale(config, ctx.world_size))
     trainer.emulate_straggler(config.slow_workers().get(ctx.rank, 1.0))
     return trainer.fit(data.train_set(), data.test_set(), epochs=config.epochs)
 
@@ -297,20 +297,3 @@ def loader_workers(asked: Optional[int], ctx) -> int:
         return 0
     ranks_here = max(1, torch.cuda.device_count())
     return max(0, min(4, (os.cpu_count() or 1) // ranks_here - 1))
-
-
-def _schedule(config: TrainConfig, world: int, optimizer, steps_per_epoch: int, epochs: int):
-    return build_schedule(optimizer, steps_per_epoch=steps_per_epoch, epochs=epochs, schedule=config.lr_schedule,
-                          warmup_epochs=config.warmup(world), step_epochs=config.lr_step_epochs, gamma=config.lr_gamma)
-
-
-def lr_line(config: TrainConfig, world: int) -> str:
-    """The line that says a run's LR was scaled for its workers (and warmed up), and how to keep --lr."""
-    factor, rule = config.lr_scale(world)
-    warmup = config.warmup(world)
-    warming = (f", warmed up over {warmup:g} epoch{'' if warmup == 1 else 's'}"
-               if warmup and config.warmup_epochs is None else "")
-    guarded = ", backed off if an average goes wrong" if rule == "auto" else ""
-    return (f"dptrain: {config.strategy} on {world} workers trains with learning rate {config.lr * factor:g} "
-            f"({config.lr:g} x {factor:.3g}, --lr-scaling {rule}{warming}{guarded}); "
-            f"--lr-scaling none keeps {config.lr:g}")

@@ -329,6 +329,19 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         return loss.detach()
 
+    def timing_step(self, model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor,
+                    y: torch.Tensor) -> None:
+        """One plain step of `model` with `optimizer` on (x, y), in this trainer's precision and loss, without
+        communication, loss scaling or clipping: what --strategy auto times (dptrain.strategies.auto)."""
+        device = self.ctx.device
+        inputs, targets = x.to(device), y.to(device)
+        dtype = AMP_DTYPES[self.amp]
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+            loss = self.loss_fn(model(inputs).float(), targets)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
     def _forward(self, model: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """`model(x)`. DistributedDataParallel communicates before it calls the user's module (the bucket
         order after the first step, buffers): an error raised before the user's forward was entered is a
