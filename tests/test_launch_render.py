@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from dptrain.errors import UserError
-from dptrain.launch import local, pbs, slurm, udocker
-from dptrain.launch.spec import ContainerSpec, JobSpec, bind_paths
+from dptrain.cluster import local, pbs, slurm, udocker
+from dptrain.cluster.spec import ContainerSpec, JobSpec, bind_paths
 from dptrain.runtime.env import detect, port_from_job_id
 
 GOLDEN = Path(__file__).parent / "golden" / "launch"
@@ -469,7 +469,7 @@ def test_container_recipe_from_a_wheel_needs_no_source_tree(tmp_path, monkeypatc
 
 
 def test_wait_follows_a_requeued_job_to_its_end_and_says_so(tmp_path, monkeypatch, capsys):
-    from dptrain.launch import submit
+    from dptrain.cluster import submit
 
     states = iter(["PENDING", "RUNNING", "REQUEUED", "PENDING", "RUNNING", "COMPLETED"])
     output = tmp_path / "slurm-7.out"

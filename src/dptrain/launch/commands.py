@@ -25,8 +25,8 @@ from dptrain.config import TrainConfig
 from dptrain.errors import UserError
 from dptrain.imports import check_spec_file, looks_like_spec, spec_file
 from dptrain.io import timestamped
-from dptrain.launch.spec import ContainerSpec, JobSpec, container_forms
-from dptrain.launch.submit import follow
+from dptrain.cluster.spec import ContainerSpec, JobSpec, container_forms
+from dptrain.cluster.submit import follow
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
