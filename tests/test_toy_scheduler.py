@@ -31,7 +31,7 @@ import re
 from pathlib import Path
 from typing import Mapping, Optional
 
-from dptrain.cluster.base import Job, Ranks, integer
+from dptrain.cluster.base import Job, Placement, integer
 from dptrain.cluster.containers import rank_command
 from dptrain.cluster.spec import JobSpec, header, quote
 from dptrain.cluster.submit import JobStatus, run_tool
@@ -81,16 +81,16 @@ def job(env: Mapping[str, str]) -> Optional[Job]:
     return Job("lsf", env["LSB_JOBID"], tuple(host for host, _ in _slots(env)))
 
 
-def ranks(env: Mapping[str, str]) -> Optional[Ranks]:
+def ranks(env: Mapping[str, str]) -> Optional[Placement]:
     if "LSB_JOBID" not in env or "LSF_PM_TASKID" not in env:
         return None
     rank, slots = integer(env, "LSF_PM_TASKID") - 1, _slots(env)
     first = 0
     for _, count in slots:  # blaunch fills the hosts in order
         if rank < first + count:
-            return Ranks("blaunch", rank, sum(count for _, count in slots), rank - first, count)
+            return Placement("blaunch", rank, sum(count for _, count in slots), rank - first, count)
         first += count
-    return Ranks("blaunch", rank, sum(count for _, count in slots), 0, 1)
+    return Placement("blaunch", rank, sum(count for _, count in slots), 0, 1)
 '''
 
 # What blaunch does in an LSF job: start the command once per slot, each with its task id (1-based).

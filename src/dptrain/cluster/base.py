@@ -28,7 +28,7 @@ class Job:
 
 
 @dataclass(frozen=True)
-class Ranks:
+class Placement:
     """Who started this process as one rank of many, and where it sits among them."""
 
     launcher: str
@@ -58,7 +58,7 @@ class Environment(Protocol):
 
     PRIORITY: int  # the order asked in (lowest first): where two launchers' variables are both set, the first wins
 
-    def ranks(self, env: Mapping[str, str]) -> Optional[Ranks]:
+    def ranks(self, env: Mapping[str, str]) -> Optional[Placement]:
         """Rank, world and local rank when this launcher started the process, else None."""
 
 
@@ -86,7 +86,7 @@ class Scheduler(Protocol):
     def job(self, env: Mapping[str, str]) -> Optional[Job]:
         """The job when the environment is that of a process inside one of this scheduler's jobs, else None."""
 
-    def ranks(self, env: Mapping[str, str]) -> Optional[Ranks]:
+    def ranks(self, env: Mapping[str, str]) -> Optional[Placement]:
         """Rank and world when the scheduler's own launcher (e.g. srun) started the process, else None."""
 
 

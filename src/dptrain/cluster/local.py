@@ -16,7 +16,7 @@ import subprocess
 from pathlib import Path
 from typing import Mapping, Optional
 
-from dptrain.cluster.base import Job, Ranks
+from dptrain.cluster.base import Job, Placement
 from dptrain.cluster.containers import rank_command
 from dptrain.cluster.spec import JobSpec, header, quote, train_command
 from dptrain.cluster.submit import JobStatus
@@ -97,7 +97,7 @@ def job(env: Mapping[str, str]) -> Optional[Job]:
     return None
 
 
-def ranks(env: Mapping[str, str]) -> Optional[Ranks]:
+def ranks(env: Mapping[str, str]) -> Optional[Placement]:
     """The ranks dptrain's own launchers started: torchrun's variables, named by DPTRAIN_LAUNCHER."""
     if "RANK" not in env or "WORLD_SIZE" not in env or not env.get("DPTRAIN_LAUNCHER"):
         return None

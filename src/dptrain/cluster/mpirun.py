@@ -4,17 +4,17 @@ from __future__ import annotations
 
 from typing import Mapping, Optional
 
-from dptrain.cluster.base import Ranks, integer
+from dptrain.cluster.base import Placement, integer
 
 # After torchrun's variables (a rank that was given RANK keeps it), before MPICH's PMI and srun:
 # Open MPI starts its daemons on other nodes with srun, so remote ranks see that step's SLURM_PROCID.
 PRIORITY = 20
 
 
-def ranks(env: Mapping[str, str]) -> Optional[Ranks]:
+def ranks(env: Mapping[str, str]) -> Optional[Placement]:
     if "OMPI_COMM_WORLD_RANK" not in env:
         return None
-    return Ranks("mpirun", integer(env, "OMPI_COMM_WORLD_RANK"), integer(env, "OMPI_COMM_WORLD_SIZE"),
+    return Placement("mpirun", integer(env, "OMPI_COMM_WORLD_RANK"), integer(env, "OMPI_COMM_WORLD_SIZE"),
                  integer(env, "OMPI_COMM_WORLD_LOCAL_RANK"), integer(env, "OMPI_COMM_WORLD_LOCAL_SIZE"))
 
 

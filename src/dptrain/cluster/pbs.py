@@ -14,7 +14,7 @@ import re
 from pathlib import Path
 from typing import Mapping, Optional
 
-from dptrain.cluster.base import Job, Ranks
+from dptrain.cluster.base import Job, Placement
 from dptrain.cluster.containers import rank_command
 from dptrain.cluster.spec import JobSpec, command_environment, header, quote, rank_environment
 from dptrain.cluster.submit import JobStatus, run_tool
@@ -125,6 +125,6 @@ def job(env: Mapping[str, str]) -> Optional[Job]:
     return Job("pbs", env["PBS_JOBID"], tuple(nodes))
 
 
-def ranks(env: Mapping[str, str]) -> Optional[Ranks]:
+def ranks(env: Mapping[str, str]) -> Optional[Placement]:
     """None: PBS starts no ranks itself, the MPI launcher in the job script does."""
     return None

@@ -14,7 +14,7 @@ from typing import Mapping, Optional
 
 import hostlist
 
-from dptrain.cluster.base import Job, Ranks, integer
+from dptrain.cluster.base import Job, Placement, integer
 from dptrain.cluster.containers import rank_command
 from dptrain.cluster.spec import JobSpec, command_environment, header, quote, rank_environment
 from dptrain.cluster.submit import JobStatus, run_tool
@@ -155,7 +155,7 @@ def job(env: Mapping[str, str]) -> Optional[Job]:
     return Job("slurm", env["SLURM_JOB_ID"], nodes)
 
 
-def ranks(env: Mapping[str, str]) -> Optional[Ranks]:
+def ranks(env: Mapping[str, str]) -> Optional[Placement]:
     """The task of an srun step: SLURM_PROCID of SLURM_STEP_NUM_TASKS (or SLURM_NTASKS)."""
     # SLURM_PROCID is also set in the batch script itself; only an srun step has SLURM_STEP_ID.
     if "SLURM_PROCID" not in env or "SLURM_STEP_ID" not in env or env.get("SLURM_STEP_ID") == "batch":
@@ -166,4 +166,4 @@ def ranks(env: Mapping[str, str]) -> Optional[Ranks]:
         env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or str(world))
     node = integer(env, "SLURM_NODEID") if "SLURM_NODEID" in env else 0
     local_world = tasks_per_node[node] if node < len(tasks_per_node) else tasks_per_node[0]
-    return Ranks("srun", integer(env, "SLURM_PROCID"), world, local_rank, local_world)
+    return Placement("srun", integer(env, "SLURM_PROCID"), world, local_rank, local_world)

@@ -20,11 +20,13 @@ import re
 import socket
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Mapping, Optional
+from typing import Iterable, Mapping, Optional, TypeVar
 
 from dptrain import registry
-from dptrain.cluster.base import Job, Ranks, integer
+from dptrain.cluster.base import Job, Placement, integer
 from dptrain.errors import UserError
+
+T = TypeVar("T")
 
 DEFAULT_PORT = 29500
 # Derived ports stay in [20000, 40000): above most services, below the usual ephemeral range.
@@ -71,14 +73,18 @@ def environments() -> list[ModuleType]:
     return sorted(modules, key=lambda module: module.PRIORITY)
 
 
+def _first(answers: Iterable[Optional[T]]) -> Optional[T]:
+    """The first answer that is not None (the later ones are not asked), or None."""
+    return next((answer for answer in answers if answer is not None), None)
+
+
 def _port(env: Mapping[str, str], job_id: Optional[str], modules: list[ModuleType]) -> int:
     """MASTER_PORT, else one derived from the scheduler's job id or a launcher's id of this launch."""
     if "MASTER_PORT" in env:
         return integer(env, "MASTER_PORT")
     if job_id:
         return port_from_job_id(job_id)
-    launch_ids = (module.launch_id(env) for module in modules if hasattr(module, "launch_id"))
-    launch_id = next((found for found in launch_ids if found is not None), None)
+    launch_id = _first(module.launch_id(env) for module in modules if hasattr(module, "launch_id"))
     return port_from_job_id(launch_id) if launch_id is not None else DEFAULT_PORT
 
 
@@ -86,20 +92,18 @@ def detect(env: Optional[Mapping[str, str]] = None) -> DistEnv:
     """Describe this process from its environment (os.environ by default)."""
     env = os.environ if env is None else env
     modules = environments()
-    job: Optional[Job] = next((found for found in (module.job(env) for module in modules if hasattr(module, "job"))
-                               if found is not None), None)
+    job: Optional[Job] = _first(module.job(env) for module in modules if hasattr(module, "job"))
     scheduler, job_id, nodes = (job.scheduler, job.job_id, job.nodes) if job else ("none", None, ())
-    ranks: Optional[Ranks] = next((found for found in (module.ranks(env) for module in modules) if found is not None),
-                                  None)
-    if ranks is None:
+    place: Optional[Placement] = _first(module.ranks(env) for module in modules)
+    if place is None:
         return DistEnv(launcher="single", scheduler=scheduler, job_id=job_id, nodes=nodes)
-    launcher, rank, world = ranks.launcher, ranks.rank, ranks.world_size
+    launcher, rank, world = place.launcher, place.rank, place.world_size
     if not 0 <= rank < world:
         raise UserError(f"rank {rank} is outside the world of {world} ranks that the {launcher} environment describes")
 
     if "MASTER_ADDR" in env:
         addr = env["MASTER_ADDR"]
-    elif ranks.local_world_size >= world:
+    elif place.local_world_size >= world:
         addr = "127.0.0.1"
     elif nodes:
         addr = nodes[0]
@@ -108,8 +112,8 @@ def detect(env: Optional[Mapping[str, str]] = None) -> DistEnv:
             f"cannot tell the rendezvous address of this {world}-rank {launcher} job across nodes: "
             "set MASTER_ADDR to the host name of rank 0 (and MASTER_PORT to a free port)")
 
-    return DistEnv(launcher=launcher, rank=rank, world_size=world, local_rank=ranks.local_rank,
-                   local_world_size=ranks.local_world_size, master_addr=addr, master_port=_port(env, job_id, modules),
+    return DistEnv(launcher=launcher, rank=rank, world_size=world, local_rank=place.local_rank,
+                   local_world_size=place.local_world_size, master_addr=addr, master_port=_port(env, job_id, modules),
                    scheduler=scheduler, job_id=job_id, nodes=nodes)
 
 
