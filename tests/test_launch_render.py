@@ -18,14 +18,16 @@ from pathlib import Path
 
 import pytest
 
-from dptrain.errors import UserError
-from dptrain.cluster import local, pbs, slurm, udocker
+from dptrain import registry
+from dptrain.cluster import pbs, slurm, udocker
 from dptrain.cluster.spec import ContainerSpec, JobSpec, bind_paths
+from dptrain.errors import UserError
 from dptrain.runtime.env import detect, port_from_job_id
 
 GOLDEN = Path(__file__).parent / "golden" / "launch"
 REGENERATE = os.environ.get("DPTRAIN_REGENERATE_GOLDEN") == "1"
-SCHEDULERS = {"slurm": slurm, "pbs": pbs, "local": local}
+# Every registered scheduler: a new one fails here until its golden scripts are generated (and reviewed).
+SCHEDULERS = {name: registry.load("scheduler", name) for name in registry.names("scheduler")}
 CONTAINERS = {"none": None, "udocker": ContainerSpec("udocker", "dptrain"),
               "apptainer": ContainerSpec("apptainer", "/home/ada/images/dptrain.sif")}
 
