@@ -21,16 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = "dptrain"
 
 # Imports allowed although they break the order: each a temporary exception, with the issue that removes it.
-ALLOWED: set[tuple[str, str]] = {
-    # runtime/env.py asks each container runtime whether it runs inside one (registry.load("container
-    # runtime")): removed when schedulers move, issue 21 item 4
-    ("dptrain.runtime.env", "dptrain.launch.udocker"),
-    ("dptrain.runtime.env", "dptrain.launch.apptainer"),
-    # launch/spec.py names each container runtime's image (registry.load("container runtime")), and the
-    # runtimes import the spec: a circle inside launch/, left to the same move (issue 21 item 4)
-    ("dptrain.launch.spec", "dptrain.launch.udocker"),
-    ("dptrain.launch.spec", "dptrain.launch.apptainer"),
-}
+ALLOWED: set[tuple[str, str]] = set()  # (importer, imported) edges exempt from the rule: none today
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ import inspect
 import re
 import subprocess
 import sys
+import typing
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,7 @@ from dptrain.cli import build_parser
 from dptrain.config import build_config
 from dptrain.data import load_dataset
 from dptrain.errors import UserError
-from dptrain.launch.base import ContainerRuntime, Scheduler
+from dptrain.cluster.base import ContainerRuntime, Environment, Scheduler
 from dptrain.models import build_model
 from dptrain.strategies import Strategy, build_strategy
 
@@ -93,8 +94,9 @@ def assert_satisfies(module, protocol: type) -> None:
     assert isinstance(module, protocol)
     attributes, methods = protocol_members(protocol)
     assert attributes and methods
+    types = typing.get_type_hints(protocol)
     for attribute in attributes:
-        assert isinstance(getattr(module, attribute), str), attribute
+        assert isinstance(getattr(module, attribute), types[attribute]), attribute
     for name, expected in methods.items():
         actual = inspect.signature(getattr(module, name)).parameters
         for parameter in expected.parameters.values():
@@ -107,6 +109,18 @@ def assert_satisfies(module, protocol: type) -> None:
 @pytest.mark.parametrize("name", registry.names("scheduler"))
 def test_every_scheduler_module_satisfies_the_scheduler_protocol(name):
     assert_satisfies(registry.load("scheduler", name), Scheduler)
+
+
+@pytest.mark.parametrize("name", registry.names("launcher"))
+def test_every_launcher_module_satisfies_the_environment_protocol(name):
+    assert_satisfies(registry.load("launcher", name), Environment)
+
+
+def test_schedulers_and_launchers_are_asked_in_one_fixed_order_without_ties():
+    # Where two launchers' variables are both set the first wins, so the order must not depend on chance.
+    modules = [registry.load(kind, name) for kind in ("scheduler", "launcher") for name in registry.names(kind)]
+    priorities = [module.PRIORITY for module in modules]
+    assert len(set(priorities)) == len(priorities)
 
 
 @pytest.mark.parametrize("name", registry.names("container runtime"))

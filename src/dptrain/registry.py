@@ -43,17 +43,25 @@ STRATEGIES: dict[str, StrategyEntry] = {
                           "fastest candidate", "auto"),
 }
 
-# Each a module satisfying dptrain.launch.base.Scheduler.
+# Each a module satisfying dptrain.cluster.base.Scheduler: its job script and its in-job environment.
 SCHEDULERS: dict[str, Entry] = {
-    "slurm": Entry("dptrain.launch.slurm", "sbatch"),
-    "pbs": Entry("dptrain.launch.pbs", "qsub"),
-    "local": Entry("dptrain.launch.local", "this machine"),
+    "slurm": Entry("dptrain.cluster.slurm", "sbatch"),
+    "pbs": Entry("dptrain.cluster.pbs", "qsub"),
+    "local": Entry("dptrain.cluster.local", "this machine"),
 }
 
-# Each a module satisfying dptrain.launch.base.ContainerRuntime.
+# Launchers that are not schedulers, each a module satisfying dptrain.cluster.base.Environment: the
+# variables of the ranks it starts (dptrain.runtime.env asks these and the schedulers).
+LAUNCHERS: dict[str, Entry] = {
+    "torchrun": Entry("dptrain.cluster.torchrun", "torchrun, or any launcher that sets RANK and WORLD_SIZE"),
+    "mpirun": Entry("dptrain.cluster.mpirun", "Open MPI"),
+    "pmi": Entry("dptrain.cluster.pmi", "MPICH or Intel MPI mpiexec"),
+}
+
+# Each a module satisfying dptrain.cluster.base.ContainerRuntime.
 CONTAINER_RUNTIMES: dict[str, Entry] = {
-    "udocker": Entry("dptrain.launch.udocker", "rootless through PRoot, a container made by 'dptrain container setup'"),
-    "apptainer": Entry("dptrain.launch.apptainer", "Apptainer or Singularity, one .sif image file"),
+    "udocker": Entry("dptrain.cluster.udocker", "rootless through PRoot, a container made by 'dptrain container setup'"),
+    "apptainer": Entry("dptrain.cluster.apptainer", "Apptainer or Singularity, one .sif image file"),
 }
 
 # Builders `(input_shape, num_outputs, **options) -> nn.Module`; their keyword-only parameters are the options.
@@ -79,6 +87,7 @@ DATASETS: dict[str, Entry] = {
 TABLES: dict[str, dict[str, Entry]] = {
     "strategy": STRATEGIES,
     "scheduler": SCHEDULERS,
+    "launcher": LAUNCHERS,
     "container runtime": CONTAINER_RUNTIMES,
     "model": MODELS,
     "dataset": DATASETS,
@@ -86,7 +95,7 @@ TABLES: dict[str, dict[str, Entry]] = {
 
 
 def names(kind: str) -> tuple[str, ...]:
-    """The registered names of `kind` ('strategy', 'scheduler', 'container runtime', 'model', 'dataset')."""
+    """The registered names of `kind` ('strategy', 'scheduler', 'launcher', 'container runtime', 'model', 'dataset')."""
     return tuple(TABLES[kind])
 
 

@@ -31,7 +31,6 @@ def rate_summary(rates: list[list[float]]) -> tuple[float, float]:
 def measure(model_name: str, batch_size: int, image_size: int, warmup: int, iterations: int, batches: int) -> dict:
     """Run as one rank (or alone); rank 0 returns the result, the others an empty dict."""
     import torch
-    import torch.distributed as dist
 
     from dptrain.models import build_model
     from dptrain.runtime.distributed import destroy_process_group, init_process_group, set_cpu_threads
@@ -66,10 +65,7 @@ def measure(model_name: str, batch_size: int, image_size: int, warmup: int, iter
             if ctx.device.type == "cuda":
                 torch.cuda.synchronize()
             rates.append(batch_size * batches / (time.perf_counter() - begun))
-        everyone = [rates]
-        if ctx.world_size > 1:
-            everyone = [None] * ctx.world_size
-            dist.all_gather_object(everyone, rates)
+        everyone = ctx.group.gather_objects("throughput: gathering the rates", rates)
         if not ctx.is_main:
             return {}
         mean, spread = rate_summary(everyone)

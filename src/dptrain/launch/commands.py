@@ -25,8 +25,22 @@ from dptrain.config import TrainConfig
 from dptrain.errors import UserError
 from dptrain.imports import check_spec_file, looks_like_spec, spec_file
 from dptrain.io import timestamped
-from dptrain.launch.spec import ContainerSpec, JobSpec, container_forms
-from dptrain.launch.submit import follow
+from dptrain.cluster.spec import ContainerSpec, JobSpec
+from dptrain.cluster.submit import follow
+
+
+def container_forms() -> str:
+    """How --container names each registered runtime's image: `udocker:NAME or apptainer:IMAGE.sif`."""
+    runtimes = registry.names("container runtime")
+    return " or ".join(f"{name}:{registry.load('container runtime', name).IMAGE}" for name in runtimes)
+
+
+def parse_container(text: str) -> ContainerSpec:
+    """--container RUNTIME:IMAGE as a ContainerSpec, or one line naming the forms each runtime takes."""
+    runtime, sep, image = text.partition(":")
+    if not sep or runtime not in registry.names("container runtime") or not image:
+        raise UserError(f"--container {text!r} is not RUNTIME:IMAGE; use {container_forms()}")
+    return ContainerSpec(runtime, image)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -143,7 +157,7 @@ def check_files(config: TrainConfig, workdir: Path) -> None:
 
 def build_spec(args: argparse.Namespace, workdir: Path) -> JobSpec:
     train_args, command = split_words(list(args.train_args))
-    container = ContainerSpec.parse(args.container) if args.container else None
+    container = parse_container(args.container) if args.container else None
     binds = list(args.bind)
     if command:
         if args.dptrain is not None:

@@ -13,7 +13,7 @@ import dptrain
 from dptrain import registry
 from dptrain.errors import UserError
 from dptrain.io import atomic_write_bytes, make_dirs, write_text
-from dptrain.launch import apptainer, udocker
+from dptrain.cluster import apptainer, udocker
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -1,13 +1,16 @@
 """Who am I? Rank, world size, local rank and rendezvous address from the launcher's environment.
 
 Pure functions of an environment mapping, so each launcher is tested from a synthetic
-environment. Two questions are answered separately:
+environment. What each scheduler and launcher sets is known by its own module in dptrain.cluster
+(registered in dptrain.registry); this module asks them all and combines the answers. Two
+questions are answered separately:
 
-* who started the ranks (`launcher`): dptrain's local launcher, torchrun, srun, mpirun
-  (Open MPI), a PMI launcher (MPICH/Intel MPI mpiexec, common under PBS);
+* who started the ranks (`launcher`): the first registered environment, by PRIORITY, whose
+  `ranks` recognises the variables: dptrain's local launcher, torchrun, mpirun (Open MPI), a PMI
+  launcher (MPICH/Intel MPI mpiexec, common under PBS), srun;
 * where to meet (`master_addr`, `master_port`): MASTER_ADDR/MASTER_PORT when set, else the
-  scheduler's node list (SLURM_JOB_NODELIST, PBS_NODEFILE), else 127.0.0.1 when every rank
-  is on this node. The port is derived from the job id so that all ranks agree without talking.
+  scheduler job's first node (SLURM_JOB_NODELIST, PBS_NODEFILE, ...), else 127.0.0.1 when every
+  rank is on this node. The port is derived from the job id so that all ranks agree without talking.
 """
 
 from __future__ import annotations
@@ -16,12 +19,14 @@ import os
 import re
 import socket
 from dataclasses import dataclass, field
-from typing import Mapping, Optional
-
-import hostlist
+from types import ModuleType
+from typing import Iterable, Mapping, Optional, TypeVar
 
 from dptrain import registry
+from dptrain.cluster.base import Job, Placement, integer
 from dptrain.errors import UserError
+
+T = TypeVar("T")
 
 DEFAULT_PORT = 29500
 # Derived ports stay in [20000, 40000): above most services, below the usual ephemeral range.
@@ -54,14 +59,6 @@ class DistEnv:
         return self.launcher != "single"
 
 
-def _int(env: Mapping[str, str], name: str) -> int:
-    value = env[name]
-    try:
-        return int(value)
-    except ValueError:
-        raise UserError(f"environment variable {name}={value!r} is not an integer") from None
-
-
 def port_from_job_id(job_id: str) -> int:
     """A port every rank of one job computes alike, differing between concurrent jobs."""
     digits = re.sub(r"\D", "", job_id)
@@ -69,83 +66,44 @@ def port_from_job_id(job_id: str) -> int:
     return PORT_BASE + number % PORT_SPAN
 
 
-def expand_tasks_per_node(value: str) -> list[int]:
-    """SLURM's compressed task counts per node, e.g. "2(x3),1" -> [2, 2, 2, 1]."""
-    counts: list[int] = []
-    for part in value.split(","):
-        match = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", part)
-        if not match:
-            raise UserError(f"cannot parse SLURM tasks per node {value!r}")
-        counts += [int(match.group(1))] * int(match.group(2) or 1)
-    return counts
+def environments() -> list[ModuleType]:
+    """Every registered scheduler and launcher module, in the order they are asked: by PRIORITY, then
+    registry order (dptrain.cluster.base: Scheduler, Environment)."""
+    modules = [registry.load(kind, name) for kind in ("scheduler", "launcher") for name in registry.names(kind)]
+    return sorted(modules, key=lambda module: module.PRIORITY)
 
 
-def _scheduler(env: Mapping[str, str]) -> tuple[str, Optional[str], tuple[str, ...]]:
-    """(scheduler name, job id, node names) from SLURM or PBS variables."""
-    if "SLURM_JOB_ID" in env:
-        nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or ""
-        try:
-            nodes = tuple(hostlist.expand_hostlist(nodelist)) if nodelist else ()
-        except hostlist.BadHostlist:
-            raise UserError(f"cannot parse SLURM node list {nodelist!r}") from None
-        return "slurm", env["SLURM_JOB_ID"], nodes
-    if "PBS_JOBID" in env:
-        nodes: list[str] = []
-        nodefile = env.get("PBS_NODEFILE")
-        if nodefile and os.path.isfile(nodefile):
-            with open(nodefile) as handle:
-                for line in handle:
-                    name = line.strip()
-                    if name and name not in nodes:
-                        nodes.append(name)
-        return "pbs", env["PBS_JOBID"], tuple(nodes)
-    return "none", None, ()
+def _first(answers: Iterable[Optional[T]]) -> Optional[T]:
+    """The first answer that is not None (the later ones are not asked), or None."""
+    return next((answer for answer in answers if answer is not None), None)
 
 
-def _ranks(env: Mapping[str, str]) -> Optional[tuple[str, int, int, int, int]]:
-    """(launcher, rank, world, local rank, local world) or None when no launcher is present."""
-    if "RANK" in env and "WORLD_SIZE" in env:
-        launcher = env.get("DPTRAIN_LAUNCHER") or ("torchrun" if "TORCHELASTIC_RUN_ID" in env else "env")
-        world = _int(env, "WORLD_SIZE")
-        local_world = _int(env, "LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in env else world
-        local_rank = _int(env, "LOCAL_RANK") if "LOCAL_RANK" in env else _int(env, "RANK")
-        return launcher, _int(env, "RANK"), world, local_rank, local_world
-    if "OMPI_COMM_WORLD_RANK" in env:
-        return ("mpirun", _int(env, "OMPI_COMM_WORLD_RANK"), _int(env, "OMPI_COMM_WORLD_SIZE"),
-                _int(env, "OMPI_COMM_WORLD_LOCAL_RANK"), _int(env, "OMPI_COMM_WORLD_LOCAL_SIZE"))
-    # Before SLURM: MPICH/Intel MPI mpiexec starts one proxy per node with srun, so its ranks
-    # inherit the proxy's SLURM_PROCID; PMI_RANK is the real rank.
-    if "PMI_RANK" in env and "PMI_SIZE" in env:
-        world = _int(env, "PMI_SIZE")
-        local_rank = _int(env, "MPI_LOCALRANKID") if "MPI_LOCALRANKID" in env else 0
-        local_world = _int(env, "MPI_LOCALNRANKS") if "MPI_LOCALNRANKS" in env else world
-        return "pmi", _int(env, "PMI_RANK"), world, local_rank, local_world
-    # SLURM_PROCID is also set in the batch script itself; only an srun step has SLURM_STEP_ID.
-    if "SLURM_PROCID" in env and "SLURM_STEP_ID" in env and env.get("SLURM_STEP_ID") != "batch":
-        world = _int(env, "SLURM_STEP_NUM_TASKS") if "SLURM_STEP_NUM_TASKS" in env else _int(env, "SLURM_NTASKS")
-        local_rank = _int(env, "SLURM_LOCALID") if "SLURM_LOCALID" in env else 0
-        tasks_per_node = expand_tasks_per_node(
-            env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or str(world))
-        node = _int(env, "SLURM_NODEID") if "SLURM_NODEID" in env else 0
-        local_world = tasks_per_node[node] if node < len(tasks_per_node) else tasks_per_node[0]
-        return "srun", _int(env, "SLURM_PROCID"), world, local_rank, local_world
-    return None
+def _port(env: Mapping[str, str], job_id: Optional[str], modules: list[ModuleType]) -> int:
+    """MASTER_PORT, else one derived from the scheduler's job id or a launcher's id of this launch."""
+    if "MASTER_PORT" in env:
+        return integer(env, "MASTER_PORT")
+    if job_id:
+        return port_from_job_id(job_id)
+    launch_id = _first(module.launch_id(env) for module in modules if hasattr(module, "launch_id"))
+    return port_from_job_id(launch_id) if launch_id is not None else DEFAULT_PORT
 
 
 def detect(env: Optional[Mapping[str, str]] = None) -> DistEnv:
     """Describe this process from its environment (os.environ by default)."""
     env = os.environ if env is None else env
-    scheduler, job_id, nodes = _scheduler(env)
-    ranks = _ranks(env)
-    if ranks is None:
+    modules = environments()
+    job: Optional[Job] = _first(module.job(env) for module in modules if hasattr(module, "job"))
+    scheduler, job_id, nodes = (job.scheduler, job.job_id, job.nodes) if job else ("none", None, ())
+    place: Optional[Placement] = _first(module.ranks(env) for module in modules)
+    if place is None:
         return DistEnv(launcher="single", scheduler=scheduler, job_id=job_id, nodes=nodes)
-    launcher, rank, world, local_rank, local_world = ranks
+    launcher, rank, world = place.launcher, place.rank, place.world_size
     if not 0 <= rank < world:
         raise UserError(f"rank {rank} is outside the world of {world} ranks that the {launcher} environment describes")
 
     if "MASTER_ADDR" in env:
         addr = env["MASTER_ADDR"]
-    elif local_world >= world:
+    elif place.local_world_size >= world:
         addr = "127.0.0.1"
     elif nodes:
         addr = nodes[0]
@@ -154,24 +112,16 @@ def detect(env: Optional[Mapping[str, str]] = None) -> DistEnv:
             f"cannot tell the rendezvous address of this {world}-rank {launcher} job across nodes: "
             "set MASTER_ADDR to the host name of rank 0 (and MASTER_PORT to a free port)")
 
-    if "MASTER_PORT" in env:
-        port = _int(env, "MASTER_PORT")
-    elif job_id:
-        port = port_from_job_id(job_id)
-    elif "OMPI_MCA_ess_base_jobid" in env:
-        port = port_from_job_id(env["OMPI_MCA_ess_base_jobid"])
-    else:
-        port = DEFAULT_PORT
-    return DistEnv(launcher=launcher, rank=rank, world_size=world, local_rank=local_rank,
-                   local_world_size=local_world, master_addr=addr, master_port=port,
+    return DistEnv(launcher=launcher, rank=rank, world_size=world, local_rank=place.local_rank,
+                   local_world_size=place.local_world_size, master_addr=addr, master_port=_port(env, job_id, modules),
                    scheduler=scheduler, job_id=job_id, nodes=nodes)
 
 
 def detect_container(env: Optional[Mapping[str, str]] = None) -> Optional[str]:
     """The registered container runtime whose marker variables are set, or None outside containers.
 
-    Each runtime's backend module knows its own markers (`running_inside`); it is loaded by name
-    here, so asking needs neither the job-script package nor every backend at import time.
+    Each runtime's module (dptrain.cluster) knows its own markers (`running_inside`); it is loaded
+    by name here, so importing this module loads no backend.
     """
     env = os.environ if env is None else env
     names = registry.names("container runtime")

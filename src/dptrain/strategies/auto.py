@@ -38,14 +38,12 @@ import time
 from typing import Callable, Optional
 
 import torch
-import torch.distributed as dist
 
 from dptrain import lr_policy, registry
 from dptrain.bench import costmodel
 # The candidates and the rule that picks among them are the cost model's (it predicts `--strategy auto`
 # with them); they are auto's names too.
 from dptrain.bench.costmodel import ALL_CANDIDATES, SAFE_CANDIDATES, TOLERANCE, Candidate, pick  # noqa: F401
-from dptrain.runtime.guard import broadcast_object, gather_objects, guard
 from dptrain.strategies.base import Strategy
 
 CANDIDATE_SETS = ("safe", "all")
@@ -114,11 +112,11 @@ def measure_link(ctx, payload_bytes: int = LINK_BYTES) -> dict:
     big = torch.zeros(payload_bytes // 4, device=ctx.collective_device)
 
     def times(tensor: torch.Tensor, repeats: int) -> list[float]:
-        dist.all_reduce(tensor)  # warm-up: connections, buffers
-        return [_timed(ctx, lambda: dist.all_reduce(tensor)) for _ in range(repeats)]
+        ctx.group.all_reduce(tensor)  # warm-up: connections, buffers
+        return [_timed(ctx, lambda: ctx.group.all_reduce(tensor)) for _ in range(repeats)]
 
-    tiny_times = guard(ctx, "auto: measuring the latency", lambda: times(tiny, LATENCY_REPEATS))
-    big_times = guard(ctx, "auto: measuring the bandwidth", lambda: times(big, BANDWIDTH_REPEATS))
+    tiny_times = ctx.group.bounded("auto: measuring the latency", lambda: times(tiny, LATENCY_REPEATS))
+    big_times = ctx.group.bounded("auto: measuring the bandwidth", lambda: times(big, BANDWIDTH_REPEATS))
     latency = latency_from(statistics.median(tiny_times), workers)
     return {"latency_seconds": latency,
             "bandwidth_bytes_per_second": bandwidth_from(statistics.median(big_times), payload_bytes, workers, latency),
@@ -240,13 +238,13 @@ class Auto(Strategy):
         choice = None
         if trainer.ctx.is_main and trainer.resume and trainer.out is not None and (trainer.out / CHOICE_FILE).is_file():
             choice = {**json.loads((trainer.out / CHOICE_FILE).read_text()), "reused": True}
-        return broadcast_object(trainer.ctx, "auto: reading the recorded choice", choice)
+        return trainer.ctx.group.broadcast_object("auto: reading the recorded choice", choice)
 
     def _decide(self, trainer, train) -> dict:
         ctx = trainer.ctx
         link = measure_link(ctx)
         seconds = measure_compute(trainer.timing_step, trainer.model, trainer.optimizer, ctx, trainer.batch_size, train)
-        per_sample = gather_objects(ctx, "auto: gathering compute times", seconds)
+        per_sample = ctx.group.gather_objects("auto: gathering compute times", seconds)
         choice = None
         if ctx.is_main:
             parameters = sum(p.numel() for p in trainer.model.parameters())
@@ -265,7 +263,7 @@ class Auto(Strategy):
                       "reason": (f"{chosen.label} has the smallest predicted epoch" if predictions[chosen.label] ==
                                  min(predictions.values()) else f"{chosen.label} is predicted within "
                                  f"{TOLERANCE:.0%} of the fastest and is the safer")}
-        return broadcast_object(ctx, "auto: sharing the choice", choice)
+        return ctx.group.broadcast_object("auto: sharing the choice", choice)
 
     def setup(self, model, optimizer, ctx):
         raise RuntimeError("strategy auto picks a strategy when training starts: pass it to a Trainer, which calls "

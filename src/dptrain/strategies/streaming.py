@@ -54,7 +54,7 @@ changed evaluates it (collectively). The replicas themselves differ by their loc
 all-reduce (one per dtype per send), and the final average. Optimizer state stays per worker.
 
 Every wait is bounded: `Work.wait` gets the run's `--timeout`, and the trainer runs the hooks that
-wait (after_step, end_epoch, finish) under dptrain.runtime.guard, which turns a failed or timed-out
+wait (after_step, end_epoch, finish) under the run's Group (runtime/group.py), which turns a failed or timed-out
 wait into one line naming the silent rank.
 """
 

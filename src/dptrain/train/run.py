@@ -29,7 +29,6 @@ from dptrain.io import write_text
 from dptrain.models import build_model, check_output_shape
 from dptrain.runtime.distributed import choose_device, destroy_process_group, init_process_group, set_cpu_threads
 from dptrain.runtime.env import DistEnv, detect
-from dptrain.runtime.guard import broadcast_object
 from dptrain.runtime.launcher import NOT_RESTARTED, launch_local
 from dptrain.runtime.prestart import prestart, quiet_cpp_logs_of_children
 from dptrain.runtime.spawn import Ranks
@@ -237,7 +236,7 @@ def _join_run_dir(config: TrainConfig, env: DistEnv, ctx, held: ExitStack) -> Tr
             decision = [str(run_dir), None]
         except UserError as exc:
             decision = [None, str(exc)]
-    decision = broadcast_object(ctx, "opening the run directory", decision)
+    decision = ctx.group.broadcast_object("opening the run directory", decision)
     if decision[1]:
         raise UserError(decision[1])
     return config.model_copy(update={"out": decision[0], "workers": ctx.world_size})

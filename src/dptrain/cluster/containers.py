@@ -4,7 +4,7 @@ runtime when it has one."""
 from __future__ import annotations
 
 from dptrain import registry
-from dptrain.launch.spec import JobSpec, quote, train_command
+from dptrain.cluster.spec import JobSpec, quote, train_command
 
 
 def rank_command(spec: JobSpec) -> tuple[list[str], str]:

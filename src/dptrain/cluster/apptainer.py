@@ -11,8 +11,8 @@ import shutil
 import subprocess
 from typing import Mapping, Sequence
 
-from dptrain.launch.spec import JobSpec, bind_paths, quote, train_command
-from dptrain.launch.udocker import SOURCE_FILES
+from dptrain.cluster.spec import JobSpec, bind_paths, quote, train_command
+from dptrain.cluster.udocker import SOURCE_FILES
 
 DEFAULT_BASE = "python:3.11-slim"
 IMAGE = "IMAGE.sif"  # what follows "apptainer:" in --container

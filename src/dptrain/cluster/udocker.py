@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Mapping, Optional, Sequence
 
 from dptrain.errors import UserError
-from dptrain.launch.spec import JobSpec, bind_paths, quote, train_command
+from dptrain.cluster.spec import JobSpec, bind_paths, quote, train_command
 
 CONFIG_NAME = "udocker.conf"
 WRAPPER_NAME = "proot-no-kernel"

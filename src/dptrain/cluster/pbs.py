@@ -1,19 +1,29 @@
 """PBS (PBS Pro, OpenPBS, Torque): the qsub script (the host's Open MPI mpirun starts one rank, or one
-container, per MPI slot), submission with qsub, and the job's state from `qstat -f -x`."""
+container, per MPI slot), submission with qsub, the job's state from `qstat -f -x`, and inside a job its
+id and its hosts (PBS_NODEFILE).
+
+PBS has no launcher of its own: an MPI's mpirun or mpiexec starts the ranks (dptrain.cluster.mpirun,
+dptrain.cluster.pmi). The script does not requeue the job: a rank that stops to be resumed (exit 75)
+ends it.
+"""
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
+from typing import Mapping, Optional
 
-from dptrain.launch.containers import rank_command
-from dptrain.launch.spec import JobSpec, command_environment, header, quote, rank_environment
-from dptrain.launch.submit import JobStatus, run_tool
+from dptrain.cluster.base import Job, Placement
+from dptrain.cluster.containers import rank_command
+from dptrain.cluster.spec import JobSpec, command_environment, header, quote, rank_environment
+from dptrain.cluster.submit import JobStatus, run_tool
 
 SCRIPT_NAME = "job.pbs"
 SUBMIT_COMMAND = "qsub"  # what submits (or, locally, runs) the script
 OUTPUT_NAME = "pbs.out"
 FINAL_STATES = {"F", "C"}  # PBS Pro/OpenPBS: F (finished, needs qstat -x); Torque: C (completed)
+PRIORITY = 50  # after SLURM: inside a SLURM job, that job's id and nodes are the ones asked for
 
 
 def render(spec: JobSpec) -> str:
@@ -96,3 +106,25 @@ def submit(script: Path) -> str:
 
 def poll(job_id: str) -> JobStatus:
     return parse_status(run_tool(["qstat", "-f", "-x", job_id], what=f"ask for the state of job {job_id}"))
+
+
+# ---- inside a job ----------------------------------------------------------------------------
+
+def job(env: Mapping[str, str]) -> Optional[Job]:
+    """PBS_JOBID, and the distinct hosts of PBS_NODEFILE (one line per slot) in their order."""
+    if "PBS_JOBID" not in env:
+        return None
+    nodes: list[str] = []
+    nodefile = env.get("PBS_NODEFILE")
+    if nodefile and os.path.isfile(nodefile):
+        with open(nodefile) as handle:
+            for line in handle:
+                name = line.strip()
+                if name and name not in nodes:
+                    nodes.append(name)
+    return Job("pbs", env["PBS_JOBID"], tuple(nodes))
+
+
+def ranks(env: Mapping[str, str]) -> Optional[Placement]:
+    """None: PBS starts no ranks itself, the MPI launcher in the job script does."""
+    return None

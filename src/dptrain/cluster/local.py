@@ -4,20 +4,30 @@ Without a container it hands the ranks to dptrain's own launcher (`dptrain train
 With one, or for a user's command, the script starts one process (container) per rank itself, with
 the torchrun-style variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), and stops
 the others when one fails.
+
+Inside, the ranks dptrain's own launchers started (`dptrain train --workers N`, `dptrain run`) carry
+DPTRAIN_LAUNCHER beside torchrun's variables; the ranks the script starts itself carry only torchrun's
+(dptrain.cluster.torchrun). There is no job id: the rendezvous is this machine.
 """
 
 from __future__ import annotations
 
 import subprocess
 from pathlib import Path
+from typing import Mapping, Optional
 
-from dptrain.launch.containers import rank_command
-from dptrain.launch.spec import JobSpec, header, quote, train_command
-from dptrain.launch.submit import JobStatus
+from dptrain.cluster.base import Job, Placement
+from dptrain.cluster.containers import rank_command
+from dptrain.cluster.spec import JobSpec, header, quote, train_command
+from dptrain.cluster.submit import JobStatus
+from dptrain.cluster.torchrun import torchrun_ranks
 
 SCRIPT_NAME = "job.sh"
 SUBMIT_COMMAND = "bash"  # what submits (or, locally, runs) the script
 OUTPUT_NAME = "job.out"
+# First: a rank dptrain's launcher started (DPTRAIN_LAUNCHER) is that launcher's, whatever launcher
+# started dptrain itself (its variables, e.g. mpirun's, pass on to the ranks).
+PRIORITY = 0
 
 # Jobs this process started, by job id (the script's PID), so that poll() can read their exit codes.
 _started: dict[str, subprocess.Popen] = {}
@@ -78,3 +88,17 @@ def poll(job_id: str) -> JobStatus:
         return JobStatus(state="RUNNING", finished=False)
     return JobStatus(state="COMPLETED" if code == 0 else "FAILED", finished=True,
                      exit_code=code if code >= 0 else 128 - code)
+
+
+# ---- inside a job ----------------------------------------------------------------------------
+
+def job(env: Mapping[str, str]) -> Optional[Job]:
+    """None: a job on this machine has no scheduler's id or node list."""
+    return None
+
+
+def ranks(env: Mapping[str, str]) -> Optional[Placement]:
+    """The ranks dptrain's own launchers started: torchrun's variables, named by DPTRAIN_LAUNCHER."""
+    if "RANK" not in env or "WORLD_SIZE" not in env or not env.get("DPTRAIN_LAUNCHER"):
+        return None
+    return torchrun_ranks(env, env["DPTRAIN_LAUNCHER"])

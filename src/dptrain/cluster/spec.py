@@ -17,25 +17,12 @@ from dptrain.errors import UserError
 TIME_PATTERN = re.compile(r"(\d+-)?\d{1,3}:\d{2}:\d{2}")
 
 
-def container_forms() -> str:
-    """How --container names each registered runtime's image: `udocker:NAME or apptainer:IMAGE.sif`."""
-    runtimes = registry.names("container runtime")
-    return " or ".join(f"{name}:{registry.load('container runtime', name).IMAGE}" for name in runtimes)
-
-
 @dataclass(frozen=True)
 class ContainerSpec:
     """A container each rank runs in: udocker container NAME, or an Apptainer IMAGE.sif."""
 
     runtime: str
     image: str
-
-    @classmethod
-    def parse(cls, text: str) -> "ContainerSpec":
-        runtime, sep, image = text.partition(":")
-        if not sep or runtime not in registry.names("container runtime") or not image:
-            raise UserError(f"--container {text!r} is not RUNTIME:IMAGE; use {container_forms()}")
-        return cls(runtime, image)
 
 
 @dataclass(frozen=True)

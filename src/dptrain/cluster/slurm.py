@@ -1,19 +1,32 @@
 """SLURM: the sbatch script (srun starts one rank, or one container, per task), submission with sbatch,
-and the job's state from `scontrol show job` (which needs no accounting database)."""
+the job's state from `scontrol show job` (which needs no accounting database), and inside a job its id,
+its nodes (SLURM_STEP_NODELIST, SLURM_JOB_NODELIST) and the ranks of an srun step.
+
+A rank that stops to be resumed exits with 75; the script then requeues the job (`scontrol requeue`,
+allowed by --requeue) and the requeued job resumes from the checkpoint in the same run directory.
+"""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Mapping, Optional
 
-from dptrain.launch.containers import rank_command
-from dptrain.launch.spec import JobSpec, command_environment, header, quote, rank_environment
-from dptrain.launch.submit import JobStatus, run_tool
+import hostlist
+
+from dptrain.cluster.base import Job, Placement, integer
+from dptrain.cluster.containers import rank_command
+from dptrain.cluster.spec import JobSpec, command_environment, header, quote, rank_environment
+from dptrain.cluster.submit import JobStatus, run_tool
+from dptrain.errors import UserError
 
 SCRIPT_NAME = "job.slurm"
 SUBMIT_COMMAND = "sbatch"  # what submits (or, locally, runs) the script
 FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY",
                 "BOOT_FAIL", "DEADLINE", "SPECIAL_EXIT"}
+# After the launchers that run inside an allocation (torchrun, mpirun, MPICH's mpiexec): they start their
+# workers or proxies with srun, so those inherit an srun step's SLURM_PROCID that is not their rank.
+PRIORITY = 40
 
 
 def render(spec: JobSpec) -> str:
@@ -115,3 +128,42 @@ def submit(script: Path) -> str:
 
 def poll(job_id: str) -> JobStatus:
     return parse_status(run_tool(["scontrol", "show", "job", "-o", job_id], what=f"ask for the state of job {job_id}"))
+
+
+# ---- inside a job ----------------------------------------------------------------------------
+
+def expand_tasks_per_node(value: str) -> list[int]:
+    """SLURM's compressed task counts per node, e.g. "2(x3),1" -> [2, 2, 2, 1]."""
+    counts: list[int] = []
+    for part in value.split(","):
+        match = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", part)
+        if not match:
+            raise UserError(f"cannot parse SLURM tasks per node {value!r}")
+        counts += [int(match.group(1))] * int(match.group(2) or 1)
+    return counts
+
+
+def job(env: Mapping[str, str]) -> Optional[Job]:
+    """SLURM_JOB_ID, and the step's nodes (or the allocation's) expanded from SLURM's host list."""
+    if "SLURM_JOB_ID" not in env:
+        return None
+    nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or ""
+    try:
+        nodes = tuple(hostlist.expand_hostlist(nodelist)) if nodelist else ()
+    except hostlist.BadHostlist:
+        raise UserError(f"cannot parse SLURM node list {nodelist!r}") from None
+    return Job("slurm", env["SLURM_JOB_ID"], nodes)
+
+
+def ranks(env: Mapping[str, str]) -> Optional[Placement]:
+    """The task of an srun step: SLURM_PROCID of SLURM_STEP_NUM_TASKS (or SLURM_NTASKS)."""
+    # SLURM_PROCID is also set in the batch script itself; only an srun step has SLURM_STEP_ID.
+    if "SLURM_PROCID" not in env or "SLURM_STEP_ID" not in env or env.get("SLURM_STEP_ID") == "batch":
+        return None
+    world = integer(env, "SLURM_STEP_NUM_TASKS") if "SLURM_STEP_NUM_TASKS" in env else integer(env, "SLURM_NTASKS")
+    local_rank = integer(env, "SLURM_LOCALID") if "SLURM_LOCALID" in env else 0
+    tasks_per_node = expand_tasks_per_node(
+        env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or str(world))
+    node = integer(env, "SLURM_NODEID") if "SLURM_NODEID" in env else 0
+    local_world = tasks_per_node[node] if node < len(tasks_per_node) else tasks_per_node[0]
+    return Placement("srun", integer(env, "SLURM_PROCID"), world, local_rank, local_world)
