@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from dptrain.data.holdout import HOLD_OUT, hold_out, holding_out_line
+from dptrain.data.holdout import hold_out, holding_out_line
 # Recognising an image folder needs no torch: it is in the table of kinds (`dptrain launch` uses it).
 from dptrain.data.kinds import IMAGE_SUFFIXES as SUFFIXES, class_dirs as _class_dirs, is_image_file
 from dptrain.data.kinds import is_image_folder  # noqa: F401 - where tests and users look for it

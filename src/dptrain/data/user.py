@@ -1,9 +1,9 @@
 """A user's own data: `--data package.module:factory`, a function returning torch Datasets.
 
 The factory returns `(train, test)`, or `train` alone (or `(train, None)`): then 20 % of it,
-chosen by the seed, is held out for testing (dptrain.data.holdout), and that is said. Items are `(x, y)` pairs; integer
-labels make a classification task (classes = the largest label + 1), float targets a
-regression. Every rank calls the factory itself, so it should be cheap (open files lazily).
+chosen by the seed, is held out for testing (dptrain.data.holdout), and that is said. Items are
+`(x, y)` pairs; integer labels make a classification task (classes = the largest label + 1), float
+targets a regression. Every rank calls the factory itself, so it should be cheap (open files lazily).
 """
 
 from __future__ import annotations
