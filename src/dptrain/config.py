@@ -14,6 +14,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from dptrain import lr_policy, registry
+from dptrain.data.kinds import absolute_spec, data_help
 from dptrain.errors import UserError, did_you_mean
 from dptrain.imports import FILE_SPEC, looks_like_spec
 from dptrain.lr_policy import DEFAULT_LR_SCALING, LR_DEFAULTS
@@ -35,9 +36,7 @@ class TrainConfig(BaseModel):
     strategy: Literal[registry.names("strategy")] = Field(  # type: ignore[valid-type] - the registry's names
         "allreduce", description=f"how workers synchronise: {registry.help_text('strategy')}")
     dataset: Optional[str] = Field("digits", description=f"built-in data set: {', '.join(registry.names('dataset'))}")
-    data: Optional[str] = Field(None, description="user data: a file (.npz, .npy, .h5, .zarr) with x, y and optional x_test, y_test; "
-                                                  "a folder of images, one subfolder per class; or package.module:factory "
-                                                  "returning (train, test) torch Datasets; replaces --dataset")
+    data: Optional[str] = Field(None, description=data_help())  # each kind of source says what it takes
     task: Literal["auto", "classify", "regress"] = Field(
         "auto", description="auto: integer labels classify, float targets regress (said when it happens); "
                             "classify or regress overrides that")
@@ -356,10 +355,10 @@ def resolve(config_file: Optional[str], overrides: dict[str, Any]) -> TrainConfi
 
 
 def with_absolute_paths(values: dict[str, Any], base: Optional[str] = None) -> dict[str, Any]:
-    """`values` (TrainConfig keys) with --data, when it is a file or folder that exists, and the file of a
-    `path/to/file.py:factory` --data, --model or --loss as absolute paths from `base` (default: the working
-    directory), so that a config.yaml repeats its run from any directory. Built-in names and
-    package.module:factory specs stay as they are."""
+    """`values` (TrainConfig keys) with --data as its kind records it (a file or folder that exists, the file
+    of a `path/to/file.py:factory`: dptrain.data.kinds) and the file of a `path/to/file.py:factory` --model
+    or --loss as absolute paths from `base` (default: the working directory), so that a config.yaml repeats
+    its run from any directory. Built-in names and package.module:factory specs stay as they are."""
     base = base or os.getcwd()
     absolute = dict(values)
     for key in ("data", "model", "loss"):
@@ -367,10 +366,10 @@ def with_absolute_paths(values: dict[str, Any], base: Optional[str] = None) -> d
         if not isinstance(value, str) or os.path.isabs(value):
             continue
         match = FILE_SPEC.match(value)
-        if match and not os.path.exists(os.path.join(base, value)):
+        if key == "data":
+            absolute[key] = absolute_spec(value, base)
+        elif match and not os.path.exists(os.path.join(base, value)):
             absolute[key] = f"{os.path.abspath(os.path.join(base, match['path']))}:{match['attribute']}"
-        elif key == "data" and os.path.exists(os.path.join(base, value)):
-            absolute[key] = os.path.abspath(os.path.join(base, value))
     return absolute
 
 

@@ -1,6 +1,6 @@
 """`--data DIR` for a folder of images in ImageFolder layout: one subfolder per class.
 
-    DIR/cat/001.png, DIR/dog/002.jpg, ...                  (20 % held out for testing, said)
+    DIR/cat/001.png, DIR/dog/002.jpg, ...                  (20 % held out for testing, said; dptrain.data.holdout)
     DIR/train/cat/001.png, ..., DIR/test/cat/101.png, ...  (the test images given)
 
 Classes are the subfolder names in sorted order (label 0 is the first), as torchvision's
@@ -19,27 +19,15 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from dptrain.data.holdout import hold_out, holding_out_line
+# Recognising an image folder needs no torch (the table of kinds and `dptrain launch` ask it).
+from dptrain.data.image_files import IMAGE_SUFFIXES as SUFFIXES, class_dirs as _class_dirs, is_image_file
+from dptrain.data.image_files import is_image_folder  # noqa: F401 - where tests and users look for it
 from dptrain.errors import UserError
-
-TEST_FRACTION = 0.2
-SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm"}
-
-
-def _class_dirs(root: Path) -> list[Path]:
-    return sorted(child for child in root.iterdir() if child.is_dir() and not child.name.startswith("."))
 
 
 def _images(directory: Path) -> list[Path]:
-    return sorted(path for path in directory.rglob("*") if path.suffix.lower() in SUFFIXES and path.is_file())
-
-
-def is_image_folder(path: str) -> bool:
-    """Whether `path` is a directory of class subfolders holding images (not a directory of .npy files)."""
-    root = Path(path)
-    if not root.is_dir() or root.suffix.lower() == ".zarr" or (root / "x.npy").exists():
-        return False
-    top = root / "train" if (root / "train").is_dir() else root
-    return any(_images(directory) for directory in _class_dirs(top))
+    return sorted(path for path in directory.rglob("*") if is_image_file(path))
 
 
 class ImageFolder(Dataset):
@@ -98,7 +86,7 @@ def _labelled(top: Path, classes: list[str], where: str) -> tuple[list[Path], li
 def load_image_folder(path: str, seed: int, image_size: Optional[int], augment: bool,
                       log: Callable[[str], None], task: str = "auto"):
     """The DataSplits of an image folder (see the module docstring)."""
-    from dptrain.data.user import describe_splits, held_out
+    from dptrain.data.user import describe_splits
 
     root = Path(path)
     split = (root / "train").is_dir() and (root / "test").is_dir()
@@ -127,9 +115,8 @@ def load_image_folder(path: str, seed: int, image_size: Optional[int], augment: 
         train = ImageFolder(files, targets, size, augment)
         test = ImageFolder(*_labelled(root / "test", classes, str(root / "test")), size)
     else:  # held out here rather than by describe_splits: test images are never augmented
-        keep, hold = (sorted(part) for part in held_out(len(files), TEST_FRACTION, seed))
-        log(f"dptrain: '{path}' has no train/ and test/ subfolders: holding out {len(hold)} of its {len(files)} "
-            f"images ({TEST_FRACTION:.0%}, chosen by the seed) for testing")
+        keep, hold = (sorted(part.tolist()) for part in hold_out(len(files), seed, at_least_one=True))
+        log(holding_out_line(f"'{path}' has no train/ and test/ subfolders", len(hold), len(files), unit="images"))
         train = ImageFolder([files[i] for i in keep], [targets[i] for i in keep], size, augment)
         test = ImageFolder([files[i] for i in hold], [targets[i] for i in hold], size)
-    return describe_splits(train, test, path, "", seed, TEST_FRACTION, log, task)
+    return describe_splits(train, test, path, "", seed, log, task)

@@ -30,7 +30,8 @@ Arrays are opened lazily with :meth:`DSTensor.from_file` (an ``.npz`` member is 
 numpy). Without ``x_test``/``y_test`` the test set is split off deterministically: with
 ``perm = np.random.default_rng(seed).permutation(n)``, samples ``perm[:n_test]`` form the
 test set and the rest the training set, each kept in file order, where
-``n_test = round(test_fraction * n)``. Integer ``y`` means classification with
+``n_test = round(test_fraction * n)`` (dptrain.data.holdout; ``test_fraction`` defaults to its
+``HOLD_OUT``, 0.2). Integer ``y`` means classification with
 ``num_classes = max(label) + 1``; floating ``y`` means regression.
 """
 
@@ -44,6 +45,7 @@ import numpy as np
 
 from dptrain import registry
 from dptrain.data.dstensor import DSTensor, list_arrays
+from dptrain.data.holdout import HOLD_OUT, hold_out, holding_out_line
 from dptrain.errors import UserError, unknown_name
 
 DATASET_NAMES = registry.names("dataset")
@@ -79,6 +81,12 @@ class Dataset:
             return self.num_classes
         return int(np.prod(self.y_train.shape[1:], dtype=np.int64))
 
+    def splits(self):
+        """The DataSplits of these arrays (dptrain.data.kinds): what every kind of source loads into."""
+        from dptrain.data.splits import DataSplits
+        return DataSplits(self.train_set(), self.test_set(), self.task, self.num_classes, self.input_shape,
+                          self.num_outputs, self.name)
+
 
 def load_dataset(
     name: str | None,
@@ -91,7 +99,7 @@ def load_dataset(
     channels: int = 3,
     classes: int = 10,
     features: int = 8,
-    test_fraction: float = 0.2,
+    test_fraction: float = HOLD_OUT,
     check_values: bool = True,
     task: str = "auto",
     log: Callable[[str], None] | None = None,
@@ -138,7 +146,7 @@ def digits(settings: BuiltinSettings) -> Dataset:
         raise UserError(f"--samples {settings.samples} applies only to synthetic data sets, not to digits.")
     block_size = settings.block_size
     x, y = _digits_arrays()
-    train, test = stratified_split(y, 0.2, 0)
+    train, test = stratified_split(y, HOLD_OUT, 0)  # fixed whatever the seed: scikit-learn's split
     return Dataset(
         x_train=DSTensor.from_array(x[train], block_size),
         y_train=DSTensor.from_array(y[train], block_size),
@@ -357,8 +365,7 @@ def _load_file(path: Path, name: str | None, seed: int, block_size: int | None, 
         x_train, y_train, x_test, y_test = x, y, opened["x_test"], opened["y_test"]
     else:
         x_train, y_train, x_test, y_test = _split(x, y, test_fraction, seed, str(path))
-        log(f"dptrain: '{path}' has no x_test/y_test: holding out {len(y_test)} of its {len(y)} samples "
-            f"({test_fraction:.0%}, chosen by the seed) for testing")
+        log(holding_out_line(f"'{path}' has no x_test/y_test", len(y_test), len(y), test_fraction))
     label = name if name is not None else path.stem
     return Dataset(x_train, y_train, x_test, y_test, task, num_classes, x.shape[1:], label)
 
@@ -486,14 +493,15 @@ def _num_classes(path: Path, stats: dict[str, tuple[float, float]]) -> int:
 def _split(
     x: DSTensor, y: DSTensor, test_fraction: float, seed: int, source: str
 ) -> tuple[DSTensor, DSTensor, DSTensor, DSTensor]:
-    """Split off ``round(test_fraction * n)`` test samples chosen by ``seed``; both parts keep source order."""
+    """Split off ``round(test_fraction * n)`` test samples chosen by ``seed`` (dptrain.data.holdout), refusing
+    a split that leaves either part empty; both parts keep source order."""
     n = len(x)
-    n_test = int(round(test_fraction * n))
+    keep, hold = hold_out(n, seed, test_fraction)
+    n_test = len(hold)
     if not 0 < n_test < n:
         raise UserError(
             f"test_fraction {test_fraction} of the {n} samples of '{source}' leaves {n_test} test and "
             f"{n - n_test} training samples; both need at least one."
         )
-    perm = np.random.default_rng(seed).permutation(n)
-    test, train = np.sort(perm[:n_test]), np.sort(perm[n_test:])
+    test, train = np.sort(hold), np.sort(keep)
     return x.subset(train), y.subset(train), x.subset(test), y.subset(test)

@@ -1,44 +1,26 @@
 """A user's own data: `--data package.module:factory`, a function returning torch Datasets.
 
 The factory returns `(train, test)`, or `train` alone (or `(train, None)`): then 20 % of it,
-chosen by the seed, is held out for testing, and that is said. Items are `(x, y)` pairs; integer
-labels make a classification task (classes = the largest label + 1), float targets a
-regression. Every rank calls the factory itself, so it should be cheap (open files lazily).
+chosen by the seed, is held out for testing (dptrain.data.holdout), and that is said. Items are
+`(x, y)` pairs; integer labels make a classification task (classes = the largest label + 1), float
+targets a regression. Every rank calls the factory itself, so it should be cheap (open files lazily).
 """
 
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset, Subset
 
+from dptrain.data.holdout import HOLD_OUT, hold_out, holding_out_line
+from dptrain.data.splits import DataSplits
 from dptrain.data.sampler import CheckedItems, labels_of
 from dptrain.data.sources import decide_task, first_fraction
 from dptrain.errors import UserError
 from dptrain.imports import load_callable
-
-
-@dataclass
-class DataSplits:
-    """Train and test Datasets with what a model needs to know about them."""
-
-    train: Dataset
-    test: Dataset
-    task: str  # "classification" | "regression"
-    num_classes: Optional[int]
-    input_shape: tuple[int, ...]
-    num_outputs: int
-    name: str
-
-    def train_set(self) -> Dataset:
-        return self.train
-
-    def test_set(self) -> Dataset:
-        return self.test
 
 
 def _item(dataset: Dataset, spec: str, which: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,7 +37,7 @@ def _is_dataset(value: Any) -> bool:
     return hasattr(value, "__getitem__") and hasattr(value, "__len__") and not isinstance(value, (tuple, list))
 
 
-def load_user_data(spec: str, seed: int, test_fraction: float = 0.2,
+def load_user_data(spec: str, seed: int, test_fraction: float = HOLD_OUT,
                    log: Callable[[str], None] = print, task: str = "auto") -> DataSplits:
     """Call the factory `spec` names and describe what it returned."""
     factory = load_callable(spec, "--data", "data", "returns (train, test) Datasets")
@@ -70,26 +52,18 @@ def load_user_data(spec: str, seed: int, test_fraction: float = 0.2,
                             "return (train, test) map-style Datasets (test may be None)")
     if len(train) < 2:
         raise UserError(f"data factory {spec} returned a training set of {len(train)} samples; it needs at least 2")
-    return describe_splits(train, test, spec, f"{spec} gave no test set", seed, test_fraction, log, task)
-
-
-def held_out(n: int, test_fraction: float, seed: int) -> tuple[list[int], list[int]]:
-    """(kept, held-out) positions of n samples: round(test_fraction * n) of them (at least 1), chosen by the seed."""
-    count = max(1, round(test_fraction * n))
-    order = np.random.default_rng(seed).permutation(n).tolist()
-    return order[count:], order[:count]
+    return describe_splits(train, test, spec, f"{spec} gave no test set", seed, log, task, test_fraction)
 
 
 def describe_splits(train: Dataset, test: Optional[Dataset], spec: str, no_test: str, seed: int,
-                    test_fraction: float, log: Callable[[str], None], task: str) -> DataSplits:
+                    log: Callable[[str], None], task: str, test_fraction: float = HOLD_OUT) -> DataSplits:
     """Checked train and test Datasets (test held out of train when there is none, said as `no_test`:
-    holding out ...) with their task, classes and shapes."""
+    holding out ...) with their task, classes and shapes: what a source of torch Datasets loads into."""
     train = CheckedItems(train, "training")
     test = CheckedItems(test, "test") if test is not None else None
     if test is None:
-        keep, hold = held_out(len(train), test_fraction, seed)
-        log(f"dptrain: {no_test}: holding out {len(hold)} of its {len(train)} samples "
-            f"({test_fraction:.0%}, chosen by the seed) for testing")
+        keep, hold = (part.tolist() for part in hold_out(len(train), seed, test_fraction, at_least_one=True))
+        log(holding_out_line(no_test, len(hold), len(train), test_fraction))
         train, test = Subset(train, keep), Subset(train, hold)
     x, y = _item(train, spec, "training")
     task = decide_task(task, not (y.is_floating_point() or y.is_complex()), str(y.dtype).removeprefix("torch."),

@@ -22,8 +22,9 @@ from typing import Optional
 from dptrain import registry
 from dptrain.arguments import train_config
 from dptrain.config import TrainConfig
+from dptrain.data.kinds import check_spec
 from dptrain.errors import UserError
-from dptrain.imports import check_spec_file, looks_like_spec, spec_file
+from dptrain.imports import check_spec_file, spec_file
 from dptrain.io import timestamped
 from dptrain.cluster.spec import ContainerSpec, JobSpec
 from dptrain.cluster.submit import follow
@@ -145,13 +146,9 @@ def check_command(command: list[str], workdir: Path) -> None:
 
 
 def check_files(config: TrainConfig, workdir: Path) -> None:
-    """--data, and a model or data factory's Python file, exist: one line before anything is written."""
-    if config.data is not None and not (workdir / config.data).exists():
-        if spec_file(config.data) is not None:
-            check_spec_file(config.data, "--data")
-        elif not looks_like_spec(config.data):
-            raise UserError(f"--data '{config.data}' does not exist (in {workdir}); give a data file or folder, "
-                            "or package.module:factory")
+    """--data can be loaded (its kind says, dptrain.data.kinds) and a model factory's Python file exists:
+    one line before anything is written."""
+    check_spec(config.data, workdir)
     check_spec_file(config.model, "--model")
 
 

@@ -19,11 +19,10 @@ import torch
 
 from dptrain import lr_policy
 from dptrain.config import BUILTIN_LOSSES, TrainConfig, build_config, to_yaml, with_absolute_paths
-from dptrain.data import Dataset, load_dataset, sharding
-from dptrain.data.images import is_image_folder, load_image_folder
-from dptrain.data.user import DataSplits, load_user_data
+from dptrain.data import sharding
+from dptrain.data.kinds import DataSplits, load_data
 from dptrain.data.sampler import as_dataset, loader
-from dptrain.imports import load_callable, looks_like_spec
+from dptrain.imports import load_callable
 from dptrain.errors import Interrupted, Preempted, UserError
 from dptrain.io import write_text
 from dptrain.models import build_model, check_output_shape
@@ -42,24 +41,7 @@ from dptrain.train.checkpointer import describe_interruption, epochs_recorded, l
 from dptrain.train.trainer import Trainer, check_amp
 
 
-def load_data(config: TrainConfig, check_values: bool = True, log=print) -> Union[Dataset, DataSplits]:
-    """The data a config names: a built-in data set, a file, or a user's factory (package.module:function)."""
-    if config.data is not None and looks_like_spec(config.data) and not os.path.exists(config.data):
-        return load_user_data(config.data, config.seed, log=log, task=config.task)
-    if config.data is not None and is_image_folder(config.data):
-        return load_image_folder(config.data, config.seed, config.image_size, config.augment, log, config.task)
-    if config.augment:
-        raise UserError("--augment applies to a folder of images given as --data")
-    if config.data is None and config.task != "auto":
-        raise UserError(f"--task {config.task} applies to your own --data; the built-in {config.dataset} "
-                        "knows its task")
-    return load_dataset(config.dataset if config.data is None else None, data_path=config.data, seed=config.seed,
-                        block_size=config.block_size, samples=config.samples, image_size=config.image_size,
-                        channels=config.channels, classes=config.classes, features=config.features,
-                        check_values=check_values, task=config.task, log=log)
-
-
-def make_model(config: TrainConfig, data: Dataset) -> torch.nn.Module:
+def make_model(config: TrainConfig, data: DataSplits) -> torch.nn.Module:
     """The model, initialised identically on every rank (seeded before construction)."""
     torch.manual_seed(config.seed)
     model = build_model(config.model, data.input_shape, data.num_outputs, options=config.model_options)
@@ -68,13 +50,13 @@ def make_model(config: TrainConfig, data: Dataset) -> torch.nn.Module:
     return model
 
 
-def loss_name(config: TrainConfig, data: Dataset) -> str:
+def loss_name(config: TrainConfig, data: DataSplits) -> str:
     if config.loss != "auto":
         return config.loss
     return "cross-entropy" if data.task == "classification" else "mse"
 
 
-def build_loss(config: TrainConfig, data: Dataset) -> Union[str, Callable]:
+def build_loss(config: TrainConfig, data: DataSplits) -> Union[str, Callable]:
     """A built-in loss by name, or the user's function (`--loss package.module:function`)."""
     name = loss_name(config, data)
     if name in ("cross-entropy", "mse"):
@@ -82,7 +64,7 @@ def build_loss(config: TrainConfig, data: Dataset) -> Union[str, Callable]:
     return load_callable(name, "--loss", "loss", "takes (output, target) and returns the loss")
 
 
-def check_loss(loss: Union[str, Callable], spec: str, model: torch.nn.Module, data: Dataset) -> None:
+def check_loss(loss: Union[str, Callable], spec: str, model: torch.nn.Module, data: DataSplits) -> None:
     """A built-in loss must fit the task; the user's must turn the model's output on two samples into one number."""
     if isinstance(loss, str):
         if (loss == "cross-entropy") != (data.task == "classification"):
