@@ -18,6 +18,7 @@ from torch import nn
 
 from dptrain.data.sampler import EpochPlan, shard_plan
 from dptrain.runtime.distributed import DistContext
+from dptrain.strategies.rules import StrategyRules
 
 
 def check_period(every: int, every_steps: Optional[int]) -> None:
@@ -26,8 +27,11 @@ def check_period(every: int, every_steps: Optional[int]) -> None:
         raise ValueError("every and every_steps must be at least 1")
 
 
-class Strategy:
+class Strategy(StrategyRules):
     """Base class: no communication at all (each worker trains alone).
+
+    The class-level hooks (`Options`, `exclusive`, `check`, `scales_lr`, `check_before_spawn`) come from
+    the strategy's rules class in dptrain.strategies.rules, which config validation reads without torch.
 
     `comm_bytes` counts the payload this worker hands to collectives: the bytes of every
     tensor passed to all_reduce/broadcast (after compression), whatever the algorithm
