@@ -31,7 +31,8 @@ class TrainConfig(BaseModel):
     # What to train
     # The registry's names, read when validating (choices_of, _strategy_is_registered): a strategy
     # registered after this module was imported is valid too.
-    strategy: str = Field("allreduce", description=f"how workers synchronise: {registry.help_text('strategy')}")
+    strategy: str = Field(registry.DEFAULT_STRATEGY,
+                          description=f"how workers synchronise: {registry.help_text('strategy')}")
     dataset: Optional[str] = Field("digits", description=f"built-in data set: {', '.join(registry.names('dataset'))}")
     data: Optional[str] = Field(None, description=data_help())  # each kind of source says what it takes
     task: Literal["auto", "classify", "regress"] = Field(

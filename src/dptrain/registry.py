@@ -50,6 +50,8 @@ STRATEGIES: dict[str, StrategyEntry] = {
                           "fastest candidate", "auto", "dptrain.strategies.rules.auto:AutoRules"),
 }
 
+DEFAULT_STRATEGY = "allreduce"  # what `dptrain train` uses without --strategy
+
 
 class _StrategyRules(Mapping[str, Entry]):
     """STRATEGIES seen as their rules' entries (kind "strategy rules"), read live so that a strategy

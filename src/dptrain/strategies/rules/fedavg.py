@@ -7,7 +7,7 @@ from typing import Any, Literal
 from pydantic import Field
 
 from dptrain.strategies.rules import StrategyRules, trains_alone_for_epochs
-from dptrain.strategies.rules.sync import OuterOptions
+from dptrain.strategies.rules.outer import OuterOptions
 
 
 class FedAvgRules(StrategyRules):

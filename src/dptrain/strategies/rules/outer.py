@@ -8,9 +8,11 @@ momentum (sgd, nesterov) and FedAdam's B1, B2 and tau are the papers' values. Tr
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Literal, Optional
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
+
+from dptrain.strategies.rules import StrategyRules
 
 OUTERS = ("none", "sgd", "nesterov", "adam")
 OUTER_LR_DEFAULTS = {"none": 0.7, "nesterov": 0.7, "sgd": 1.0, "adam": 0.01}
@@ -41,3 +43,15 @@ def outer_settings(outer: str = "none", lr: Optional[float] = None, momentum: Op
                          outer_momentum=OUTER_MOMENTUM if momentum is None else momentum,
                          outer_betas=OUTER_BETAS if betas is None else tuple(betas),
                          outer_eps=OUTER_EPS if eps is None else eps)
+
+
+class OuterOptions(StrategyRules.Options):
+    """The outer optimizer's options, shared by sync and fedavg."""
+
+    optimizer_state: Literal["keep", "reset", "average"] = "keep"
+    outer: Literal[OUTERS] = "none"  # type: ignore[valid-type] - the names above
+    outer_lr: Optional[float] = Field(None, gt=0)  # None: the outer optimizer's default
+    outer_momentum: float = Field(OUTER_MOMENTUM, ge=0, lt=1)
+    outer_betas: tuple[float, float] = OUTER_BETAS
+    outer_eps: float = Field(OUTER_EPS, gt=0)
+    compression: Literal["none", "fp16", "bf16", "int8"] = "none"

@@ -2,24 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional
+from typing import Any, Optional
 
 from pydantic import Field
 
 from dptrain.strategies.rules import StrategyRules, trains_alone_for_epochs
-from dptrain.strategies.rules.outer import OUTER_BETAS, OUTER_EPS, OUTER_MOMENTUM
-
-
-class OuterOptions(StrategyRules.Options):
-    """The outer optimizer's options, shared by sync and fedavg (defaults: dptrain.strategies.rules.outer)."""
-
-    optimizer_state: Literal["keep", "reset", "average"] = "keep"
-    outer: Literal["none", "sgd", "nesterov", "adam"] = "none"
-    outer_lr: Optional[float] = Field(None, gt=0)  # None: the outer optimizer's default
-    outer_momentum: float = Field(OUTER_MOMENTUM, ge=0, lt=1)
-    outer_betas: tuple[float, float] = OUTER_BETAS
-    outer_eps: float = Field(OUTER_EPS, gt=0)
-    compression: Literal["none", "fp16", "bf16", "int8"] = "none"
+from dptrain.strategies.rules.outer import OuterOptions
 
 
 class SyncRules(StrategyRules):
