@@ -5,7 +5,8 @@ strategy owns all of its communication: the model traffic (setup, after_backward
 end_epoch, finish) and how ranks agree on bookkeeping (gather_stats, agree_stop,
 stop_together, workers_history). The defaults here are for strategies whose ranks meet at every
 epoch end; a barrier-free strategy (async) overrides the agreement hooks.
-Adding a strategy means adding one file with one subclass and registering its name.
+Adding a strategy means adding one file with one subclass, its options and rules (a light module in
+dptrain.strategies.rules when the strategy's own imports torch), and registering its name.
 """
 
 from __future__ import annotations
