@@ -18,13 +18,9 @@ from dptrain.data.kinds import absolute_spec, data_help
 from dptrain.errors import UserError, did_you_mean
 from dptrain.imports import FILE_SPEC, looks_like_spec
 from dptrain.lr_policy import DEFAULT_LR_SCALING, LR_DEFAULTS
+from dptrain.strategies.rules.outer import OUTER_BETAS, OUTER_EPS, OUTER_LR_DEFAULTS, OUTER_MOMENTUM
 
 BUILTIN_LOSSES = ("auto", "cross-entropy", "mse")
-
-
-# --outer-lr when not given: DiLoCo's 0.7 (also recorded for `none`, where it is unused), FedAvgM's
-# server learning rate 1, and for FedAdam a step of about 0.01 per coordinate (Reddi et al. tune it per task).
-OUTER_LR_DEFAULTS = {"none": 0.7, "nesterov": 0.7, "sgd": 1.0, "adam": 0.01}
 
 
 class TrainConfig(BaseModel):
@@ -33,8 +29,10 @@ class TrainConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
     # What to train
-    strategy: Literal[registry.names("strategy")] = Field(  # type: ignore[valid-type] - the registry's names
-        "allreduce", description=f"how workers synchronise: {registry.help_text('strategy')}")
+    # The registry's names, read when validating (choices_of, _strategy_is_registered): a strategy
+    # registered after this module was imported is valid too.
+    strategy: str = Field(registry.DEFAULT_STRATEGY,
+                          description=f"how workers synchronise: {registry.help_text('strategy')}")
     dataset: Optional[str] = Field("digits", description=f"built-in data set: {', '.join(registry.names('dataset'))}")
     data: Optional[str] = Field(None, description=data_help())  # each kind of source says what it takes
     task: Literal["auto", "classify", "regress"] = Field(
@@ -102,12 +100,13 @@ class TrainConfig(BaseModel):
     outer: Literal["none", "sgd", "nesterov", "adam"] = Field(
         "none", description="sync, fedavg: outer (server) optimizer on the mean change: none (adopt the average), "
                             "sgd (FedAvgM with --outer-lr 1), nesterov (DiLoCo), adam (FedAdam)")
-    outer_lr: Optional[float] = Field(None, gt=0, description="sync, fedavg: outer learning rate (default: 0.7 for "
-                                                               "none and nesterov as DiLoCo, 1 for sgd as FedAvgM, "
-                                                               "0.01 for adam)")
-    outer_momentum: float = Field(0.9, ge=0, lt=1, description="sync, fedavg: outer momentum (sgd, nesterov)")
-    outer_betas: tuple[float, float] = Field((0.9, 0.99), description="sync, fedavg: --outer adam's B1,B2 (FedAdam)")
-    outer_eps: float = Field(1e-3, gt=0, description="sync, fedavg: --outer adam's tau added to sqrt(v) (FedAdam)")
+    outer_lr: Optional[float] = Field(None, gt=0, description=f"sync, fedavg: outer learning rate (default: "
+                                                               f"{OUTER_LR_DEFAULTS['nesterov']:g} for none and nesterov "
+                                                               f"as DiLoCo, {OUTER_LR_DEFAULTS['sgd']:g} for sgd as "
+                                                               f"FedAvgM, {OUTER_LR_DEFAULTS['adam']:g} for adam)")
+    outer_momentum: float = Field(OUTER_MOMENTUM, ge=0, lt=1, description="sync, fedavg: outer momentum (sgd, nesterov)")
+    outer_betas: tuple[float, float] = Field(OUTER_BETAS, description="sync, fedavg: --outer adam's B1,B2 (FedAdam)")
+    outer_eps: float = Field(OUTER_EPS, gt=0, description="sync, fedavg: --outer adam's tau added to sqrt(v) (FedAdam)")
     allreduce_epochs: int = Field(0, ge=0, description="sync: all-reduce the gradients every step for the first N "
                                                        "epochs, then average periodically (post-local SGD)")
 
@@ -157,6 +156,13 @@ class TrainConfig(BaseModel):
             raise ValueError(f"must be one of {', '.join(BUILTIN_LOSSES)} or package.module:function")
         return value
 
+    @field_validator("strategy")
+    @classmethod
+    def _strategy_is_registered(cls, value: str) -> str:
+        if value not in registry.names("strategy"):
+            raise ValueError(f"must be one of {', '.join(registry.names('strategy'))}")
+        return value
+
     @field_validator("outer_betas", mode="before")
     @classmethod
     def _betas_from_text(cls, value: Any) -> Any:
@@ -175,39 +181,8 @@ class TrainConfig(BaseModel):
     def _cross_field_checks(self) -> "TrainConfig":
         if self.data is None and self.dataset is None:
             raise ValueError("give --dataset or --data")
-        if self.sync_every_steps is not None and self.strategy not in ("sync", "streaming", "hierarchical"):
-            raise ValueError(f"sync_every_steps applies to strategies sync, streaming and hierarchical, "
-                             f"not {self.strategy}")
-        if (self.strategy == "streaming" and self.overlap_steps is not None and self.sync_every_steps is not None
-                and self.overlap_steps > self.sync_every_steps):
-            raise ValueError(f"overlap_steps {self.overlap_steps} is more than sync_every_steps "
-                             f"{self.sync_every_steps}; an average must land before the next one is sent, "
-                             f"so use at most {self.sync_every_steps}")
-        if self.ranks_per_node is not None and self.strategy != "hierarchical":
-            raise ValueError(f"ranks_per_node applies to strategy hierarchical, not {self.strategy}")
-        if self.compression == "int8" and self.strategy == "auto":
-            raise ValueError("compression int8 does not apply to strategy auto: it may pick allreduce, which "
-                             "compresses its gradients with fp16 or bf16 only")
-        if self.compression == "int8" and self.strategy == "allreduce":
-            raise ValueError("compression int8 applies to strategies sync, fedavg and async; allreduce compresses "
-                             "its gradients with fp16 or bf16 only")
-        if self.strategy == "async" and self.merge == "ema" and self.compression != "none":
-            raise ValueError(f"compression {self.compression} applies to async merges of deltas (delta, "
-                             "delayed-nesterov), not to merge ema, which sends whole models")
-        if self.outer != "none" and self.strategy not in ("sync", "fedavg"):
-            raise ValueError(f"outer applies to strategies sync and fedavg, not {self.strategy}")
-        if self.allreduce_epochs and self.strategy != "sync":
-            raise ValueError(f"allreduce_epochs applies to strategy sync, not {self.strategy}")
-        if self.proximal_mu and self.strategy != "fedavg":
-            raise ValueError(f"proximal_mu applies to strategy fedavg, not {self.strategy}")
-        if self.proximal_mu and self.amp == "fp16":
-            raise ValueError("proximal_mu does not work with amp fp16 (the term would join loss-scaled gradients); "
-                             "use amp bf16 or none")
-        if self.strategy == "fedavg" and self.optimizer_state == "average" and self.clients_per_round < 1:
-            raise ValueError("optimizer_state average with fedavg needs every client in every round "
-                             "(clients_per_round 1): a client that sat a round out has no state to average")
-        if self.compression != "none" and self.strategy in ("streaming", "hierarchical"):
-            raise ValueError(f"compression applies to strategies allreduce, sync, fedavg and async, not {self.strategy}")
+        _check_exclusive_options(self)
+        rules(self.strategy).check(self)
         if self.scale_lr and self.lr_scaling != "linear":
             if "lr_scaling" in self.model_fields_set and self.lr_scaling != "auto":
                 raise ValueError(f"scale_lr is short for lr_scaling linear and contradicts lr_scaling "
@@ -247,6 +222,28 @@ class TrainConfig(BaseModel):
 FIELDS = TrainConfig.model_fields
 
 
+def rules(strategy: str) -> Any:
+    """The options and rules of a registered strategy (dptrain.strategies.rules.StrategyRules), without torch."""
+    return registry.load("strategy rules", strategy)
+
+
+def _check_exclusive_options(config: TrainConfig) -> None:
+    """An option some strategies keep to themselves (their rules' `exclusive`), set away from its default
+    with a strategy that does not read it, is an error naming the strategies that do."""
+    readers: dict[str, list[str]] = {}
+    for name in registry.names("strategy"):
+        for option in rules(name).exclusive:
+            readers.setdefault(option, []).append(name)
+    for option in FIELDS:
+        if option not in readers or config.strategy in readers[option]:
+            continue
+        if getattr(config, option) != FIELDS[option].default:
+            names = readers[option]
+            which = (f"strategy {names[0]}" if len(names) == 1
+                     else f"strategies {', '.join(names[:-1])} and {names[-1]}")
+            raise ValueError(f"{option} applies to {which}, not {config.strategy}")
+
+
 def flag_of(key: str) -> str:
     """The command-line flag of a config key: batch_size -> --batch-size."""
     return "--" + key.replace("_", "-")
@@ -275,7 +272,9 @@ _PATTERNS = {"slow_worker": "must look like RANK:FACTOR[,RANK:FACTOR...], e.g. 1
 
 
 def choices_of(name: str) -> Optional[tuple[str, ...]]:
-    """The valid values of a choice field (a Literal), else None."""
+    """The valid values of a choice field (a Literal, or the registry's strategies), else None."""
+    if name == "strategy":
+        return registry.names("strategy")
     annotation = FIELDS[name].annotation
     args = get_args(annotation)
     if get_origin(annotation) is Literal:

@@ -12,9 +12,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any, Optional
 
-# Strategies whose replicas train alone for whole epochs between averages, and whose averages the trainer
-# checks: --lr-scaling auto scales their LR, guarded (dptrain.train.health). fedavg only over iid partitions.
-WEIGHT_AVERAGING = ("sync", "async", "fedavg")
+from dptrain import registry
 
 # The default LR rule: keep the user's --lr. On the tuning half of the robustness suite no rule held one
 # worker's accuracy on every problem, and scaling cost up to 20 points where --lr was already near the edge
@@ -47,10 +45,9 @@ def lr_scale(config: Any, world: int) -> tuple[float, str]:
 
 
 def auto_scales(config: Any) -> bool:
-    """Whether --lr-scaling auto raises this run's LR (see lr_scale)."""
-    if config.strategy not in WEIGHT_AVERAGING or (config.strategy == "fedavg" and config.partition != "iid"):
-        return False
-    return config.sync_every_steps is None and not config.allreduce_epochs
+    """Whether --lr-scaling auto raises this run's LR (see lr_scale): the strategy's rules say, where its
+    replicas train alone for whole epochs between averages that the trainer checks (dptrain.train.health)."""
+    return registry.load("strategy rules", config.strategy).scales_lr(config)
 
 
 def warmup(config: Any, world: int) -> float:

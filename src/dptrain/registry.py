@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator, Mapping
 
 from dptrain.errors import unknown_name
 
@@ -26,22 +26,46 @@ class StrategyEntry(Entry):
     # How the cost model times its communication (dptrain.bench.costmodel.COMMUNICATION): a new
     # strategy that communicates like an existing one is projected without touching the model.
     communication: str
+    # The strategy's options and rules without torch (dptrain.strategies.rules.StrategyRules, which the
+    # strategy class inherits): what config validation and the LR policy ask. "": the class itself is light.
+    rules: str = ""
 
 
 STRATEGIES: dict[str, StrategyEntry] = {
-    "allreduce": StrategyEntry("dptrain.strategies.allreduce:AllReduce", "gradients every step", "step-allreduce"),
-    "sync": StrategyEntry("dptrain.strategies.sync:Sync", "weights every few epochs/steps", "periodic-allreduce"),
+    "allreduce": StrategyEntry("dptrain.strategies.allreduce:AllReduce", "gradients every step", "step-allreduce",
+                               "dptrain.strategies.rules.allreduce:AllReduceRules"),
+    "sync": StrategyEntry("dptrain.strategies.sync:Sync", "weights every few epochs/steps", "periodic-allreduce",
+                          "dptrain.strategies.rules.sync:SyncRules"),
     "streaming": StrategyEntry("dptrain.strategies.streaming:Streaming",
-                               "weights every few epochs/steps, averaged while training goes on", "overlapped-average"),
+                               "weights every few epochs/steps, averaged while training goes on", "overlapped-average",
+                               "dptrain.strategies.rules.streaming:StreamingRules"),
     "async": StrategyEntry("dptrain.strategies.asynchronous:Async", "merges into a global model, no barrier",
-                           "merge-service"),
-    "fedavg": StrategyEntry("dptrain.strategies.fedavg:FedAvg", "federated", "periodic-allreduce"),
+                           "merge-service", "dptrain.strategies.rules.asynchronous:AsyncRules"),
+    "fedavg": StrategyEntry("dptrain.strategies.fedavg:FedAvg", "federated", "periodic-allreduce",
+                            "dptrain.strategies.rules.fedavg:FedAvgRules"),
     "hierarchical": StrategyEntry("dptrain.strategies.hierarchical:Hierarchical",
                                   "gradients every step inside a node, weights across nodes every few epochs/steps",
-                                  "hierarchical-allreduce"),
+                                  "hierarchical-allreduce", "dptrain.strategies.rules.hierarchical:HierarchicalRules"),
     "auto": StrategyEntry("dptrain.strategies.auto:Auto", "measures link and model at start, then trains with the "
-                          "fastest candidate", "auto"),
+                          "fastest candidate", "auto", "dptrain.strategies.rules.auto:AutoRules"),
 }
+
+DEFAULT_STRATEGY = "allreduce"  # what `dptrain train` uses without --strategy
+
+
+class _StrategyRules(Mapping[str, Entry]):
+    """STRATEGIES seen as their rules' entries (kind "strategy rules"), read live so that a strategy
+    registered later is found too."""
+
+    def __getitem__(self, name: str) -> Entry:
+        entry = STRATEGIES[name]
+        return Entry(entry.rules or entry.target, entry.help)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(STRATEGIES)
+
+    def __len__(self) -> int:
+        return len(STRATEGIES)
 
 # Each a module satisfying dptrain.cluster.base.Scheduler: its job script and its in-job environment.
 SCHEDULERS: dict[str, Entry] = {
@@ -84,8 +108,9 @@ DATASETS: dict[str, Entry] = {
                                   "a nonlinear target in (0, 1) of standard-normal inputs"),
 }
 
-TABLES: dict[str, dict[str, Entry]] = {
+TABLES: dict[str, Mapping[str, Entry]] = {
     "strategy": STRATEGIES,
+    "strategy rules": _StrategyRules(),
     "scheduler": SCHEDULERS,
     "launcher": LAUNCHERS,
     "container runtime": CONTAINER_RUNTIMES,
@@ -95,7 +120,8 @@ TABLES: dict[str, dict[str, Entry]] = {
 
 
 def names(kind: str) -> tuple[str, ...]:
-    """The registered names of `kind` ('strategy', 'scheduler', 'launcher', 'container runtime', 'model', 'dataset')."""
+    """The registered names of `kind` ('strategy', 'strategy rules', 'scheduler', 'launcher', 'container runtime',
+    'model', 'dataset')."""
     return tuple(TABLES[kind])
 
 

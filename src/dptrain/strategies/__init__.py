@@ -1,14 +1,28 @@
-"""Data-parallel strategies, one file each, all behind dptrain.strategies.base.Strategy, found by name in dptrain.registry."""
+"""Data-parallel strategies, one file each, all behind dptrain.strategies.base.Strategy, found by name in dptrain.registry.
+
+The classes are imported when first used (they import torch), so that dptrain.strategies.rules, each
+strategy's options and rules, stays light for config validation.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 from dptrain import registry
-from dptrain.strategies.allreduce import AllReduce
-from dptrain.strategies.asynchronous import Async
-from dptrain.strategies.base import Strategy
-from dptrain.strategies.fedavg import FedAvg
-from dptrain.strategies.sync import Sync
+
+_CLASSES = {"AllReduce": "dptrain.strategies.allreduce", "Async": "dptrain.strategies.asynchronous",
+            "FedAvg": "dptrain.strategies.fedavg", "Strategy": "dptrain.strategies.base",
+            "Sync": "dptrain.strategies.sync"}
 
 
-def build_strategy(config) -> Strategy:
+def __getattr__(name: str) -> Any:
+    if name in _CLASSES:
+        return getattr(importlib.import_module(_CLASSES[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def build_strategy(config) -> "Strategy":
     """The strategy a TrainConfig asks for, built by its registered class."""
     return registry.load("strategy", config.strategy).from_config(config)
 

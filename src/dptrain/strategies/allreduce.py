@@ -13,6 +13,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from dptrain.runtime.distributed import DistContext
 from dptrain.strategies.base import Strategy
 from dptrain.strategies.collectives import module_state, tensor_bytes
+from dptrain.strategies.rules.allreduce import AllReduceRules
 
 HOOKS = {
     "none": (default_hooks.allreduce_hook, None),
@@ -21,7 +22,7 @@ HOOKS = {
 }
 
 
-class AllReduce(Strategy):
+class AllReduce(AllReduceRules, Strategy):
     """Per-step gradient all-reduce (the Horovod/DDP way): after k steps every replica equals
     single-process training on the union of the workers' batches."""
 

@@ -67,6 +67,7 @@ from dptrain.runtime.distributed import DistContext, PeerFailure
 from dptrain.strategies.base import Strategy
 from dptrain.strategies.collectives import broadcast_module, module_state, unflatten_into
 from dptrain.strategies.compression import COMPRESSIONS, ErrorFeedback, decode, payload_bytes
+from dptrain.strategies.rules.asynchronous import AsyncRules
 
 MERGES = ("delta", "ema", "delayed-nesterov")
 DELTA_MERGES = ("delta", "delayed-nesterov")  # merges of a change (which can be compressed), not a model
@@ -262,7 +263,7 @@ class MergeService:
             raise PeerFailure(f"rank 0: the merge service failed: {self.error}")
 
 
-class Async(Strategy):
+class Async(AsyncRules, Strategy):
     """Barrier-free merging into a global model at epoch ends (every `every` epochs)."""
 
     name = "async"

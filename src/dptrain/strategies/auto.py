@@ -45,6 +45,7 @@ from dptrain.bench import costmodel
 # with them); they are auto's names too.
 from dptrain.bench.costmodel import ALL_CANDIDATES, SAFE_CANDIDATES, TOLERANCE, Candidate, pick  # noqa: F401
 from dptrain.strategies.base import Strategy
+from dptrain.strategies.rules.auto import AutoRules
 
 CANDIDATE_SETS = ("safe", "all")
 LINK_BYTES = 4 * 2 ** 20  # payload of the bandwidth all-reduces
@@ -180,7 +181,7 @@ def _same_kind_of_optimizer(optimizer: torch.optim.Optimizer, model) -> torch.op
 
 # -- the strategy -----------------------------------------------------------------------------------
 
-class Auto(Strategy):
+class Auto(AutoRules, Strategy):
     """Picks allreduce or sync (or, with candidates='all', sync every 2 or 3 epochs or async) at the
     start of the run by measuring; the Trainer then trains with the chosen strategy (see `resolve`)."""
 

@@ -5,7 +5,8 @@ strategy owns all of its communication: the model traffic (setup, after_backward
 end_epoch, finish) and how ranks agree on bookkeeping (gather_stats, agree_stop,
 stop_together, workers_history). The defaults here are for strategies whose ranks meet at every
 epoch end; a barrier-free strategy (async) overrides the agreement hooks.
-Adding a strategy means adding one file with one subclass and registering its name.
+Adding a strategy means adding one file with one subclass, its options and rules (a light module in
+dptrain.strategies.rules when the strategy's own imports torch), and registering its name.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from torch import nn
 
 from dptrain.data.sampler import EpochPlan, shard_plan
 from dptrain.runtime.distributed import DistContext
+from dptrain.strategies.rules import StrategyRules
 
 
 def check_period(every: int, every_steps: Optional[int]) -> None:
@@ -26,8 +28,11 @@ def check_period(every: int, every_steps: Optional[int]) -> None:
         raise ValueError("every and every_steps must be at least 1")
 
 
-class Strategy:
+class Strategy(StrategyRules):
     """Base class: no communication at all (each worker trains alone).
+
+    The class-level hooks (`Options`, `exclusive`, `check`, `scales_lr`, `check_before_spawn`) come from
+    the strategy's rules class in dptrain.strategies.rules, which config validation reads without torch.
 
     `comm_bytes` counts the payload this worker hands to collectives: the bytes of every
     tensor passed to all_reduce/broadcast (after compression), whatever the algorithm

@@ -23,6 +23,8 @@ Client options:
 
 from __future__ import annotations
 
+from typing import Optional
+
 import numpy as np
 import torch
 from torch import nn
@@ -34,20 +36,26 @@ from dptrain.strategies.base import Strategy
 from dptrain.strategies.collectives import broadcast_module
 from dptrain.strategies.compression import COMPRESSIONS
 from dptrain.strategies.outer import OPTIMIZER_STATES, Averager, OuterOptimizer, settle_optimizer_state
+from dptrain.strategies.rules.fedavg import FedAvgRules
+from dptrain.strategies.rules.outer import outer_settings
 
 
-class FedAvg(Strategy):
+class FedAvg(FedAvgRules, Strategy):
     """Federated averaging over fixed client partitions."""
 
     name = "fedavg"
     average_check = "together"
 
     def __init__(self, local_epochs: int = 1, partition: str = "iid", alpha: float = 0.5,
-                 clients_per_round: float = 1.0, outer: str = "none", outer_lr: float = 0.7,
-                 outer_momentum: float = 0.9, outer_betas: tuple[float, float] = (0.9, 0.99),
-                 outer_eps: float = 1e-3, compression: str = "none", proximal_mu: float = 0.0,
+                 clients_per_round: float = 1.0, outer: str = "none", outer_lr: Optional[float] = None,
+                 outer_momentum: Optional[float] = None, outer_betas: Optional[tuple[float, float]] = None,
+                 outer_eps: Optional[float] = None, compression: str = "none", proximal_mu: float = 0.0,
                  optimizer_state: str = "keep") -> None:
+        """The outer optimizer's settings not given come from dptrain.strategies.rules.outer, as on the CLI."""
         super().__init__()
+        settings = outer_settings(outer, outer_lr, outer_momentum, outer_betas, outer_eps)
+        outer_lr, outer_momentum = settings.outer_lr, settings.outer_momentum
+        outer_betas, outer_eps = settings.outer_betas, settings.outer_eps
         if local_epochs < 1:
             raise ValueError("local_epochs must be at least 1")
         if partition not in PARTITIONERS:

@@ -55,6 +55,7 @@ from dptrain.strategies.allreduce import HOOKS
 from dptrain.strategies.base import Strategy, check_period
 from dptrain.strategies.collectives import (average_module, broadcast_module, module_state, tensor_bytes,
                                             weighted_average_module)
+from dptrain.strategies.rules.hierarchical import HierarchicalRules
 
 
 def check_ranks_per_node(ranks_per_node: Optional[int], world: int) -> None:
@@ -92,7 +93,7 @@ def assign_nodes(world: int, ranks_per_node: Optional[int] = None, hosts: Option
     return sorted(nodes)
 
 
-class Hierarchical(Strategy):
+class Hierarchical(HierarchicalRules, Strategy):
     """DDP inside each node every step; the node leaders average the weights every period."""
 
     name = "hierarchical"
@@ -120,6 +121,11 @@ class Hierarchical(Strategy):
     def from_config(cls, config) -> "Hierarchical":
         return cls(every=config.sync_every, every_steps=config.sync_every_steps,
                    ranks_per_node=config.ranks_per_node)
+
+    @classmethod
+    def check_before_spawn(cls, config, model: nn.Module) -> None:
+        """--ranks-per-node must split the local workers into equal nodes (other launchers: checked at setup)."""
+        check_ranks_per_node(config.ranks_per_node, config.workers)
 
     # -- layout --------------------------------------------------------------------------------
     @property

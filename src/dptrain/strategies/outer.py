@@ -46,18 +46,19 @@ from dptrain.runtime.group import Group
 from dptrain.strategies.collectives import (average_module, average_tensors, max_tensors, module_state,
                                             unflatten_into, weighted_average_module, weighted_average_tensors)
 from dptrain.strategies.compression import COMPRESSIONS, ErrorFeedback, compressed_mean
+from dptrain.strategies.rules.outer import OUTERS, outer_settings  # noqa: F401 - OUTERS: the names, re-exported
 
-OUTERS = ("none", "sgd", "nesterov", "adam")
 OPTIMIZER_STATES = ("keep", "reset", "average")
 
 
 class OuterOptimizer:
     """The server step on the global parameters ("anchor"), given the plain average of the replicas."""
 
-    def __init__(self, kind: str = "none", lr: float = 0.7, momentum: float = 0.9,
-                 betas: Sequence[float] = (0.9, 0.99), eps: float = 1e-3) -> None:
-        if kind not in OUTERS:
-            raise ValueError(f"outer must be one of {OUTERS}, not {kind!r}")
+    def __init__(self, kind: str = "none", lr: Optional[float] = None, momentum: Optional[float] = None,
+                 betas: Optional[Sequence[float]] = None, eps: Optional[float] = None) -> None:
+        """Settings not given: dptrain.strategies.rules.outer's defaults for `kind`, as on the command line."""
+        settings = outer_settings(kind, lr, momentum, betas, eps)  # also refuses an unknown kind
+        lr, momentum, betas, eps = settings.outer_lr, settings.outer_momentum, settings.outer_betas, settings.outer_eps
         if lr <= 0 or not 0 <= momentum < 1 or eps <= 0:
             raise ValueError("outer lr and eps must be positive and momentum in [0, 1)")
         if len(betas) != 2 or not all(0 <= b < 1 for b in betas):

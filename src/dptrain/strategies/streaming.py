@@ -76,6 +76,7 @@ from dptrain.errors import UserError
 from dptrain.runtime.distributed import DistContext
 from dptrain.strategies.base import Strategy, check_period
 from dptrain.strategies.collectives import average_module, broadcast_module, module_state, unflatten_into
+from dptrain.strategies.rules.streaming import StreamingRules
 
 
 @dataclass
@@ -124,7 +125,7 @@ def check_fragments(model: nn.Module, fragments: int) -> None:
     split_fragments(floating + integer, fragments)
 
 
-class Streaming(Strategy):
+class Streaming(StreamingRules, Strategy):
     """Weight averaging every K steps (or E epochs) overlapped with D steps of training, with the
     delay correction w <- mean(w_s) + (w_now - w_s); optionally one of F fragments per period."""
 
@@ -157,6 +158,11 @@ class Streaming(Strategy):
     def from_config(cls, config) -> "Streaming":
         return cls(every=config.sync_every, every_steps=config.sync_every_steps,
                    overlap_steps=config.overlap_steps, fragments=config.fragments)
+
+    @classmethod
+    def check_before_spawn(cls, config, model: nn.Module) -> None:
+        """--fragments needs as many tensors as fragments."""
+        check_fragments(model, config.fragments)
 
     # -- the schedule ----------------------------------------------------------------------------
     def epoch_plan(self, ctx: DistContext, n_samples: int, labels: Callable[[], np.ndarray], batch_size: int,

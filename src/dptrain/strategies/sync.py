@@ -32,11 +32,13 @@ from dptrain.strategies.base import Strategy, check_period
 from dptrain.strategies.collectives import broadcast_module, broadcast_tensors, module_state, tensor_bytes
 from dptrain.strategies.compression import COMPRESSIONS
 from dptrain.strategies.outer import OPTIMIZER_STATES, OUTERS, Averager, OuterOptimizer, settle_optimizer_state
+from dptrain.strategies.rules.outer import outer_settings
+from dptrain.strategies.rules.sync import SyncRules
 
 __all__ = ["OPTIMIZER_STATES", "OUTERS", "Sync"]
 
 
-class Sync(Strategy):
+class Sync(SyncRules, Strategy):
     """Synchronous weight averaging at epoch ends (every `every` epochs) or local SGD
     (every `every_steps` steps), optionally after `allreduce_epochs` epochs of per-step
     gradient all-reduce (post-local SGD)."""
@@ -45,10 +47,14 @@ class Sync(Strategy):
     average_check = "together"
 
     def __init__(self, every: int = 1, every_steps: int | None = None, optimizer_state: str = "keep",
-                 outer: str = "none", outer_lr: float = 0.7, outer_momentum: float = 0.9,
-                 outer_betas: tuple[float, float] = (0.9, 0.99), outer_eps: float = 1e-3,
+                 outer: str = "none", outer_lr: float | None = None, outer_momentum: float | None = None,
+                 outer_betas: tuple[float, float] | None = None, outer_eps: float | None = None,
                  compression: str = "none", allreduce_epochs: int = 0) -> None:
+        """The outer optimizer's settings not given come from dptrain.strategies.rules.outer, as on the CLI."""
         super().__init__()
+        settings = outer_settings(outer, outer_lr, outer_momentum, outer_betas, outer_eps)
+        outer_lr, outer_momentum = settings.outer_lr, settings.outer_momentum
+        outer_betas, outer_eps = settings.outer_betas, settings.outer_eps
         check_period(every, every_steps)
         if optimizer_state not in OPTIMIZER_STATES:
             raise ValueError(f"optimizer_state must be one of {OPTIMIZER_STATES}, not {optimizer_state!r}")

@@ -17,7 +17,7 @@ from typing import Callable, Optional, Union
 
 import torch
 
-from dptrain import lr_policy
+from dptrain import lr_policy, registry
 from dptrain.config import BUILTIN_LOSSES, TrainConfig, build_config, to_yaml, with_absolute_paths
 from dptrain.data import sharding
 from dptrain.data.kinds import DataSplits, load_data
@@ -91,14 +91,9 @@ def validate(config: TrainConfig) -> torch.nn.Module:
     data = load_data(config)
     model = make_model(config, data)
     check_loss(build_loss(config, data), config.loss, model, data)
-    if config.strategy == "streaming":  # --fragments needs as many tensors as fragments
-        from dptrain.strategies.streaming import check_fragments
-        check_fragments(model, config.fragments)
     samples = len(data.train_set())
     sharding.check_workers(samples, config.workers)
-    if config.ranks_per_node is not None:  # hierarchical's nodes (other launchers: checked when it sets up)
-        from dptrain.strategies.hierarchical import check_ranks_per_node
-        check_ranks_per_node(config.ranks_per_node, config.workers)
+    registry.load("strategy", config.strategy).check_before_spawn(config, model)
     if config.batch_size > samples // config.workers:
         raise UserError(f"--batch-size {config.batch_size} is larger than a worker's shard of "
                         f"{samples // config.workers} samples ({samples} samples over "

@@ -1,0 +1,59 @@
+"""What each strategy takes from a TrainConfig and which combinations it refuses, without torch.
+
+A strategy class (dptrain.strategies.NAME) inherits these class-level hooks from its rules class here
+(dptrain.strategies.rules.NAME), so that config validation (dptrain.config) and the LR policy
+(dptrain.lr_policy) can ask them through dptrain.registry without importing torch:
+
+- `Options`: a pydantic model of the TrainConfig fields the strategy reads, with its defaults;
+- `exclusive`: those of its options that mean nothing to a strategy that does not read them: setting
+  one with another strategy is an error naming the strategies that read it;
+- `check(config)`: the cross-field rules that concern the strategy (raise ValueError with one sentence);
+- `scales_lr(config)`: whether --lr-scaling auto scales this run's LR (its replicas train alone for whole
+  epochs between averages that the trainer checks, dptrain.train.health);
+- `check_before_spawn(config, model)` (on the strategy class, which may import torch): what can be
+  checked of the model before workers start.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from pydantic import BaseModel, ConfigDict
+
+
+class StrategyRules:
+    """The defaults: no options, no rules, the LR is not scaled, nothing to check before spawning."""
+
+    class Options(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+
+    exclusive: ClassVar[tuple[str, ...]] = ()
+
+    @classmethod
+    def option_names(cls) -> tuple[str, ...]:
+        """The TrainConfig fields this strategy reads."""
+        return tuple(cls.Options.model_fields)
+
+    @classmethod
+    def options(cls, config: Any) -> BaseModel:
+        """This strategy's options as a TrainConfig (or any object with those attributes) sets them."""
+        return cls.Options(**{name: getattr(config, name) for name in cls.option_names()})
+
+    @classmethod
+    def check(cls, config: Any) -> None:
+        """Raise ValueError (one sentence) when `config` combines settings this strategy refuses."""
+
+    @classmethod
+    def scales_lr(cls, config: Any) -> bool:
+        """Whether --lr-scaling auto raises this run's LR (dptrain.lr_policy.lr_scale)."""
+        return False
+
+    @classmethod
+    def check_before_spawn(cls, config: Any, model: Any) -> None:
+        """Raise dptrain.errors.UserError when `model` or the worker count cannot train with this strategy."""
+
+
+def trains_alone_for_epochs(config: Any) -> bool:
+    """Replicas that meet every few steps (--sync-every-steps, --allreduce-epochs) are one large-batch model,
+    as allreduce is; only whole epochs alone between averages let --lr-scaling auto scale the LR."""
+    return config.sync_every_steps is None and not config.allreduce_epochs

@@ -1,0 +1,29 @@
+"""async's options and rules (dptrain.strategies.asynchronous)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Optional
+
+from pydantic import Field
+
+from dptrain.strategies.rules import StrategyRules, trains_alone_for_epochs
+
+
+class AsyncRules(StrategyRules):
+    class Options(StrategyRules.Options):
+        sync_every: int = Field(1, ge=1)
+        merge: Literal["delta", "ema", "delayed-nesterov"] = "delta"
+        max_staleness: Optional[int] = Field(None, ge=0)
+        server_momentum: float = Field(0.9, ge=0, lt=1)
+        server_lr: float = Field(1.0, gt=0)
+        compression: Literal["none", "fp16", "bf16", "int8"] = "none"
+
+    @classmethod
+    def check(cls, config: Any) -> None:
+        if config.merge == "ema" and config.compression != "none":
+            raise ValueError(f"compression {config.compression} applies to async merges of deltas (delta, "
+                             "delayed-nesterov), not to merge ema, which sends whole models")
+
+    @classmethod
+    def scales_lr(cls, config: Any) -> bool:
+        return trains_alone_for_epochs(config)

@@ -1,0 +1,35 @@
+"""fedavg's options and rules (dptrain.strategies.fedavg)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field
+
+from dptrain.strategies.rules import StrategyRules, trains_alone_for_epochs
+from dptrain.strategies.rules.outer import OuterOptions
+
+
+class FedAvgRules(StrategyRules):
+    class Options(OuterOptions):
+        local_epochs: int = Field(1, ge=1)
+        partition: Literal["iid", "contiguous", "dirichlet"] = "iid"
+        alpha: float = Field(0.5, gt=0)
+        clients_per_round: float = Field(1.0, gt=0, le=1)
+        proximal_mu: float = Field(0.0, ge=0)
+
+    exclusive = ("outer", "proximal_mu")
+
+    @classmethod
+    def check(cls, config: Any) -> None:
+        if config.proximal_mu and config.amp == "fp16":
+            raise ValueError("proximal_mu does not work with amp fp16 (the term would join loss-scaled gradients); "
+                             "use amp bf16 or none")
+        if config.optimizer_state == "average" and config.clients_per_round < 1:
+            raise ValueError("optimizer_state average with fedavg needs every client in every round "
+                             "(clients_per_round 1): a client that sat a round out has no state to average")
+
+    @classmethod
+    def scales_lr(cls, config: Any) -> bool:
+        # Under label skew (non-iid partitions) the clients' models drift apart: --lr stays.
+        return config.partition == "iid" and trains_alone_for_epochs(config)

@@ -1,0 +1,57 @@
+"""The outer (server) optimizer's settings and their defaults, in one table for the CLI, YAML and Python.
+
+`--outer-lr` when not given: DiLoCo's 0.7 (also recorded for `none`, where it is unused), FedAvgM's server
+learning rate 1, and for FedAdam a step of about 0.01 per coordinate (Reddi et al. tune it per task). The
+momentum (sgd, nesterov) and FedAdam's B1, B2 and tau are the papers' values. TrainConfig's defaults and
+`Sync(outer=...)` / `FedAvg(outer=...)` both resolve through `outer_settings`.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from dptrain.strategies.rules import StrategyRules
+
+OUTERS = ("none", "sgd", "nesterov", "adam")
+OUTER_LR_DEFAULTS = {"none": 0.7, "nesterov": 0.7, "sgd": 1.0, "adam": 0.01}
+OUTER_MOMENTUM = 0.9
+OUTER_BETAS = (0.9, 0.99)
+OUTER_EPS = 1e-3
+
+
+class OuterSettings(BaseModel):
+    """One outer optimizer, every setting resolved."""
+
+    model_config = ConfigDict(frozen=True)
+
+    outer: str = "none"
+    outer_lr: float = OUTER_LR_DEFAULTS["none"]
+    outer_momentum: float = OUTER_MOMENTUM
+    outer_betas: tuple[float, float] = OUTER_BETAS
+    outer_eps: float = OUTER_EPS
+
+
+def outer_settings(outer: str = "none", lr: Optional[float] = None, momentum: Optional[float] = None,
+                   betas: Optional[tuple[float, float]] = None, eps: Optional[float] = None) -> OuterSettings:
+    """The settings of outer optimizer `outer`, each not given (None) from the table of defaults. Their
+    ranges are checked where they are used (TrainConfig's fields, dptrain.strategies.outer.OuterOptimizer)."""
+    if outer not in OUTERS:
+        raise ValueError(f"outer must be one of {OUTERS}, not {outer!r}")
+    return OuterSettings(outer=outer, outer_lr=OUTER_LR_DEFAULTS[outer] if lr is None else lr,
+                         outer_momentum=OUTER_MOMENTUM if momentum is None else momentum,
+                         outer_betas=OUTER_BETAS if betas is None else tuple(betas),
+                         outer_eps=OUTER_EPS if eps is None else eps)
+
+
+class OuterOptions(StrategyRules.Options):
+    """The outer optimizer's options, shared by sync and fedavg."""
+
+    optimizer_state: Literal["keep", "reset", "average"] = "keep"
+    outer: Literal[OUTERS] = "none"  # type: ignore[valid-type] - the names above
+    outer_lr: Optional[float] = Field(None, gt=0)  # None: the outer optimizer's default
+    outer_momentum: float = Field(OUTER_MOMENTUM, ge=0, lt=1)
+    outer_betas: tuple[float, float] = OUTER_BETAS
+    outer_eps: float = Field(OUTER_EPS, gt=0)
+    compression: Literal["none", "fp16", "bf16", "int8"] = "none"

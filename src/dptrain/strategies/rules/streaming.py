@@ -1,0 +1,29 @@
+"""streaming's options and rules (dptrain.strategies.streaming)."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from pydantic import Field
+
+from dptrain.strategies.rules import StrategyRules
+
+
+class StreamingRules(StrategyRules):
+    class Options(StrategyRules.Options):
+        sync_every: int = Field(1, ge=1)
+        sync_every_steps: Optional[int] = Field(None, ge=1)
+        overlap_steps: Optional[int] = Field(None, ge=0)
+        fragments: int = Field(1, ge=1)
+
+    exclusive = ("sync_every_steps",)
+
+    @classmethod
+    def check(cls, config: Any) -> None:
+        if (config.overlap_steps is not None and config.sync_every_steps is not None
+                and config.overlap_steps > config.sync_every_steps):
+            raise ValueError(f"overlap_steps {config.overlap_steps} is more than sync_every_steps "
+                             f"{config.sync_every_steps}; an average must land before the next one is sent, "
+                             f"so use at most {config.sync_every_steps}")
+        if config.compression != "none":
+            raise ValueError(f"compression applies to strategies allreduce, sync, fedavg and async, not {config.strategy}")

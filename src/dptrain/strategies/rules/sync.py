@@ -1,0 +1,23 @@
+"""sync's options and rules (dptrain.strategies.sync)."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from pydantic import Field
+
+from dptrain.strategies.rules import StrategyRules, trains_alone_for_epochs
+from dptrain.strategies.rules.outer import OuterOptions
+
+
+class SyncRules(StrategyRules):
+    class Options(OuterOptions):
+        sync_every: int = Field(1, ge=1)
+        sync_every_steps: Optional[int] = Field(None, ge=1)
+        allreduce_epochs: int = Field(0, ge=0)
+
+    exclusive = ("sync_every_steps", "outer", "allreduce_epochs")
+
+    @classmethod
+    def scales_lr(cls, config: Any) -> bool:
+        return trains_alone_for_epochs(config)
