@@ -93,7 +93,7 @@ def step_nccl(device: str, sizes: dict, workdir: Path) -> dict:
 
 
 def _train(settings: dict):
-    from dptrain.train.run import train_from_config
+    from dptrain.train.command import train_from_config
 
     return train_from_config({"progress": False, "workers": 1, "seed": 0, **settings})
 

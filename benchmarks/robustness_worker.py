@@ -5,7 +5,7 @@ process joins the group `dptrain run` describes once (importing torch and joinin
 rank on a 2-core machine, more than a small run's training), then trains each job in turn on that
 group, exactly as `dptrain train` would with those flags: the flags become a TrainConfig through
 `dptrain train`'s own parser (dptrain.arguments.train_config) and the run goes through
-dptrain.train.run.train_in_group, the body of every rank of `dptrain train`.
+dptrain.train.command.train_in_group, the body of every rank of `dptrain train`.
 
 A job that fails on a rank (an exception, e.g. training diverged) ends this process: it prints one
 line `ROBUSTNESS-FAILED {"id": ..., "rank": ..., "error": ...}`, `dptrain run` stops the other ranks
@@ -30,7 +30,7 @@ def main(jobs_file: str) -> int:
     from dptrain.arguments import train_config
     from dptrain.runtime.distributed import destroy_process_group, exit_process, init_process_group, set_cpu_threads
     from dptrain.runtime.env import detect
-    from dptrain.train.run import train_in_group
+    from dptrain.train.command import train_in_group
 
     jobs = json.loads(Path(jobs_file).read_text())
     set_cpu_threads()

@@ -6,7 +6,7 @@ Runs `python -m dptrain train --dataset digits --model mlp --workers 2 --epochs 
 (or the flags after `--`) once, with a `sitecustomize` on PYTHONPATH that every process of the
 run (the launcher and its workers) imports first. It stamps the seconds since the command began
 when each process's interpreter is up, and when each of a list of phases begins and ends: the
-import of `dptrain.train.run` (which imports torch) and of `torch._dynamo` (which the first
+import of `dptrain.train.command` (which imports torch) and of `torch._dynamo` (which the first
 optimizer imports), argument parsing, validation, the run directory, the rendezvous, the data,
 the model, the trainer, training and teardown. Nothing in dptrain is changed; the timeline
 goes to stdout (and to FILE, as JSON).
@@ -44,12 +44,12 @@ _PHASES = {
     "dptrain.cli": ["parse_args"],
     "dptrain.runtime.prestart": ["prestart", "receive"],
     "dptrain.runtime.spawn": ["Ranks.release"],
-    "dptrain.train.run": ["validate", "prepare_run_dir", "run_worker", "load_data", "make_model"],
+    "dptrain.train.command": ["validate", "prepare_run_dir", "run_worker", "load_data", "make_model"],
     "dptrain.runtime.launcher": ["launch_local"],
     "dptrain.runtime.distributed": ["init_process_group", "destroy_process_group", "exit_process"],
     "dptrain.train.trainer": ["Trainer.__init__", "Trainer.fit"],
 }
-_IMPORTS = {"dptrain.train.run", "torch._dynamo"}  # whose import is a phase
+_IMPORTS = {"dptrain.train.command", "torch._dynamo"}  # whose import is a phase
 
 
 def _wrap(owner, name, label):

@@ -138,7 +138,7 @@ def test_two_workers_choose_by_measurement_and_train_exactly_as_the_chosen_strat
 
 
 def test_one_worker_trains_as_allreduce_without_measuring_and_says_so(tmp_path, capsys):
-    from dptrain.train.run import train_from_config
+    from dptrain.train.command import train_from_config
 
     settings = {"dataset": "digits", "model": "mlp", "epochs": 1, "batch_size": 32, "seed": 3, "workers": 1,
                 "progress": False}

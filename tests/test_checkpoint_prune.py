@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from dptrain.train import checkpoint
+from dptrain.train import checkpoint_files
 
 
 def write(run_dir: Path, epoch: int, ranks, checksum: bool = True) -> None:
@@ -32,7 +32,7 @@ def test_an_incomplete_newest_checkpoint_does_not_count(tmp_path, keep, left):
         write(tmp_path, epoch, [0, 1])
     write(tmp_path, 3, [0])  # rank 1 was killed while writing epoch 3
 
-    checkpoint.prune(tmp_path, keep, world_size=2)
+    checkpoint_files.prune(tmp_path, keep, world_size=2)
 
     assert epochs_left(tmp_path) == left
 
@@ -42,7 +42,7 @@ def test_a_rank_file_without_its_checksum_is_not_complete(tmp_path):
     write(tmp_path, 2, [0])
     write(tmp_path, 2, [1], checksum=False)  # the checksum is renamed into place first; this one never was
 
-    checkpoint.prune(tmp_path, 1, world_size=2)
+    checkpoint_files.prune(tmp_path, 1, world_size=2)
 
     assert epochs_left(tmp_path) == [1, 2]
 
@@ -53,7 +53,7 @@ def test_async_staggered_ranks_keep_the_slow_workers_directories(tmp_path, keep,
     for epoch in range(1, 7):
         write(tmp_path, epoch, [0, 1] if epoch <= 3 else [0])
 
-    checkpoint.prune(tmp_path, keep, world_size=2)
+    checkpoint_files.prune(tmp_path, keep, world_size=2)
 
     assert epochs_left(tmp_path) == left
 
@@ -62,7 +62,7 @@ def test_without_any_complete_checkpoint_nothing_is_deleted(tmp_path):
     for epoch in (1, 2, 3):
         write(tmp_path, epoch, [0])
 
-    checkpoint.prune(tmp_path, 1, world_size=2)
+    checkpoint_files.prune(tmp_path, 1, world_size=2)
 
     assert epochs_left(tmp_path) == [1, 2, 3]
 
@@ -72,6 +72,6 @@ def test_complete_checkpoints_beyond_keep_are_deleted(tmp_path, keep, left):
     for epoch in range(1, 5):
         write(tmp_path, epoch, [0, 1, 2])
 
-    checkpoint.prune(tmp_path, keep, world_size=3)
+    checkpoint_files.prune(tmp_path, keep, world_size=3)
 
     assert epochs_left(tmp_path) == left

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from dptrain.errors import UserError
-from dptrain.train import checkpoint
+from dptrain.train import checkpoint_files
 from test_train_cli import DIGITS, dptrain
 
 
@@ -29,37 +29,37 @@ def _state(value: float) -> dict:
 def test_latest_complete_skips_a_truncated_checkpoint_and_falls_back(tmp_path):
     for epoch in (1, 2):
         for rank in (0, 1):
-            checkpoint.save(tmp_path, epoch, rank, _state(epoch + rank / 10))
-    assert checkpoint.latest_complete(tmp_path, 2) == (2, [])
+            checkpoint_files.save(tmp_path, epoch, rank, _state(epoch + rank / 10))
+    assert checkpoint_files.latest_complete(tmp_path, 2) == (2, [])
     newest = tmp_path / "checkpoints" / "epoch-000002" / "rank-00001.pt"
     newest.write_bytes(newest.read_bytes()[:20])  # a crash mid-write that bypassed the rename
-    epoch, notes = checkpoint.latest_complete(tmp_path, 2)
+    epoch, notes = checkpoint_files.latest_complete(tmp_path, 2)
     assert (epoch, notes) == (1, ["the checkpoint of epoch 2 is corrupt (rank file(s) [1] fail their checksum); "
                                   "continuing from epoch 1"])
-    assert torch.equal(checkpoint.load(tmp_path, 1, 1)["model"]["w"], torch.full((3,), 1.1))
+    assert torch.equal(checkpoint_files.load(tmp_path, 1, 1)["model"]["w"], torch.full((3,), 1.1))
     with pytest.raises(UserError, match="does not match its checksum"):
-        checkpoint.load(tmp_path, 2, 1)
+        checkpoint_files.load(tmp_path, 2, 1)
 
 
 def test_missing_rank_file_makes_a_checkpoint_incomplete(tmp_path):
-    checkpoint.save(tmp_path, 1, 0, _state(1.0))
-    assert checkpoint.latest_complete(tmp_path, 2) == (None, ["the checkpoint of epoch 1 was not finished; "
+    checkpoint_files.save(tmp_path, 1, 0, _state(1.0))
+    assert checkpoint_files.latest_complete(tmp_path, 2) == (None, ["the checkpoint of epoch 1 was not finished; "
                                                               "starting the run over"])
-    assert checkpoint.latest_complete(tmp_path, 1)[0] == 1
+    assert checkpoint_files.latest_complete(tmp_path, 1)[0] == 1
 
 
 def test_a_save_cut_short_by_an_interrupt_is_expected_not_corrupt(tmp_path):
     for rank in (0, 1):
-        checkpoint.save(tmp_path, 2, rank, _state(2.0))
-    checkpoint.save(tmp_path, 3, 0, _state(3.0))  # Ctrl-C came while rank 1 was writing epoch 3
-    assert checkpoint.latest_complete(tmp_path, 2) == (2, ["the checkpoint of epoch 3 was not finished; "
+        checkpoint_files.save(tmp_path, 2, rank, _state(2.0))
+    checkpoint_files.save(tmp_path, 3, 0, _state(3.0))  # Ctrl-C came while rank 1 was writing epoch 3
+    assert checkpoint_files.latest_complete(tmp_path, 2) == (2, ["the checkpoint of epoch 3 was not finished; "
                                                            "continuing from epoch 2"])
 
 
 def test_prune_keeps_the_newest(tmp_path):
     for epoch in range(1, 6):
-        checkpoint.save(tmp_path, epoch, 0, _state(epoch))
-    checkpoint.prune(tmp_path, keep=2, world_size=1)
+        checkpoint_files.save(tmp_path, epoch, 0, _state(epoch))
+    checkpoint_files.prune(tmp_path, keep=2, world_size=1)
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["epoch-000004", "epoch-000005"]
 
 
@@ -70,9 +70,9 @@ class NotATensor:
 def test_checkpoints_are_loaded_without_unpickling_objects(tmp_path):
     state = _state(1.0)
     state["evil"] = NotATensor()
-    checkpoint.save(tmp_path, 1, 0, state)  # valid checksum, forbidden content
+    checkpoint_files.save(tmp_path, 1, 0, state)  # valid checksum, forbidden content
     with pytest.raises(UserError, match="cannot be read"):
-        checkpoint.load(tmp_path, 1, 0)
+        checkpoint_files.load(tmp_path, 1, 0)
 
 
 ONCE_FAILING_MODEL = """
@@ -137,7 +137,7 @@ def test_sigterm_checkpoints_and_stops_then_the_same_command_continues(tmp_path)
     assert "stopped by SIGTERM" in stderr and "run the same command again" in stderr
     stopped_at = len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
     assert 1 <= stopped_at < 25
-    assert checkpoint.latest_complete(tmp_path / "run", 2)[0] == stopped_at
+    assert checkpoint_files.latest_complete(tmp_path / "run", 2)[0] == stopped_at
     again = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, timeout=240)
     assert again.returncode == 0, again.stderr
     assert f"resuming after epoch {stopped_at}" in again.stdout
@@ -161,7 +161,7 @@ def test_a_stop_signal_during_start_up_ends_the_run_at_its_first_epoch_with_a_ch
     done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=240)
     assert done.returncode == 75, done.stderr
     assert "stopped by SIGUSR1 after epoch 1" in done.stderr
-    assert checkpoint.latest_complete(tmp_path / "run", 1)[0] == 1
+    assert checkpoint_files.latest_complete(tmp_path / "run", 1)[0] == 1
 
 
 @pytest.mark.slow

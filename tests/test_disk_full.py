@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from dptrain.train import checkpoint
+from dptrain.train import checkpoint_files
 from test_train_cli import dptrain
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")]
@@ -103,9 +103,9 @@ def test_a_disk_that_fills_during_training_keeps_the_last_checkpoint_and_resumes
 
     assert_one_clean_line(result, "epoch-000002", "no space left on device")
     assert not leftovers(disk)
-    assert checkpoint.latest_complete(out, 2)[0] == 1
+    assert checkpoint_files.latest_complete(out, 2)[0] == 1
     for rank in (0, 1):
-        assert checkpoint.load(out, 1, rank)["epoch"] == 1
+        assert checkpoint_files.load(out, 1, rank)["epoch"] == 1
     mount("-o", "remount,size=16m", str(disk))  # space freed
     again = dptrain(*train_argv(out, 3, *BIG_MODEL), cwd=tmp_path)
     assert again.returncode == 0, again.stderr

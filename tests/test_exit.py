@@ -64,7 +64,7 @@ def test_a_program_that_asked_to_skip_finalization_leaves_without_it_though_it_j
         import atexit, os, sys
         import dptrain
         import dptrain.runtime.distributed
-        from dptrain.program import skip_finalization
+        from dptrain.exits import skip_finalization
 
         class Finalized:
             def __del__(self, write=os.write):

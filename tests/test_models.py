@@ -267,7 +267,7 @@ def test_user_factory_that_returns_no_module(user_module):
 def model_file(tmp_path, monkeypatch):
     """A project directory, the working directory, holding mymodels.py (USER_MODULE's factories and one that
     imports widths.py beside it); what loading it adds to sys.modules and sys.path is removed afterwards."""
-    from dptrain import imports
+    from dptrain import user_code
 
     project = tmp_path / "project"
     project.mkdir()
@@ -280,7 +280,7 @@ def model_file(tmp_path, monkeypatch):
     monkeypatch.chdir(project)
     monkeypatch.setattr(sys, "path", list(sys.path))
     monkeypatch.setattr(sys, "dont_write_bytecode", True)
-    monkeypatch.setattr(imports, "_FILE_MODULES", {})
+    monkeypatch.setattr(user_code, "_FILE_MODULES", {})
     before = set(sys.modules)
     yield project
     for name in set(sys.modules) - before:

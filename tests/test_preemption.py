@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from dptrain.train import checkpoint
+from dptrain.train import checkpoint_files
 from test_train_cli import DIGITS
 
 STRATEGIES = ("allreduce", "sync", "async", "fedavg")
@@ -45,7 +45,7 @@ def test_a_stop_signal_while_the_workers_start_up_ends_the_run_after_epoch_1(tmp
     _, stderr = proc.communicate(timeout=180)
     assert proc.returncode == 75, stderr
     assert stderr.count("stopped by") + stderr.count("another rank stopped") == 2, stderr
-    assert checkpoint.latest_complete(tmp_path / "run", 2)[0] == 1
+    assert checkpoint_files.latest_complete(tmp_path / "run", 2)[0] == 1
 
 
 @pytest.mark.slow
@@ -65,7 +65,7 @@ def test_async_stops_every_rank_with_a_checkpoint_before_the_store_goes_and_cont
     assert "Connection closed" not in stderr and "PeerFailure" not in stderr, stderr
     assert stderr.count("[rank0] dptrain: rank 0: stopped by SIGTERM") == 1, stderr
     assert stderr.count("[rank1] dptrain: rank 1: stopped by SIGTERM") == 1, stderr
-    stopped_at = checkpoint.latest_complete(tmp_path / "run", 2)[0]
+    stopped_at = checkpoint_files.latest_complete(tmp_path / "run", 2)[0]
     assert stopped_at is not None and stopped_at < 12
     again = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stderr
@@ -90,7 +90,7 @@ def test_ctrl_c_says_after_which_epoch_in_one_line_and_the_same_command_continue
     _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 130, stderr
     done = len(_records(tmp_path / "run"))
-    saved, _ = checkpoint.latest_complete(tmp_path / "run", int(workers))
+    saved, _ = checkpoint_files.latest_complete(tmp_path / "run", int(workers))
     assert saved is not None and saved in (done - 1, done)  # the Ctrl-C may cut the save of the last epoch
     said = [line for line in stderr.splitlines() if "interrupted" in line]
     assert said == [f"dptrain: interrupted after epoch {done} of 1000; the same command again continues from the "

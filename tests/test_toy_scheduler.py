@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from dptrain import registry
-from dptrain.cli import run as dptrain
+from dptrain.cli import dispatch as dptrain
 from dptrain.cluster.base import Scheduler
 from dptrain.cluster.spec import JobSpec
 from dptrain.runtime.env import DistEnv, detect, port_from_job_id

@@ -23,8 +23,8 @@ _EXPORTS = {
     "FedAvg": "dptrain.strategies.fedavg", "Hierarchical": "dptrain.strategies.hierarchical",
     "Auto": "dptrain.strategies.auto", "Strategy": "dptrain.strategies.base",
     "DSTensor": "dptrain.data", "load_dataset": "dptrain.data",
-    "TrainConfig": "dptrain.config", "train_from_config": "dptrain.train.run",
-    "run": "dptrain.program", "exit_process": "dptrain.runtime.distributed",
+    "TrainConfig": "dptrain.config", "train_from_config": "dptrain.train.command",
+    "run": "dptrain.exits", "exit_process": "dptrain.runtime.distributed",
 }
 __all__ = [*_EXPORTS, "__version__"]
 

@@ -15,7 +15,7 @@ from typing import Optional, Sequence
 
 from dptrain import __version__
 from dptrain.arguments import Parser, add_config_flags, config_from_args
-from dptrain.program import report_errors, run as run_program
+from dptrain.exits import report_errors, run as run_program
 from dptrain.train.preemption import STOP_SIGNALS, catch_stop_signals_early
 
 # Commands that live in their own module: name -> (module with add_arguments(parser) and
@@ -91,7 +91,7 @@ def parse_args(argv: Sequence[str], passthrough: Optional[list[str]] = None) -> 
     return args
 
 
-def run(argv: Sequence[str], passthrough: Optional[list[str]] = None) -> int:
+def dispatch(argv: Sequence[str], passthrough: Optional[list[str]] = None) -> int:
     args = parse_args(argv, passthrough)
     if args.command == "train":
         return _train(config_from_args(args))
@@ -114,12 +114,12 @@ def _train(config) -> int:
 
     prestarted = None
     if config.workers > 1 and not detect().launched:
-        from dptrain.program import skip_finalization
+        from dptrain.exits import skip_finalization
         from dptrain.runtime.prestart import prestart
         prestarted = prestart(config.workers)
         skip_finalization()  # this launcher ends when its workers have: nothing needs tearing down
     try:
-        from dptrain.train.run import train
+        from dptrain.train.command import train
         return train(config, prestarted)
     finally:
         if prestarted is not None:
@@ -142,7 +142,7 @@ def wait_for_launcher() -> None:
     catch_stop_signals_early()
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, *STOP_SIGNALS})
     try:  # what every `dptrain train` rank imports anyway; a failure happens again where it would
-        import dptrain.train.run  # noqa: F401 - torch, torch.distributed, the trainer
+        import dptrain.train.command  # noqa: F401 - torch, torch.distributed, the trainer
         import torch._dynamo  # noqa: F401 - torch.optim imports it when the first optimizer is made (~1 s)
     except Exception:  # noqa: BLE001
         pass
@@ -164,7 +164,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if "--debug" in argv[:end]:
         os.environ["DPTRAIN_DEBUG"] = "1"
     argv = [arg for arg in argv[:end] if arg != "--debug"] + argv[end:]
-    return report_errors(lambda: run(argv, passthrough))
+    return report_errors(lambda: dispatch(argv, passthrough))
 
 
 def entry() -> None:

@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from dptrain import lr_policy, registry
 from dptrain.data.kinds import absolute_spec, data_help
 from dptrain.errors import UserError, did_you_mean
-from dptrain.imports import FILE_SPEC, looks_like_spec
+from dptrain.user_code import FILE_SPEC, looks_like_spec
 from dptrain.lr_policy import DEFAULT_LR_SCALING, LR_DEFAULTS
 from dptrain.strategies.rules.outer import OUTER_BETAS, OUTER_EPS, OUTER_LR_DEFAULTS, OUTER_MOMENTUM
 

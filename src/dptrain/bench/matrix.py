@@ -84,7 +84,7 @@ def plan(spec: BenchSpec, baselines_present: bool, horovod: bool) -> list[Run]:
 
 def check(spec: BenchSpec) -> None:
     """Validate the shared training settings once, as `dptrain train` would, before any run."""
-    from dptrain.train.run import validate
+    from dptrain.train.command import validate
 
     for workers in spec.workers:
         for strategy in spec.strategies:  # each strategy's settings, before any run (cheap)

@@ -24,7 +24,7 @@ from typing import Callable, Optional, Protocol
 from dptrain.data.image_files import is_image_folder
 from dptrain.data.splits import DataSplits
 from dptrain.errors import UserError
-from dptrain.imports import FILE_SPEC, check_spec_file, looks_like_spec
+from dptrain.user_code import FILE_SPEC, check_spec_file, looks_like_spec
 
 
 class DataSettings(Protocol):

@@ -20,7 +20,7 @@ from dptrain.data.splits import DataSplits
 from dptrain.data.sampler import CheckedItems, labels_of
 from dptrain.data.sources import decide_task, first_fraction
 from dptrain.errors import UserError
-from dptrain.imports import load_callable
+from dptrain.user_code import load_callable
 
 
 def _item(dataset: Dataset, spec: str, which: str) -> tuple[torch.Tensor, torch.Tensor]:

@@ -24,7 +24,7 @@ from dptrain.arguments import train_config
 from dptrain.config import TrainConfig
 from dptrain.data.kinds import check_spec
 from dptrain.errors import UserError
-from dptrain.imports import check_spec_file, spec_file
+from dptrain.user_code import check_spec_file, spec_file
 from dptrain.io import timestamped
 from dptrain.cluster.spec import ContainerSpec, JobSpec
 from dptrain.cluster.submit import follow

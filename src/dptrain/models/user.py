@@ -8,7 +8,7 @@ from typing import Any, Callable
 from torch import nn
 
 from dptrain.errors import UserError
-from dptrain.imports import load_callable
+from dptrain.user_code import load_callable
 
 
 def is_user_model(name: str) -> bool:

@@ -13,7 +13,7 @@ from typing import Callable, Optional
 from dptrain.errors import UserError
 from dptrain import faults
 from dptrain.runtime.distributed import DistContext
-from dptrain.train import checkpoint
+from dptrain.train import checkpoint_files
 
 
 def load_model_state(model, saved: dict, epoch: int, run_dir: Path) -> None:
@@ -22,7 +22,7 @@ def load_model_state(model, saved: dict, epoch: int, run_dir: Path) -> None:
         model.load_state_dict(saved)
     except RuntimeError as exc:
         raise UserError(f"the checkpoint of epoch {epoch} in '{run_dir}' does not fit this model: "
-                        f"{checkpoint.first_mismatch(exc)}") from None
+                        f"{checkpoint_files.first_mismatch(exc)}") from None
 
 
 class Checkpointer:
@@ -46,32 +46,32 @@ class Checkpointer:
             return
         state = {"epoch": epoch, "step": step, "wall_seconds": wall,
                  **{name: (part.state_dict() if part is not None else {}) for name, part in components.items()},
-                 "rng": checkpoint.rng_state(), "history": history}
+                 "rng": checkpoint_files.rng_state(), "history": history}
         faults.at(self.ctx.rank, epoch)
         faults.point("save-begin")
-        checkpoint.save(self.out, epoch, self.ctx.rank, state)
+        checkpoint_files.save(self.out, epoch, self.ctx.rank, state)
         faults.point("save-end")
         faults.at(self.ctx.rank, None)  # other files written later are not part of a save
         if self.ctx.is_main:
-            checkpoint.prune(self.out, self.keep, self.ctx.world_size)
+            checkpoint_files.prune(self.out, self.keep, self.ctx.world_size)
 
     def restore(self, components: dict) -> Optional[dict]:
         """Load the newest complete checkpoint into `components` (rank 0 chooses it for all); its state or None."""
         epoch = None
         if self.ctx.is_main and self.out:
-            epoch, notes = checkpoint.latest_complete(self.out, self.ctx.world_size)
+            epoch, notes = checkpoint_files.latest_complete(self.out, self.ctx.world_size)
             for note in notes:
                 self.log(f"dptrain: {note}")
         epoch = self.ctx.group.broadcast_object("resume", epoch)
         if epoch is None:
             return None
-        state = checkpoint.load(self.out, epoch, self.ctx.rank)
+        state = checkpoint_files.load(self.out, epoch, self.ctx.rank)
         for name, part in components.items():
             if name == "model":
                 load_model_state(part, state[name], epoch, self.out)
             elif part is not None and state.get(name):
                 part.load_state_dict(state[name])
-        checkpoint.set_rng_state(state["rng"])
+        checkpoint_files.set_rng_state(state["rng"])
         self.log(f"dptrain: resuming after epoch {epoch} from {self.out}")
         return state
 
@@ -81,7 +81,7 @@ def describe_interruption(out: Optional[Path], world_size: int, epochs_done: int
     where = f"after epoch {epochs_done} of {epochs}" if epochs_done else f"during epoch 1 of {epochs}"
     if out is None:
         return f"interrupted {where}"
-    saved, _ = checkpoint.latest_complete(out, world_size)
+    saved, _ = checkpoint_files.latest_complete(out, world_size)
     if saved is None:
         return f"interrupted {where}, before any checkpoint; the same command again starts the run over"
     return f"interrupted {where}; the same command again continues from the checkpoint of epoch {saved}"

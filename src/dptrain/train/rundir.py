@@ -19,7 +19,7 @@ import yaml
 
 from dptrain.config import TrainConfig, with_absolute_paths
 from dptrain.errors import UserError
-from dptrain.imports import spec_file
+from dptrain.user_code import spec_file
 from dptrain.io import disk_error, make_dirs, timestamped, write_text
 
 RUN_FILES = ("config.yaml", "metrics.jsonl", "summary.json", "model.pt")

@@ -22,7 +22,7 @@ from dptrain.config import BUILTIN_LOSSES, TrainConfig, build_config, to_yaml, w
 from dptrain.data import sharding
 from dptrain.data.kinds import DataSplits, load_data
 from dptrain.data.sampler import as_dataset, loader
-from dptrain.imports import load_callable
+from dptrain.user_code import load_callable
 from dptrain.errors import Interrupted, Preempted, UserError
 from dptrain.io import write_text
 from dptrain.models import build_model, check_output_shape
@@ -33,7 +33,7 @@ from dptrain.runtime.prestart import prestart, quiet_cpp_logs_of_children
 from dptrain.runtime.spawn import Ranks
 from dptrain.strategies import build_strategy
 from dptrain.train.optim import build_optimizer
-from dptrain.train import checkpoint
+from dptrain.train import checkpoint_files
 from dptrain.train.rundir import default_run_dir, lock_run_dir, open_run_dir
 from dptrain.train.preemption import catch_stop_signals_early, release_early_stop_signals
 from dptrain.train.recorder import Summary, summary_line
@@ -107,14 +107,14 @@ def prepare_run_dir(config: TrainConfig, out: str, world: int, model: torch.nn.M
     # from anywhere (and an interrupted run is recognised whichever directory it is continued from).
     settings = with_absolute_paths(config.model_dump(mode="json"))
     run_dir, resuming = open_run_dir(out, settings, config.resume)
-    if resuming and (run_dir / checkpoint.DIRECTORY).is_dir():
-        epoch, notes = checkpoint.latest_complete(run_dir, world)
+    if resuming and (run_dir / checkpoint_files.DIRECTORY).is_dir():
+        epoch, notes = checkpoint_files.latest_complete(run_dir, world)
         if epoch is None and any(" is corrupt " in note for note in notes):
             note = notes[0].removesuffix("; starting the run over")
             raise UserError(f"run directory '{out}' has checkpoints but none is complete and readable ({note}); "
-                            f"remove its {checkpoint.DIRECTORY}/ folder to start the run over")
+                            f"remove its {checkpoint_files.DIRECTORY}/ folder to start the run over")
         if epoch is not None:
-            load_model_state(model, checkpoint.load(run_dir, epoch, 0)["model"], epoch, out)
+            load_model_state(model, checkpoint_files.load(run_dir, epoch, 0)["model"], epoch, out)
     recorded = {key: settings[key] for key in ("data", "model", "loss")}
     text = to_yaml(config.model_copy(update={**recorded, "out": str(run_dir), "resume": False, "workers": world}))
     saved_config = run_dir / "config.yaml"
