@@ -108,7 +108,7 @@ def load_dataset(
     if not 0.0 < test_fraction < 1.0:
         raise UserError(f"test_fraction {test_fraction!r} is invalid; use a number strictly between 0 and 1.")
     if data_path is not None:
-        if name in DATASET_NAMES:
+        if name in registry.names("dataset"):  # read now: an entry registered after import counts too
             raise UserError(
                 f"--dataset {name} is built in, so --data '{data_path}' cannot also be used; give one or the other."
             )
@@ -117,9 +117,9 @@ def load_dataset(
         return _load_file(Path(data_path), name, seed, block_size, test_fraction, check_values, task,
                           log or (lambda message: None))
     if name is None:
-        raise UserError(f"no data given; name a --dataset ({', '.join(DATASET_NAMES)}) or give --data.")
-    if name not in DATASET_NAMES:
-        raise unknown_name("dataset", name, DATASET_NAMES)
+        raise UserError(f"no data given; name a --dataset ({', '.join(registry.names('dataset'))}) or give --data.")
+    if name not in registry.names("dataset"):
+        raise unknown_name("dataset", name, registry.names("dataset"))
     settings = BuiltinSettings(seed, block_size, samples, image_size, channels, classes, features, test_fraction)
     return registry.load("dataset", name)(settings)
 

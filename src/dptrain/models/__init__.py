@@ -32,8 +32,8 @@ def build_model(
     options = dict(options or {})
     if user.is_user_model(name):
         return user.build_user_model(name, input_shape, num_outputs, options)
-    if name not in MODEL_NAMES:
-        raise unknown_name("model", name, MODEL_NAMES, "or a user model as package.module:factory")
+    if name not in registry.names("model"):  # read now: an entry registered after import counts too
+        raise unknown_name("model", name, registry.names("model"), "or a user model as package.module:factory")
     if name in _IMAGE_MODELS and len(input_shape) != 3:
         raise UserError(
             f"model '{name}' needs samples shaped (C, H, W), but the data's samples have shape {input_shape}; "
