@@ -2,7 +2,7 @@
 "Where a change belongs"): toys written here into a temporary package, registered in-process, are
 trained with and launched with; nothing else of dptrain changes. (The scheduler's toy is in
 tests/test_toy_scheduler.py, the data source's in tests/test_data_kinds.py, the strategy's in
-tests/test_toy_strategy.py.)"""
+tests/test_strategy_options.py.)"""
 
 from __future__ import annotations
 
