@@ -24,14 +24,16 @@ COMMUNICATING = {"all_reduce", "broadcast", "all_gather", "all_gather_object", "
 
 def communicating_calls(path: Path) -> list[str]:
     """`file:line name` for each call of a communicating torch.distributed function in `path`, whatever
-    it was imported as (`dist.all_reduce`, `torch.distributed.all_reduce`, `from ... import all_reduce`)."""
+    it was imported as (`dist.all_reduce`, `torch.distributed.all_reduce`, `from ... import all_reduce`),
+    and for each import of torch's DDP communication hooks (they all-reduce inside)."""
     tree = ast.parse(path.read_text(), str(path))
-    bare: set[str] = set()  # names imported from torch.distributed / torch.nn.parallel themselves
+    found, bare = [], set()  # bare: names imported from torch.distributed / torch.nn.parallel themselves
     for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)) and "ddp_comm_hooks" in ast.unparse(node):
+            found.append(f"{path.relative_to(SRC)}:{node.lineno} {ast.unparse(node)}")
         if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith(("torch.distributed",
                                                                                         "torch.nn.parallel")):
             bare |= {alias.asname or alias.name for alias in node.names if alias.name in COMMUNICATING}
-    found = []
     for node in ast.walk(tree):
         if not isinstance(node, ast.Call):
             continue
@@ -43,7 +45,7 @@ def communicating_calls(path: Path) -> list[str]:
                 found.append(f"{path.relative_to(SRC)}:{node.lineno} {owner}.{name}")
         elif name in bare:
             found.append(f"{path.relative_to(SRC)}:{node.lineno} {name}")
-    return found
+    return sorted(found, key=lambda hit: int(hit.split(":")[1].split()[0]))  # by line
 
 
 def test_no_module_outside_the_seam_calls_a_collective():
@@ -58,12 +60,15 @@ def test_the_walk_finds_collectives_however_they_are_imported(tmp_path):
     sample.write_text("import torch.distributed as dist\nfrom torch.distributed import barrier as b\n"
                       "from torch.nn.parallel import DistributedDataParallel\n"
                       "def f(t, m):\n    dist.all_reduce(t)\n    b()\n    torch.distributed.send(t, 1)\n"
-                      "    DistributedDataParallel(m)\n    dist.get_rank()\n")
+                      "    DistributedDataParallel(m)\n    dist.get_rank()\n"
+                      "from torch.distributed.algorithms.ddp_comm_hooks import default_hooks\n")
     saved, SRC = SRC, tmp_path
     try:
         assert communicating_calls(sample) == ["sample.py:5 dist.all_reduce", "sample.py:6 b",
                                                "sample.py:7 torch.distributed.send",
-                                               "sample.py:8 DistributedDataParallel"]
+                                               "sample.py:8 DistributedDataParallel",
+                                               "sample.py:10 from torch.distributed.algorithms.ddp_comm_hooks "
+                                               "import default_hooks"]
     finally:
         SRC = saved
 

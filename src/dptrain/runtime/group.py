@@ -189,6 +189,23 @@ class Group:
         return nn.parallel.DistributedDataParallel(module, device_ids=device_ids, process_group=self.handle,
                                                    **options)
 
+    def mean_gradients(self, buffer: torch.Tensor, dtype: Optional[torch.dtype] = None) -> tuple[Any, int]:
+        """A DDP communication hook's work, through the seam: `buffer` (a gradient bucket) becomes its mean
+        over the group, sent as is or cast to `dtype` (fp16/bf16 compression), as torch's allreduce_hook and
+        fp16/bf16_compress_hook do (divide first, then sum). Returns (a future of the averaged bucket,
+        bytes handed over)."""
+        if dtype is None or dtype == buffer.dtype:
+            buffer.div_(self.world_size)
+            work, sent = self.all_reduce_async(buffer)
+            return work.get_future().then(lambda done: done.value()[0]), sent
+        compressed = buffer.to(dtype).div_(self.world_size)
+        work, sent = self.all_reduce_async(compressed)
+
+        def decompress(done: torch.futures.Future) -> torch.Tensor:
+            return buffer.copy_(done.value()[0])
+
+        return work.get_future().then(decompress), sent
+
     def rebuild(self, members: Sequence[int], generation: int) -> Optional["Group"]:
         """A fresh group of `members` (ranks of the job) over the same store under the prefix
         `group{generation}/`, the default group untouched. Every member must call it with the same

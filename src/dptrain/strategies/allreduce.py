@@ -1,25 +1,22 @@
 """allreduce: gradients averaged across workers every step, by DistributedDataParallel.
 
-DDP does the bucketing and overlaps communication with the backward pass; we only choose
-the communication hook (plain, fp16- or bf16-compressed) and count what it hands over.
+DDP does the bucketing and overlaps communication with the backward pass; our hook hands each
+bucket to the run's Group (`mean_gradients`: as it is, or cast to fp16 or bf16) and counts the bytes.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from dptrain.runtime.distributed import DistContext
 from dptrain.strategies.base import Strategy
 from dptrain.strategies.collectives import module_state, tensor_bytes
 from dptrain.strategies.rules.allreduce import AllReduceRules
 
-HOOKS = {
-    "none": (default_hooks.allreduce_hook, None),
-    "fp16": (default_hooks.fp16_compress_hook, 2),
-    "bf16": (default_hooks.bf16_compress_hook, 2),
-}
+# What the gradients travel as: float32 as they are, or cast to half precision (divided first, as
+# torch's fp16/bf16_compress_hook do).
+GRADIENT_DTYPES = {"none": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 class AllReduce(AllReduceRules, Strategy):
@@ -30,8 +27,8 @@ class AllReduce(AllReduceRules, Strategy):
 
     def __init__(self, compression: str = "none", bucket_cap_mb: float = 25.0) -> None:
         super().__init__()
-        if compression not in HOOKS:
-            raise ValueError(f"compression must be one of {sorted(HOOKS)}, not {compression!r}")
+        if compression not in GRADIENT_DTYPES:
+            raise ValueError(f"compression must be one of {sorted(GRADIENT_DTYPES)}, not {compression!r}")
         self.compression = compression
         self.bucket_cap_mb = bucket_cap_mb
         self._buffer_bytes = 0
@@ -46,14 +43,14 @@ class AllReduce(AllReduceRules, Strategy):
         self.comm_bytes += tensor_bytes(floating + integer)
         self._buffer_bytes = tensor_bytes(model.buffers())
         ddp = ctx.group.data_parallel(model, bucket_cap_mb=self.bucket_cap_mb)
-        hook, compressed_size = HOOKS[self.compression]
+        dtype = GRADIENT_DTYPES[self.compression]
 
-        def counting_hook(state, bucket):
-            grads = bucket.buffer()
-            self.comm_bytes += grads.numel() * (compressed_size or grads.element_size())
-            return hook(state, bucket).then(self.note_failure)
+        def hook(state, bucket):
+            averaged, sent = ctx.group.mean_gradients(bucket.buffer(), dtype)
+            self.comm_bytes += sent
+            return averaged.then(self.note_failure)
 
-        ddp.register_comm_hook(state=ctx.group.handle, hook=counting_hook)
+        ddp.register_comm_hook(state=None, hook=hook)
         return ddp
 
     @classmethod

@@ -51,7 +51,6 @@ from dptrain.errors import UserError
 from dptrain.runtime.distributed import DistContext
 from dptrain.runtime.env import detect
 from dptrain.runtime.group import Group
-from dptrain.strategies.allreduce import HOOKS
 from dptrain.strategies.base import Strategy, check_period
 from dptrain.strategies.collectives import (average_module, broadcast_module, module_state, tensor_bytes,
                                             weighted_average_module)
@@ -179,13 +178,14 @@ class Hierarchical(HierarchicalRules, Strategy):
         self._count(intra=tensor_bytes(floating + integer))
         self._buffer_bytes = tensor_bytes(model.buffers())
         ddp = self.node_group.data_parallel(model, bucket_cap_mb=self.bucket_cap_mb)
-        hook, _ = HOOKS["none"]
+        node = self.node_group
 
-        def counting_hook(state, bucket):
-            self._count(intra=bucket.buffer().numel() * bucket.buffer().element_size())
-            return hook(state, bucket).then(self.note_failure)
+        def hook(state, bucket):
+            averaged, sent = node.mean_gradients(bucket.buffer())
+            self._count(intra=sent)
+            return averaged.then(self.note_failure)
 
-        ddp.register_comm_hook(state=self.node_group.handle, hook=counting_hook)
+        ddp.register_comm_hook(state=None, hook=hook)
         return ddp
 
     def after_step(self, step: int) -> None:

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from dptrain.runtime.distributed import DistContext
@@ -112,10 +111,11 @@ class Sync(SyncRules, Strategy):
                 future: torch.futures.Future = torch.futures.Future()
                 future.set_result(bucket.buffer())
                 return future
-            self.comm_bytes += bucket.buffer().numel() * bucket.buffer().element_size()
-            return default_hooks.allreduce_hook(state, bucket).then(self.note_failure)
+            averaged, sent = ctx.group.mean_gradients(bucket.buffer())
+            self.comm_bytes += sent
+            return averaged.then(self.note_failure)
 
-        self._ddp.register_comm_hook(state=ctx.group.handle, hook=hook)
+        self._ddp.register_comm_hook(state=None, hook=hook)
         return self._ddp
 
     def _start_local_phase(self) -> None:
