@@ -55,7 +55,8 @@ def warmup(config: Any, world: int) -> float:
     LR, a tenth of the run up to 5 epochs (Goyal et al. warm up for 5 of 90), else none."""
     if config.warmup_epochs is not None:
         return config.warmup_epochs
-    if lr_scale(config, world)[1] == "auto" and lr_scale(config, world)[0] != 1:
+    factor, rule = lr_scale(config, world)
+    if rule == "auto" and factor != 1:
         return min(5.0, config.epochs / 10)
     return 0.0
 

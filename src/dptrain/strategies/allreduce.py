@@ -45,12 +45,7 @@ class AllReduce(AllReduceRules, Strategy):
         ddp = ctx.group.data_parallel(model, bucket_cap_mb=self.bucket_cap_mb)
         dtype = GRADIENT_DTYPES[self.compression]
 
-        def hook(state, bucket):
-            averaged, sent = ctx.group.mean_gradients(bucket.buffer(), dtype)
-            self.comm_bytes += sent
-            return averaged.then(self.note_failure)
-
-        ddp.register_comm_hook(state=None, hook=hook)
+        ddp.register_comm_hook(state=None, hook=self.gradient_hook(ctx.group, self._add_bytes, dtype))
         return ddp
 
     @classmethod

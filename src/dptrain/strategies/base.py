@@ -113,6 +113,24 @@ class Strategy(StrategyRules):
         """Whether communication inside the backward pass failed (so an error there is a peer's, not the model's)."""
         return self._failed
 
+    def gradient_hook(self, group, count: Callable[[int], None], dtype: Optional[torch.dtype] = None,
+                      active: Callable[[], bool] = lambda: True):
+        """A DDP communication hook that averages each gradient bucket over `group` (sent as `dtype` when
+        given), hands `count` the bytes, and notes a failed all-reduce; while `active()` is false the bucket
+        stays this worker's own, with no communication."""
+        def hook(state, bucket):
+            if not active():
+                own: torch.futures.Future = torch.futures.Future()
+                own.set_result(bucket.buffer())
+                return own
+            averaged, sent = group.mean_gradients(bucket.buffer(), dtype)
+            count(sent)
+            return averaged.then(self.note_failure)
+        return hook
+
+    def _add_bytes(self, sent: int) -> None:
+        self.comm_bytes += sent
+
     def note_failure(self, future: torch.futures.Future) -> torch.Tensor:
         """A DDP comm hook's result (chain it with `.then`); remembers when the all-reduce failed, so that
         an error in the backward pass is known as a peer's."""

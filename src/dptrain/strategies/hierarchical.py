@@ -178,13 +178,7 @@ class Hierarchical(HierarchicalRules, Strategy):
         self._count(intra=tensor_bytes(floating + integer))
         self._buffer_bytes = tensor_bytes(model.buffers())
         ddp = self.node_group.data_parallel(model, bucket_cap_mb=self.bucket_cap_mb)
-        node = self.node_group
-
-        def hook(state, bucket):
-            averaged, sent = node.mean_gradients(bucket.buffer())
-            self._count(intra=sent)
-            return averaged.then(self.note_failure)
-
+        hook = self.gradient_hook(self.node_group, lambda sent: self._count(intra=sent))
         ddp.register_comm_hook(state=None, hook=hook)
         return ddp
 

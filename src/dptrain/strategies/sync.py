@@ -106,15 +106,8 @@ class Sync(SyncRules, Strategy):
         self._buffer_bytes = tensor_bytes(model.buffers())
         self._ddp = ctx.group.data_parallel(model)
 
-        def hook(state, bucket):
-            if not self.allreducing:  # local phase: this worker's own gradient, no communication
-                future: torch.futures.Future = torch.futures.Future()
-                future.set_result(bucket.buffer())
-                return future
-            averaged, sent = ctx.group.mean_gradients(bucket.buffer())
-            self.comm_bytes += sent
-            return averaged.then(self.note_failure)
-
+        # In the local phase each worker keeps its own gradient: no communication.
+        hook = self.gradient_hook(ctx.group, self._add_bytes, active=lambda: self.allreducing)
         self._ddp.register_comm_hook(state=None, hook=hook)
         return self._ddp
 
