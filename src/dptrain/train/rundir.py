@@ -10,6 +10,7 @@ import json
 import fcntl
 import os
 import socket
+import time
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -126,7 +127,7 @@ def _acquire(lock: Path, path: str):
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
             supported = True
         except BlockingIOError:
-            holder = _holder(handle)
+            holder = _holder_when_written(handle)
             handle.close()
             raise UserError(f"run directory '{path}' is in use by another dptrain run ({holder or 'PID not yet written'}); wait for it "
                             "to end or give --out another directory") from None
@@ -168,6 +169,16 @@ def _holder_fields(handle) -> Optional[tuple[int, str]]:
     if len(fields) == 2 and fields[0].isdigit():
         return int(fields[0]), fields[1]
     return None
+
+
+def _holder_when_written(handle, wait: float = 5.0) -> str:
+    """The holder's name; it writes it just after taking the lock, so wait a moment for it."""
+    deadline = time.monotonic() + wait
+    while True:
+        holder = _holder(handle)
+        if holder or time.monotonic() >= deadline:
+            return holder
+        time.sleep(0.02)
 
 
 def _holder(handle) -> str:
