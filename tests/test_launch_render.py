@@ -492,3 +492,16 @@ def test_wait_follows_a_requeued_job_to_its_end_and_says_so(tmp_path, monkeypatc
     printed = capsys.readouterr().out
     assert printed.count("went back to the queue") == 1 and "(REQUEUED)" in printed
     assert printed.count("line while") == 6  # the whole output, across both starts
+
+
+@pytest.mark.parametrize("scheduler", list(SCHEDULERS))
+def test_job_scripts_quiet_torchs_cpp_log_unless_the_user_chose_a_level(scheduler):
+    # Ranks started by srun, mpirun or torchrun import torch before dptrain runs: the script sets the level.
+    text = SCHEDULERS[scheduler].render(example_spec(scheduler, "none", "command"))
+    exports = [line for line in text.splitlines() if line.startswith("export TORCH_CPP_LOG_LEVEL=")]
+    assert len(exports) == 1
+    for given, seen in ((None, "ERROR"), ("INFO", "INFO")):
+        env = {"PATH": os.environ["PATH"], **({"TORCH_CPP_LOG_LEVEL": given} if given else {})}
+        shown = subprocess.run(["bash", "-c", exports[0] + '; echo "$TORCH_CPP_LOG_LEVEL"'], env=env,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        assert shown == seen

@@ -18,7 +18,7 @@ from typing import Mapping, Optional
 
 from dptrain.cluster.base import Job, Placement
 from dptrain.cluster.containers import rank_command
-from dptrain.cluster.spec import JobSpec, header, quote, train_command
+from dptrain.cluster.spec import JobSpec, header, process_environment, quote, train_command
 from dptrain.cluster.submit import JobStatus
 from dptrain.cluster.torchrun import torchrun_ranks
 
@@ -35,7 +35,7 @@ _started: dict[str, subprocess.Popen] = {}
 
 def render(spec: JobSpec) -> str:
     lines = [*header(spec, "Local job"), "set -euo pipefail", f"cd {quote([spec.workdir])}",
-             f"export OMP_NUM_THREADS={spec.cpus_per_task}", ""]
+             *process_environment(spec), ""]
     if spec.container is None and not spec.command:
         lines += ["# dptrain's own launcher starts the ranks and stops them all if one fails.",
                   f"exec {quote(train_command(spec))} --workers {spec.world_size}"]

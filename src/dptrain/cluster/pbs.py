@@ -16,7 +16,7 @@ from typing import Mapping, Optional
 
 from dptrain.cluster.base import Job, Placement
 from dptrain.cluster.containers import rank_command
-from dptrain.cluster.spec import JobSpec, command_environment, header, quote, rank_environment
+from dptrain.cluster.spec import JobSpec, command_environment, header, process_environment, quote, rank_environment
 from dptrain.cluster.submit import JobStatus, run_tool
 
 SCRIPT_NAME = "job.pbs"
@@ -41,7 +41,7 @@ def render(spec: JobSpec) -> str:
         directives.append(f"-A {spec.account}")
     directives += ["-j oe", f"-o {spec.run_dir}/{OUTPUT_NAME}"]
     setup, command = rank_command(spec)
-    forwarded = "MASTER_ADDR PBS_JOBID OMP_NUM_THREADS"
+    forwarded = "MASTER_ADDR PBS_JOBID OMP_NUM_THREADS TORCH_CPP_LOG_LEVEL"
     if spec.command:
         forwarded += " MASTER_PORT WORLD_SIZE LOCAL_WORLD_SIZE DPTRAIN_RUN_DIR"
         # A command's ranks get RANK and LOCAL_RANK from Open MPI's own variables.
@@ -56,7 +56,7 @@ def render(spec: JobSpec) -> str:
         "# from PBS_JOBID. mpirun hands both to the ranks on other nodes with -x.",
         'MASTER_ADDR=$(head -n 1 "$PBS_NODEFILE")',
         "export MASTER_ADDR",
-        f"export OMP_NUM_THREADS={spec.cpus_per_task}",
+        *process_environment(spec),
         'echo "dptrain: job $PBS_JOBID on $(sort -u "$PBS_NODEFILE" | paste -sd,), rendezvous $MASTER_ADDR"',
         *command_environment(spec, "$((20000 + 10#0${PBS_JOBID//[!0-9]/} % 20000))"),
         *([""] + setup if setup else []),

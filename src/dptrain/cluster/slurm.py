@@ -16,7 +16,7 @@ import hostlist
 
 from dptrain.cluster.base import Job, Placement, integer
 from dptrain.cluster.containers import rank_command
-from dptrain.cluster.spec import JobSpec, command_environment, header, quote, rank_environment
+from dptrain.cluster.spec import JobSpec, command_environment, header, process_environment, quote, rank_environment
 from dptrain.cluster.submit import JobStatus, run_tool
 from dptrain.errors import UserError
 
@@ -79,7 +79,7 @@ def render(spec: JobSpec) -> str:
         'first_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
         "MASTER_ADDR=$(scontrol show node \"$first_node\" | sed -n 's/.*NodeAddr=\\([^ ]*\\).*/\\1/p')",
         'export MASTER_ADDR="${MASTER_ADDR:-$first_node}"',
-        f"export OMP_NUM_THREADS={spec.cpus_per_task}",
+        *process_environment(spec),
         'echo "dptrain: job $SLURM_JOB_ID on $SLURM_JOB_NODELIST, rendezvous $MASTER_ADDR"',
         *command_environment(spec, "$((20000 + SLURM_JOB_ID % 20000))"),
         *([""] + setup if setup else []),

@@ -84,6 +84,14 @@ def header(spec: JobSpec, what: str) -> list[str]:
             "# Written by dptrain launch; rerun it rather than editing this file."]
 
 
+def process_environment(spec: JobSpec) -> list[str]:
+    """Script lines every rank's process environment starts from: its CPU threads, and torch's C++ log
+    level at ERROR unless the user chose one (torch reads it once, at import, before dptrain runs in a
+    rank started by srun, mpirun or torchrun; dptrain's own local workers set it themselves)."""
+    return [f"export OMP_NUM_THREADS={spec.cpus_per_task}",
+            'export TORCH_CPP_LOG_LEVEL="${TORCH_CPP_LOG_LEVEL:-ERROR}"']
+
+
 def train_command(spec: JobSpec) -> list[str]:
     """The words one rank runs: `dptrain train ARGS --out RUN_DIR`, or the spec's command."""
     if spec.command:

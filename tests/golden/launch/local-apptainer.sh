@@ -4,6 +4,7 @@
 set -euo pipefail
 cd /home/ada/project
 export OMP_NUM_THREADS=1
+export TORCH_CPP_LOG_LEVEL="${TORCH_CPP_LOG_LEVEL:-ERROR}"
 
 # Apptainer: older sites call it singularity.
 apptainer=$(command -v apptainer || command -v singularity)

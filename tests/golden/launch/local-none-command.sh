@@ -5,6 +5,7 @@
 set -euo pipefail
 cd /home/ada/project
 export OMP_NUM_THREADS=1
+export TORCH_CPP_LOG_LEVEL="${TORCH_CPP_LOG_LEVEL:-ERROR}"
 
 # Rendezvous on this machine; the port is derived from this script's PID, like a job id.
 # The command meets its world as under torchrun: init_process_group("env://") reads MASTER_ADDR,

@@ -4,6 +4,7 @@
 set -euo pipefail
 cd /home/ada/project
 export OMP_NUM_THREADS=1
+export TORCH_CPP_LOG_LEVEL="${TORCH_CPP_LOG_LEVEL:-ERROR}"
 
 # dptrain's own launcher starts the ranks and stops them all if one fails.
 exec dptrain train --dataset digits --strategy sync --epochs 10 --out /home/ada/project/runs/digits-sync --workers 2

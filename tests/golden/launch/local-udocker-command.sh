@@ -5,6 +5,7 @@
 set -euo pipefail
 cd /home/ada/project
 export OMP_NUM_THREADS=1
+export TORCH_CPP_LOG_LEVEL="${TORCH_CPP_LOG_LEVEL:-ERROR}"
 
 # udocker: the repository is $UDOCKER_DIR (default ~/.udocker); its configuration keeps it
 # offline. As root udocker needs --allow-root; a normal user needs nothing.

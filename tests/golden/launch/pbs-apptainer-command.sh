@@ -19,6 +19,7 @@ cd /home/ada/project
 MASTER_ADDR=$(head -n 1 "$PBS_NODEFILE")
 export MASTER_ADDR
 export OMP_NUM_THREADS=4
+export TORCH_CPP_LOG_LEVEL="${TORCH_CPP_LOG_LEVEL:-ERROR}"
 echo "dptrain: job $PBS_JOBID on $(sort -u "$PBS_NODEFILE" | paste -sd,), rendezvous $MASTER_ADDR"
 
 # The command meets its world as under torchrun: init_process_group("env://") reads MASTER_ADDR,
@@ -30,7 +31,7 @@ apptainer=$(command -v apptainer || command -v singularity)
 
 # Ranks on other nodes start in their own environment: mpirun hands them these variables, and
 # where the program and its modules are found (PATH, PYTHONPATH, the virtualenv) when set.
-forward=(-x MASTER_ADDR -x PBS_JOBID -x OMP_NUM_THREADS -x MASTER_PORT -x WORLD_SIZE -x LOCAL_WORLD_SIZE -x DPTRAIN_RUN_DIR)
+forward=(-x MASTER_ADDR -x PBS_JOBID -x OMP_NUM_THREADS -x TORCH_CPP_LOG_LEVEL -x MASTER_PORT -x WORLD_SIZE -x LOCAL_WORLD_SIZE -x DPTRAIN_RUN_DIR)
 for name in PATH PYTHONPATH VIRTUAL_ENV LD_LIBRARY_PATH; do
     if [ -n "${!name:-}" ]; then forward+=(-x "$name"); fi
 done

@@ -18,11 +18,12 @@ cd /home/ada/project
 MASTER_ADDR=$(head -n 1 "$PBS_NODEFILE")
 export MASTER_ADDR
 export OMP_NUM_THREADS=4
+export TORCH_CPP_LOG_LEVEL="${TORCH_CPP_LOG_LEVEL:-ERROR}"
 echo "dptrain: job $PBS_JOBID on $(sort -u "$PBS_NODEFILE" | paste -sd,), rendezvous $MASTER_ADDR"
 
 # Ranks on other nodes start in their own environment: mpirun hands them these variables, and
 # where the program and its modules are found (PATH, PYTHONPATH, the virtualenv) when set.
-forward=(-x MASTER_ADDR -x PBS_JOBID -x OMP_NUM_THREADS)
+forward=(-x MASTER_ADDR -x PBS_JOBID -x OMP_NUM_THREADS -x TORCH_CPP_LOG_LEVEL)
 for name in PATH PYTHONPATH VIRTUAL_ENV LD_LIBRARY_PATH; do
     if [ -n "${!name:-}" ]; then forward+=(-x "$name"); fi
 done
