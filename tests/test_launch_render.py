@@ -94,6 +94,7 @@ def test_binds_skip_paths_inside_bound_directories_but_keep_renames():
     ("time", "90", "--time '90' is not HH:MM:SS"),
     ("gpus_per_node", -1, "--gpus-per-node -1 must be 0 or more"),
     ("stop_before", -5, "--stop-before -5 must be 0"),
+    ("stop_signal", "KILL", "--stop-signal 'KILL' is not a signal dptrain's ranks stop on; use one of USR1, USR2, TERM"),
 ])
 def test_bad_job_settings_are_one_sentence_naming_the_value(field, value, message):
     with pytest.raises(UserError, match=message):
@@ -222,6 +223,16 @@ def test_stop_before_zero_sends_no_signal_but_still_requeues_a_stopped_job():
     text = slurm.render(JobSpec(**{**example_spec("slurm", "udocker").__dict__, "stop_before": 0}))
     assert "--signal" not in text and "trap" not in text
     assert 'scontrol requeue "$SLURM_JOB_ID"' in text
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_the_stop_signal_is_the_users_choice_and_the_one_the_containers_and_commands_ignore(mode):
+    for container in ("none", "udocker"):
+        text = slurm.render(JobSpec(**{**example_spec("slurm", container, mode).__dict__, "stop_signal": "USR2"}))
+        assert "#SBATCH --signal=USR2@300" in text
+        assert "USR1" not in text
+        if container == "udocker" or mode == "command":
+            assert 'trap "" USR2; exec' in text
 
 
 def test_local_scheduler_refuses_several_nodes():

@@ -237,9 +237,10 @@ def test_spawn_ranks_stops_every_rank_after_the_timeout(tmp_path):
     assert all((tmp_path / f"rank{rank}.log").read_text() == "started\n" for rank in range(2))
 
 
-def test_spawn_ranks_forwards_a_schedulers_warning_to_every_rank(tmp_path):
-    # Each rank exits with 75 (stopped at a checkpoint) on SIGUSR1, after saying it is ready for it.
-    code = ("signal.signal(signal.SIGUSR1, lambda *_: sys.exit(75))\n"
+@pytest.mark.parametrize("warning", ["SIGUSR1", "SIGUSR2", "SIGTERM"])
+def test_spawn_ranks_forwards_a_schedulers_warning_to_every_rank(tmp_path, warning):
+    # Each rank exits with 75 (stopped at a checkpoint) on the warning, after saying it is ready for it.
+    code = (f"signal.signal(signal.{warning}, lambda *_: sys.exit(75))\n"
             "open(os.environ['READY'] + os.environ['RANK'], 'w').close()\n"
             "time.sleep(60)")
 
@@ -247,13 +248,13 @@ def test_spawn_ranks_forwards_a_schedulers_warning_to_every_rank(tmp_path):
         deadline = time.monotonic() + 30
         while not all((tmp_path / f"ready{rank}").exists() for rank in range(2)) and time.monotonic() < deadline:
             time.sleep(0.05)
-        os.kill(os.getpid(), signal.SIGUSR1)
+        os.kill(os.getpid(), signal.Signals[warning])
 
-    previous = signal.getsignal(signal.SIGUSR1)
+    previous = signal.getsignal(signal.Signals[warning])
     threading.Thread(target=warn_when_ready, daemon=True).start()
     ended = spawn_ranks(python(code), 2, port=29114, log_dir=tmp_path, extra_env={"READY": str(tmp_path / "ready")})
     assert (ended.preempted, ended.failed_rank, ended.code) == (True, None, 75)
-    assert signal.getsignal(signal.SIGUSR1) is previous  # our own handler is back
+    assert signal.getsignal(signal.Signals[warning]) is previous  # our own handler is back
 
 
 def test_a_rank_still_running_long_after_another_finished_is_named_and_stopped(tmp_path, capfd):

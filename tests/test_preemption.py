@@ -28,8 +28,9 @@ def _records(run) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
-def test_a_stop_signal_while_the_workers_start_up_ends_the_run_after_epoch_1(tmp_path, strategy):
+# Each strategy with another of the stop signals a scheduler may send (SLURM --signal, PBS, Kubernetes).
+@pytest.mark.parametrize("strategy, stop", zip(STRATEGIES, ("SIGUSR1", "SIGUSR2", "SIGTERM", "SIGUSR2")))
+def test_a_stop_signal_while_the_workers_start_up_ends_the_run_after_epoch_1(tmp_path, strategy, stop):
     args = [sys.executable, "-m", "dptrain", "train", *DIGITS, "--epochs", "3", "--strategy", strategy,
             "--out", "run"]
     proc = subprocess.Popen(args, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -41,9 +42,10 @@ def test_a_stop_signal_while_the_workers_start_up_ends_the_run_after_epoch_1(tmp
     # At once, while the interpreters themselves start: the launcher starts its workers with stop
     # signals blocked, and a worker unblocks them once it remembers them (dptrain.runtime.prestart).
     for pid in workers:  # as SLURM signals every task
-        os.kill(pid, signal.SIGUSR1)
+        os.kill(pid, signal.Signals[stop])
     _, stderr = proc.communicate(timeout=180)
     assert proc.returncode == 75, stderr
+    assert stderr.count(f"stopped by {stop}") >= 1, stderr
     assert stderr.count("stopped by") + stderr.count("another rank stopped") == 2, stderr
     assert checkpoint_files.latest_complete(tmp_path / "run", 2)[0] == 1
 

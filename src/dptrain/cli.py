@@ -131,7 +131,7 @@ def wait_for_launcher() -> None:
     from the launcher's line; exit at once, saying nothing, when there is none (the launcher refused
     the input, was interrupted or died).
 
-    The launcher started this process with SIGINT, SIGTERM and SIGUSR1 blocked, so that none of
+    The launcher started this process with SIGINT and the stop signals (TERM, USR1, USR2) blocked, so that none of
     them ends it while the interpreter itself starts: now a stop signal that came meanwhile is
     remembered, to be honoured at the first epoch end, and Ctrl-C (which reaches the whole
     process group) is left to the launcher until the release: it reports it and stops this process.

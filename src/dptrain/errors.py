@@ -12,7 +12,7 @@ class UserError(Exception):
 
 
 class Preempted(Exception):
-    """The run stopped on request (SIGTERM/SIGUSR1) after saving a checkpoint; rerun to continue."""
+    """The run stopped on request (SIGTERM, SIGUSR1 or SIGUSR2) after saving a checkpoint; rerun to continue."""
 
     exit_code = 75  # EX_TEMPFAIL: try again later
 

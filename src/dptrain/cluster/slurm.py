@@ -41,19 +41,19 @@ def render(spec: JobSpec) -> str:
     # A requeued job appends to its output rather than starting it again.
     directives += ["--open-mode=append", "--requeue"]
     if spec.stop_before:
-        directives.append(f"--signal=USR1@{spec.stop_before}")
+        directives.append(f"--signal={spec.stop_signal}@{spec.stop_before}")
     setup, command = rank_command(spec)
     if spec.command:
         # A command's ranks get RANK and LOCAL_RANK from srun's own variables. The warning signal starts
         # ignored (a program that does not handle it keeps running; one that wants it installs a handler).
-        command = rank_environment("$SLURM_PROCID", "$SLURM_LOCALID", ignore="USR1" if spec.stop_before else "") \
+        command = rank_environment("$SLURM_PROCID", "$SLURM_LOCALID", ignore=spec.stop_signal if spec.stop_before else "") \
             + command
     elif spec.stop_before and spec.container:
         # The signal reaches every process of the step: the container runtime must not die of it
-        # (SIGUSR1 ends a process that does not handle it); the rank inside handles it.
-        command = "bash -c 'trap \"\" USR1; exec \"$@\"' rank " + command
+        # (USR1, USR2 and TERM end a process that does not handle them); the rank inside handles it.
+        command = f"bash -c 'trap \"\" {spec.stop_signal}; exec \"$@\"' rank " + command
     if spec.command:
-        stopping = (["# SIGUSR1 reaches every rank before the time limit (or at a pre-emption warning); it starts",
+        stopping = ([f"# SIG{spec.stop_signal} reaches every rank before the time limit (or at a pre-emption warning); it starts",
                      "# ignored, so a program that installs no handler for it runs on. Ranks that save their state",
                      "# and exit with 75, as dptrain train's do, have the job requeued to resume from it."]
                     if spec.stop_before else
@@ -61,11 +61,11 @@ def render(spec: JobSpec) -> str:
                      "# train's do, have the job requeued to resume from it."])
         stopped = "stopped to be resumed (its ranks exited with 75); requeueing it"
     elif spec.stop_before:
-        stopping = ["# SIGUSR1 before the time limit (or a pre-emption warning) makes every rank save a checkpoint",
+        stopping = [f"# SIG{spec.stop_signal} before the time limit (or a pre-emption warning) makes every rank save a checkpoint",
                     "# after its current epoch and exit with 75; the job then requeues itself and resumes from it."]
         stopped = "stopped at a checkpoint; requeueing it to resume"
     else:
-        stopping = ["# A rank that was asked to stop (SIGTERM, SIGUSR1) saves a checkpoint and exits with 75; the job",
+        stopping = ["# A rank that was asked to stop (SIGTERM, SIGUSR1, SIGUSR2) saves a checkpoint and exits with 75; the job",
                     "# then requeues itself and resumes from it."]
         stopped = "stopped at a checkpoint; requeueing it to resume"
     lines = [

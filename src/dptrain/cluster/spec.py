@@ -17,6 +17,9 @@ from dptrain.errors import UserError
 TIME_PATTERN = re.compile(r"(\d+-)?\d{1,3}:\d{2}:\d{2}")
 
 
+# The signals a scheduler may send ahead of the end (dptrain.runtime.spawn.FORWARDED_SIGNALS, by name).
+STOP_SIGNALS = ("USR1", "USR2", "TERM")
+
 @dataclass(frozen=True)
 class ContainerSpec:
     """A container each rank runs in: udocker container NAME, or an Apptainer IMAGE.sif."""
@@ -47,6 +50,7 @@ class JobSpec:
     binds: tuple[str, ...] = field(default_factory=tuple)
     dptrain: str = "dptrain"
     stop_before: int = 300  # seconds before the time limit that the ranks are told to checkpoint and stop
+    stop_signal: str = "USR1"  # which signal tells them (one of STOP_SIGNALS)
 
     def __post_init__(self):
         if self.scheduler not in registry.names("scheduler"):
@@ -57,6 +61,9 @@ class JobSpec:
                 raise UserError(f"--{name.replace('_', '-')} {getattr(self, name)} must be at least 1")
         if self.stop_before < 0:
             raise UserError(f"--stop-before {self.stop_before} must be 0 (no warning) or a number of seconds")
+        if self.stop_signal not in STOP_SIGNALS:
+            raise UserError(f"--stop-signal {self.stop_signal!r} is not a signal dptrain's ranks stop on; "
+                            f"use one of {', '.join(STOP_SIGNALS)}")
         if self.gpus_per_node < 0:
             raise UserError(f"--gpus-per-node {self.gpus_per_node} must be 0 or more")
         if self.time is not None and not TIME_PATTERN.fullmatch(self.time):

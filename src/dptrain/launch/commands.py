@@ -68,10 +68,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dptrain", default=None, metavar="COMMAND",
                         help="how a rank runs dptrain train (default: dptrain from the PATH; e.g. "
                              "'/opt/venv/bin/python -m dptrain')")
-    parser.add_argument("--stop-before", type=int, default=300, metavar="SECONDS",
+    parser.add_argument("--stop-before", "--grace", type=int, default=300, metavar="SECONDS", dest="stop_before",
                         help="SLURM: signal the ranks this long before --time runs out; they save a checkpoint "
                              "after the current epoch and the job requeues itself to resume (0: no signal; "
-                             "default: 300)")
+                             "default: 300; --grace is the same)")
+    parser.add_argument("--stop-signal", default="USR1", metavar="SIGNAL",
+                        help="SLURM: the signal sent --stop-before seconds ahead: USR1, USR2 or TERM; dptrain train's "
+                             "ranks save a checkpoint and exit with 75 on any of them (default: USR1)")
     parser.add_argument("--out", metavar="DIR",
                         help="run directory for the job script and its output (default: a command's "
                              "runs/command-TIMESTAMP; for dptrain train the same as its own --out)")
@@ -182,7 +185,7 @@ def build_spec(args: argparse.Namespace, workdir: Path) -> JobSpec:
                    tasks_per_node=args.tasks_per_node, gpus_per_node=args.gpus_per_node,
                    cpus_per_task=args.cpus_per_task, time=args.time, partition=args.partition, account=args.account,
                    job_name=args.job_name, container=container, binds=tuple(binds), dptrain=args.dptrain or "dptrain",
-                   stop_before=args.stop_before)
+                   stop_before=args.stop_before, stop_signal=args.stop_signal)
 
 
 def main(args: argparse.Namespace) -> int:

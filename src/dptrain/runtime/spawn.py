@@ -4,7 +4,7 @@ Each rank gets the torchrun-style variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTE
 MASTER_PORT) plus DPTRAIN_LAUNCHER (`local` for `dptrain train`'s workers, `dptrain-run` for
 the ranks of a user's script) and its share of the CPU threads. Its output is
 either pumped to ours with a `[rankN] ` prefix or written to `rankN.log` in a directory. A
-scheduler's warning (SIGTERM, SIGUSR1) is passed on to every rank; the first rank to fail is
+scheduler's warning (SIGTERM, SIGUSR1, SIGUSR2) is passed on to every rank; the first rank to fail is
 reported and the others are stopped. `spawn_ranks` starts and waits; `start_ranks` only starts,
 optionally holding the ranks until they are given one line on stdin (dptrain.runtime.prestart).
 """
@@ -27,7 +27,8 @@ from typing import IO, Callable, Optional, Sequence
 from dptrain.errors import Preempted
 
 PREEMPTED = Preempted.exit_code
-FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+# A scheduler's warnings (SLURM --signal, PBS and Kubernetes TERM before the kill; USR2 where a site uses it).
+FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 # Rank 0 finds here the number of an inherited socket already listening on MASTER_PORT, to serve the store on.
 STORE_FD = "DPTRAIN_STORE_FD"
 
@@ -45,7 +46,7 @@ class RanksExit:
     # last wait on each other was over when one could finish, so the rest had only local work left.
     stuck_ranks: tuple[int, ...] = ()
     first_done: Optional[int] = None  # the rank that finished first
-    stop_signal: Optional[int] = None  # a stop signal (SIGTERM, SIGUSR1) we received and passed on to the ranks
+    stop_signal: Optional[int] = None  # a stop signal (SIGTERM, SIGUSR1, SIGUSR2) we received and passed on to the ranks
 
     @property
     def code(self) -> int:
@@ -115,7 +116,7 @@ def start_ranks(command: Sequence[str], world: int, *, port: int, master_addr: s
 
     With `held`, each rank's stdin is a pipe and the ranks are meant to wait for one line on it
     (`Ranks.release`), so they can start (import torch) while this process still prepares the run;
-    closing the ranks unreleased kills them. Held ranks start with SIGINT, SIGTERM and SIGUSR1
+    closing the ranks unreleased kills them. Held ranks start with SIGINT, SIGTERM, SIGUSR1 and SIGUSR2
     blocked, to be unblocked by the rank once it handles them (dptrain.runtime.prestart): a Ctrl-C
     is ours to report until they are released, and a scheduler's stop signal that comes while the
     interpreter starts is kept for the rank to honour, not fatal.

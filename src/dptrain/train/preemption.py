@@ -1,4 +1,4 @@
-"""Pre-emption: SIGTERM/SIGUSR1 (a scheduler's warning before the time limit) ask for a checkpoint and a clean stop.
+"""Pre-emption: SIGTERM/SIGUSR1/SIGUSR2 (a scheduler's warning before the time limit) ask for a checkpoint and a clean stop.
 
 A signal only sets a flag; the loop looks at it at each epoch end, where the strategy decides
 how ranks agree on it (dptrain.strategies.base.Strategy.agree_stop). A signal that arrives
@@ -13,7 +13,9 @@ import signal
 import threading
 from typing import Optional
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+from dptrain.runtime.spawn import FORWARDED_SIGNALS
+
+STOP_SIGNALS = FORWARDED_SIGNALS  # SIGTERM, SIGUSR1, SIGUSR2: whatever a launcher passes on
 _EARLY_STOP: list[str] = []  # stop signals that arrived before a StopSignals watched for them
 
 
@@ -22,7 +24,7 @@ def _on_main_thread() -> bool:
 
 
 def catch_stop_signals_early() -> None:
-    """From now on SIGTERM/SIGUSR1 are remembered rather than fatal, until a StopSignals takes over."""
+    """From now on SIGTERM/SIGUSR1/SIGUSR2 are remembered rather than fatal, until a StopSignals takes over."""
     if not _on_main_thread():
         return
 
@@ -34,7 +36,7 @@ def catch_stop_signals_early() -> None:
 
 
 def release_early_stop_signals() -> None:
-    """Give SIGTERM/SIGUSR1 their default action back (a process that will not checkpoint);
+    """Give SIGTERM/SIGUSR1/SIGUSR2 their default action back (a process that will not checkpoint);
     one that arrived meanwhile takes effect now."""
     if not _on_main_thread():
         return
