@@ -171,7 +171,7 @@ def test_a_job_without_time_queue_gpus_or_volume_leaves_those_fields_out_and_war
     assert job["metadata"]["labels"] == {"app.kubernetes.io/managed-by": "dptrain"}
     assert pod["containers"][0]["resources"] == {"requests": {"cpu": "1"}} and "volumes" not in pod
     assert "# The run directory is on no --volume: each pod writes it into its own file system" in text
-    assert text.startswith("# Kubernetes job: 3 ranks (3 pods).\n")
+    assert text.startswith("# Kubernetes job: 3 ranks, one pod each.\n# Written by dptrain launch;")
 
 
 @pytest.mark.parametrize("time, seconds", [("00:00:59", 59), ("02:00:00", 7200), ("1-00:00:01", 86401)])
@@ -219,6 +219,16 @@ def test_launch_refuses_a_bad_kubernetes_setting_with_exit_2_and_writes_nothing(
     assert capsys.readouterr().err.splitlines() == [
         "dptrain: error: --tasks-per-node 2: a Kubernetes job runs one rank per pod; ask for --nodes 4 pods (e.g. "
         "with --gpus-per-node 1) and --tasks-per-node 1"]
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_command_job_s_program_is_the_image_s_not_looked_for_here(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)  # no train.py here: it is in the image
+    code = dptrain([*LAUNCH, "--dry-run", "--", "python", "train.py", "--epochs", "3"])
+    out = capsys.readouterr().out
+    assert code == 0
+    _, job = documents(out)
+    assert job["spec"]["template"]["spec"]["containers"][0]["command"] == ["python", "train.py", "--epochs", "3"]
     assert not (tmp_path / "run").exists()
 
 

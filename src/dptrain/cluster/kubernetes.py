@@ -158,8 +158,9 @@ def manifests(spec: JobSpec) -> list[dict[str, Any]]:
 
 def render(spec: JobSpec) -> str:
     documents = manifests(spec)
-    comments = [line for line in header(spec, "Kubernetes job") if not line.startswith("#!")]
-    comments[0] = comments[0].replace("nodes x 1 task)", "pods)").replace("node x 1 task)", "pod)")
+    # header()'s first lines less the shebang and its layout (a rank per pod, not tasks per node).
+    comments = header(spec, "Kubernetes job")[1:]
+    comments[0] = f"# Kubernetes job: {spec.nodes} rank{'s' if spec.nodes > 1 else ''}, one pod each."
     name = spec.job_name
     mounts = volumes(spec)
     comments += [
