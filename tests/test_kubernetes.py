@@ -9,6 +9,8 @@ from __future__ import annotations
 import inspect
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,7 +21,7 @@ from dptrain.cli import main as dptrain
 from dptrain.cluster import kubernetes
 from dptrain.cluster.spec import ContainerSpec, JobSpec
 from dptrain.errors import UserError
-from dptrain.runtime.env import detect
+from dptrain.runtime.env import detect, free_port
 
 GOLDEN = Path(__file__).parent / "golden" / "launch"
 REGENERATE = os.environ.get("DPTRAIN_REGENERATE_GOLDEN") == "1"
@@ -232,13 +234,16 @@ def test_a_command_job_s_program_is_the_image_s_not_looked_for_here(tmp_path, mo
     assert not (tmp_path / "run").exists()
 
 
-def test_submit_without_kubectl_is_refused_before_anything_is_written(tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("launch, program", [(LAUNCH, "kubectl"),
+                                             (["launch", "--scheduler", "slurm", "--out", "run"], "sbatch")])
+def test_submit_without_its_program_is_refused_before_anything_is_written(tmp_path, monkeypatch, capsys, launch,
+                                                                          program):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
-    code = dptrain([*LAUNCH, "--submit", "--", "--dataset", "digits"])
+    code = dptrain([*launch, "--submit", "--", "--dataset", "digits"])
     assert code == 2
     assert capsys.readouterr().err.splitlines() == [
-        "dptrain: error: kubectl is not on the PATH; --submit needs it to submit the job: run this where kubectl "
+        f"dptrain: error: {program} is not on the PATH; --submit needs it to submit the job: run this where {program} "
         "works, or leave --submit out to only write the job script"]
     assert not (tmp_path / "run").exists()
 
@@ -299,3 +304,25 @@ def test_submitting_a_job_kubernetes_already_has_says_how_to_run_it_again(fake_k
 def test_the_job_s_state_comes_from_its_conditions(status, expected):
     result = kubernetes.parse_status(json.dumps({"kind": "Job", "status": status}))
     assert (result.state, result.finished, result.exit_code) == expected
+
+
+def test_two_pods_train_together_from_the_manifest_s_variables_alone(tmp_path):
+    # Each "pod" a process with its pod's variables (and the image's PATH); only the rendezvous address is
+    # this machine's, since the Service's DNS name resolves inside the cluster.
+    port = str(free_port())
+    spec = JobSpec(**{**example_spec("train").__dict__, "run_dir": str(tmp_path / "run"),
+                      "train_args": ("--dataset", "digits", "--epochs", "1", "--strategy", "allreduce")})
+    _, job = documents(kubernetes.render(spec))
+    command = job["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert command[:2] == ["dptrain", "train"]
+    pods = []
+    for index in (0, 1):
+        host = {name: value for name, value in os.environ.items()
+                if not name.startswith(("RANK", "LOCAL_RANK", "WORLD_SIZE", "SLURM", "OMPI", "PMI", "DPTRAIN"))}
+        env = {**host, **pod_environment("train", index), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+        pods.append(subprocess.Popen([sys.executable, "-m", "dptrain", *command[1:]], cwd=tmp_path, env=env,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outputs = [pod.communicate(timeout=120)[0] for pod in pods]
+    assert [pod.returncode for pod in pods] == [0, 0], outputs
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert (summary["workers"], summary["launcher"]) == (2, "kubernetes"), summary

@@ -2,10 +2,11 @@
 completion index), applied with `kubectl apply -f`, the job's state from `kubectl get job -o json`, and
 inside a pod its job, its rank and the pods' addresses.
 
-Why an Indexed Job and a headless Service, not a JobSet: both are built into every Kubernetes since 1.24
-(batch/v1 and v1; podFailurePolicy is beta from 1.26, GA in 1.31), so the manifest applies on any cluster
-and is validated against the official API models (the `kubernetes` client's), while JobSet is a
-controller that a cluster must install first (a CRD the client does not know). What JobSet adds, restarting
+Why an Indexed Job and a headless Service, not a JobSet: both are built into Kubernetes (batch/v1 and v1;
+the manifest needs 1.27 or later: podFailurePolicy is on by default from 1.26, GA in 1.31, and pods carry
+the batch.kubernetes.io/job-name label from 1.27), so it applies on any current cluster and is validated
+against the official API models (the `kubernetes` client's), while JobSet is a controller that a cluster
+must install first (a CRD the client does not know). What JobSet adds, restarting
 the whole world when one pod fails, dptrain does not need: a rank that fails fails the job
 (backoffLimit 0, as srun --kill-on-bad-exit), and a job resumes from its checkpoint by being run again.
 

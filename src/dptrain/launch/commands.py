@@ -52,7 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                           "--submit. After '--' put the train arguments (they start with an option), or a command "
                           "such as 'python train.py --epochs 3': every rank runs it with MASTER_ADDR, MASTER_PORT, "
                           "WORLD_SIZE, RANK and LOCAL_RANK set, so init_process_group('env://') joins the job; a "
-                          "SLURM job whose ranks exit with 75 is requeued.")
+                          "SLURM job whose ranks exit with 75 is requeued (a Kubernetes job's pods are recreated).")
     parser.add_argument("--scheduler", choices=registry.names("scheduler"), required=True,
                         help=registry.help_text("scheduler"))
     parser.add_argument("--nodes", type=int, default=1, help="nodes (default: 1)")
