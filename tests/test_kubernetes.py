@@ -278,7 +278,8 @@ def test_submit_applies_the_manifest_with_kubectl_and_wait_follows_the_job(fake_
     manifest = tmp_path / "run" / "job.yaml"
     assert fake_kubectl.read_text().splitlines() == [f"apply -f {manifest}", "get job dptrain -o json"]
     assert f"dptrain: wrote {manifest}\n" in out
-    assert "dptrain: submitted job dptrain; output 'kubectl logs -f job/dptrain' (rank 0)\n" in out
+    assert ("dptrain: submitted job dptrain; output 'kubectl logs -f -l batch.kubernetes.io/job-name=dptrain,"
+            "batch.kubernetes.io/job-completion-index=0' (rank 0)\n") in out
     assert out.endswith("dptrain: job dptrain COMPLETED with exit code 0\n")
     assert [d["kind"] for d in documents(manifest.read_text())] == ["Service", "Job"]
 

@@ -3,8 +3,8 @@ completion index), applied with `kubectl apply -f`, the job's state from `kubect
 inside a pod its job, its rank and the pods' addresses.
 
 Why an Indexed Job and a headless Service, not a JobSet: both are built into Kubernetes (batch/v1 and v1;
-the manifest needs 1.27 or later: podFailurePolicy is on by default from 1.26, GA in 1.31, and pods carry
-the batch.kubernetes.io/job-name label from 1.27), so it applies on any current cluster and is validated
+the manifest needs 1.28 or later: podFailurePolicy is on by default from 1.26, GA in 1.31, and pods carry
+the labels batch.kubernetes.io/job-name from 1.27 and batch.kubernetes.io/job-completion-index from 1.28), so it applies on any current cluster and is validated
 against the official API models (the `kubernetes` client's), while JobSet is a controller that a cluster
 must install first (a CRD the client does not know). What JobSet adds, restarting
 the whole world when one pod fails, dptrain does not need: a rank that fails fails the job
@@ -157,6 +157,13 @@ def manifests(spec: JobSpec) -> list[dict[str, Any]]:
                       "spec": job}]
 
 
+class _Dumper(yaml.SafeDumper):
+    """Block-style YAML whose lists are indented under their key, as kubectl users write them."""
+
+    def increase_indent(self, flow=False, indentless=False):
+        return super().increase_indent(flow, False)
+
+
 def render(spec: JobSpec) -> str:
     documents = manifests(spec)
     # header()'s first lines less the shebang and its layout (a rank per pod, not tasks per node).
@@ -165,12 +172,12 @@ def render(spec: JobSpec) -> str:
     name = spec.job_name
     mounts = volumes(spec)
     comments += [
-        f"# Apply it with 'kubectl apply -f {SCRIPT_NAME}'; rank 0's output: 'kubectl logs -f job/{name}'. To run it",
-        f"# again, first 'kubectl delete job,service {name}'.",
+        f"# Apply it with 'kubectl apply -f {SCRIPT_NAME}' (to run it again, first 'kubectl delete job,service {name}');",
+        f"# rank 0's output: kubectl logs -f -l {rank_0(name)}",
         f"# Each pod's rank is its completion index; rank 0 is reached at {name}-0.{name} (the headless Service).",
-        f"# A rank that exits with {REQUEUE_EXIT} (stopped at a checkpoint after SIGTERM) has its pod recreated, not "
-        "counted",
-        "# as a failure, and resumes from the checkpoint; any other failure fails the job.",
+        f"# A rank that exits with {REQUEUE_EXIT} (it stopped at a checkpoint after SIGTERM) has its pod recreated, "
+        "not counted as",
+        "# a failure, and resumes from the checkpoint; any other failure fails the job.",
     ]
     if not _on_volume(spec.run_dir, mounts):
         comments += ["# The run directory is on no --volume: each pod writes it into its own file system, which is",
@@ -180,21 +187,19 @@ def render(spec: JobSpec) -> str:
     return "\n".join(comments) + "\n" + body
 
 
-class _Dumper(yaml.SafeDumper):
-    """Block-style YAML whose lists are indented under their key, as kubectl users write them."""
-
-    def increase_indent(self, flow=False, indentless=False):
-        return super().increase_indent(flow, False)
-
-
 def output_path(run_dir: Path, job_id: str) -> Path:
     """The pods' output stays in the cluster (kubectl logs); `--wait` follows the job's state only."""
     return run_dir / f"kubernetes-{job_id}.out"
 
 
+def rank_0(name: str) -> str:
+    """The label selector of the Job's rank-0 pod."""
+    return f"batch.kubernetes.io/job-name={name},batch.kubernetes.io/job-completion-index=0"
+
+
 def describe_output(job_id: str) -> str:
     """Where to read the job's output, said after submitting it."""
-    return f"'kubectl logs -f job/{job_id}' (rank 0)"
+    return f"'kubectl logs -f -l {rank_0(job_id)}' (rank 0)"
 
 
 def parse_job_id(apply_output: str) -> str:
