@@ -82,9 +82,10 @@ def test_every_field_of_the_manifest_is_one_the_kubernetes_api_defines(mode):
 
 def test_the_round_trip_would_catch_a_misspelt_field():
     service, job = documents(kubernetes.render(example_spec("train")))
-    job["spec"]["template"]["spec"]["containers"][0]["gpus"] = 1
+    container = job["spec"]["template"]["spec"]["containers"][0]
+    container["gpus"] = 1
     assert through_the_api_models(job) != job
-    del job["spec"]["template"]["spec"]["containers"][0]["gpus"], job["spec"]["template"]["spec"]["containers"][0]["name"]
+    del container["gpus"], container["name"]
     with pytest.raises(ValueError, match=r"(?s)name.*(must not be `None`|valid string)"):  # (client < 35, >= 35)
         through_the_api_models(job)
 
@@ -152,7 +153,8 @@ def test_a_pod_of_a_command_job_has_torchrun_s_variables(index):
     assert {name: env[name] for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                                          "MASTER_PORT", "DPTRAIN_RUN_DIR")} == \
         {"RANK": str(index), "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "1",
-         "MASTER_ADDR": "digits-sync-0.digits-sync", "MASTER_PORT": "29500", "DPTRAIN_RUN_DIR": "/home/ada/project/runs/mine"}
+         "MASTER_ADDR": "digits-sync-0.digits-sync", "MASTER_PORT": "29500",
+         "DPTRAIN_RUN_DIR": "/home/ada/project/runs/mine"}
     detected = detect(env)
     assert (detected.rank, detected.world_size, detected.scheduler) == (index, 2, "kubernetes")
 

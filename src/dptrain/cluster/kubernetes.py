@@ -2,13 +2,13 @@
 completion index), applied with `kubectl apply -f`, the job's state from `kubectl get job -o json`, and
 inside a pod its job, its rank and the pods' addresses.
 
-Why an Indexed Job and a headless Service, not a JobSet: both are built into Kubernetes (batch/v1 and v1;
-the manifest needs 1.28 or later: podFailurePolicy is on by default from 1.26, GA in 1.31, and pods carry
-the labels batch.kubernetes.io/job-name from 1.27 and batch.kubernetes.io/job-completion-index from 1.28), so it applies on any current cluster and is validated
-against the official API models (the `kubernetes` client's), while JobSet is a controller that a cluster
-must install first (a CRD the client does not know). What JobSet adds, restarting
-the whole world when one pod fails, dptrain does not need: a rank that fails fails the job
-(backoffLimit 0, as srun --kill-on-bad-exit), and a job resumes from its checkpoint by being run again.
+Why an Indexed Job and a headless Service, not a JobSet: both are built into Kubernetes (batch/v1 and v1),
+so the manifest applies on any current cluster (1.28 or later: podFailurePolicy is on by default from 1.26,
+GA in 1.31; pods carry the labels batch.kubernetes.io/job-name from 1.27 and ...job-completion-index from
+1.28) and is validated against the official API models (the `kubernetes` client's), while JobSet is a
+controller that a cluster must install first (a CRD the client does not know). What JobSet adds, restarting
+the whole world when one pod fails, dptrain does not need: a rank that fails fails the job (backoffLimit 0,
+as srun --kill-on-bad-exit), and a job resumes from its checkpoint by being run again.
 
 Ranks and rendezvous: the Job runs `--nodes` pods (`--tasks-per-node` must be 1: a pod is the unit the
 cluster places, so ask for one pod per GPU with `--nodes N --gpus-per-node 1`). Kubernetes gives each pod
@@ -172,7 +172,8 @@ def render(spec: JobSpec) -> str:
     name = spec.job_name
     mounts = volumes(spec)
     comments += [
-        f"# Apply it with 'kubectl apply -f {SCRIPT_NAME}' (to run it again, first 'kubectl delete job,service {name}');",
+        f"# Apply it with 'kubectl apply -f {SCRIPT_NAME}' (to run it again, first 'kubectl delete job,service "
+        f"{name}');",
         f"# rank 0's output: kubectl logs -f -l {rank_0(name)}",
         f"# Each pod's rank is its completion index; rank 0 is reached at {name}-0.{name} (the headless Service).",
         f"# A rank that exits with {REQUEUE_EXIT} (it stopped at a checkpoint after SIGTERM) has its pod recreated, "
