@@ -362,6 +362,11 @@ CASES = [
                                                  "train.py"], "command 'pyhton' is not on the PATH"),
     case("launch-command-script-missing", lambda s: ["launch", "--scheduler", "local", "--out", "job", "--",
                                                       sys.executable, "tain.py"], "script 'tain.py' does not exist"),
+    case("launch-kubernetes-without-image", lambda s: launch("--scheduler", "kubernetes"), "needs --image IMAGE"),
+    case("launch-kubernetes-bad-volume", lambda s: launch("--scheduler", "kubernetes", "--image", "img", "--volume",
+                                                          "claim"), "--volume 'claim' is not CLAIM:PATH"),
+    case("launch-image-for-slurm", lambda s: launch("--scheduler", "slurm", "--image", "img"),
+         "--image img is for --scheduler kubernetes"),
     case("config-model-option-not-yaml", lambda s: train("--model-option", "hidden=[1,2"),
          "--model-option 'hidden=[1,2'", "not valid YAML"),
 ]

@@ -152,7 +152,7 @@ def test_every_dataset_loads(name):
 
 def test_an_unknown_name_is_one_line_with_a_hint_and_the_valid_names():
     with pytest.raises(UserError, match=r"^unknown scheduler 'slrum'; did you mean 'slurm'\? "
-                                        r"valid names are slurm, pbs, local$"):
+                                        r"valid names are slurm, pbs, local, kubernetes$"):
         registry.load("scheduler", "slrum")
 
 

@@ -72,6 +72,7 @@ SCHEDULERS: dict[str, Entry] = {
     "slurm": Entry("dptrain.cluster.slurm", "sbatch"),
     "pbs": Entry("dptrain.cluster.pbs", "qsub"),
     "local": Entry("dptrain.cluster.local", "this machine"),
+    "kubernetes": Entry("dptrain.cluster.kubernetes", "kubectl apply: an Indexed Job, one pod per rank"),
 }
 
 # Launchers that are not schedulers, each a module satisfying dptrain.cluster.base.Environment: the

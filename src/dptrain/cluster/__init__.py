@@ -1,4 +1,4 @@
-"""Where a job runs: one module per scheduler (slurm, pbs, local), per launcher that is not a scheduler
+"""Where a job runs: one module per scheduler (slurm, pbs, local, kubernetes), per launcher that is not a scheduler
 (torchrun, mpirun, pmi) and per container runtime (udocker, apptainer), each registered once in
 dptrain.registry.
 

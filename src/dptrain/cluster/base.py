@@ -65,10 +65,14 @@ class Environment(Protocol):
 @runtime_checkable
 class Scheduler(Protocol):
     """A batch system (or this machine): writes the job script, submits it, reports the job's state, and
-    tells from the environment whether a process runs inside one of its jobs."""
+    tells from the environment whether a process runs inside one of its jobs.
+
+    A scheduler whose jobs write no output file into the run directory (Kubernetes: the pods' logs) may
+    also define `describe_output(job_id) -> str`, where `dptrain launch --submit` says the output goes.
+    """
 
     SCRIPT_NAME: str  # the job script's file name in the run directory, e.g. job.slurm
-    SUBMIT_COMMAND: str  # the program that submits (or, locally, runs) the script, e.g. sbatch
+    SUBMIT_COMMAND: str  # what submits (or, locally, runs) the script, e.g. sbatch, kubectl apply -f
     PRIORITY: int  # as Environment.PRIORITY, for `ranks`; `job` is asked in the same order
 
     def render(self, spec: JobSpec) -> str:

@@ -47,6 +47,8 @@ class JobSpec:
     account: Optional[str] = None
     job_name: str = "dptrain"
     container: Optional[ContainerSpec] = None
+    image: Optional[str] = None  # Kubernetes: the pods' container image
+    volumes: tuple[str, ...] = ()  # Kubernetes: CLAIM:PATH, a PersistentVolumeClaim every pod mounts at PATH
     binds: tuple[str, ...] = field(default_factory=tuple)
     dptrain: str = "dptrain"
     stop_before: int = 300  # seconds before the time limit that the ranks are told to checkpoint and stop
@@ -70,6 +72,10 @@ class JobSpec:
             raise UserError(f"--time {self.time!r} is not HH:MM:SS (or D-HH:MM:SS), e.g. 02:00:00")
         if self.scheduler == "local" and self.nodes != 1:
             raise UserError(f"--scheduler local runs on this machine only; use --nodes 1, not {self.nodes}")
+        if (self.image or self.volumes) and self.scheduler != "kubernetes":
+            flag = f"--image {self.image}" if self.image else f"--volume {self.volumes[0]}"
+            raise UserError(f"{flag} is for --scheduler kubernetes; under {self.scheduler} the ranks run on the "
+                            "host, or in --container RUNTIME:IMAGE")
         if not posixpath.isabs(self.workdir) or not posixpath.isabs(self.run_dir):
             raise ValueError("workdir and run_dir must be absolute")
         if self.command and self.train_args:

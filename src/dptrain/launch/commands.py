@@ -1,7 +1,9 @@
-"""`dptrain launch`: write a job script for SLURM, PBS or this machine, and optionally submit and follow it.
+"""`dptrain launch`: write a job script for SLURM, PBS or this machine (or a Kubernetes manifest), and
+optionally submit and follow it.
 
     dptrain launch --scheduler slurm --nodes 2 --tasks-per-node 4 --gpus-per-node 4 \\
         [--container udocker:NAME | apptainer:IMAGE.sif] [--submit [--wait] | --dry-run] -- <train arguments>
+    dptrain launch --scheduler kubernetes --nodes 2 --gpus-per-node 1 --image IMAGE [--volume CLAIM:PATH] ...
     dptrain launch --scheduler slurm --nodes 2 [--out DIR] ... -- python train.py --epochs 3
 
 After '--', words that start with an option are `dptrain train` arguments, validated here (and --data and a
@@ -50,7 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                           "--submit. After '--' put the train arguments (they start with an option), or a command "
                           "such as 'python train.py --epochs 3': every rank runs it with MASTER_ADDR, MASTER_PORT, "
                           "WORLD_SIZE, RANK and LOCAL_RANK set, so init_process_group('env://') joins the job; a "
-                          "SLURM job whose ranks exit with 75 is requeued.")
+                          "SLURM job whose ranks exit with 75 is requeued (a Kubernetes job's pods are recreated).")
     parser.add_argument("--scheduler", choices=registry.names("scheduler"), required=True,
                         help=registry.help_text("scheduler"))
     parser.add_argument("--nodes", type=int, default=1, help="nodes (default: 1)")
@@ -58,10 +60,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpus-per-node", type=int, default=0, help="GPUs to request per node (default: 0)")
     parser.add_argument("--cpus-per-task", type=int, default=1, help="CPU cores per rank; sets OMP_NUM_THREADS (default: 1)")
     parser.add_argument("--time", help="wall-time limit HH:MM:SS or D-HH:MM:SS (default: the queue's)")
-    parser.add_argument("--partition", help="SLURM partition or PBS queue")
+    parser.add_argument("--partition", help="SLURM partition, PBS queue or Kubernetes Kueue LocalQueue")
     parser.add_argument("--account", help="account to charge")
     parser.add_argument("--job-name", default="dptrain", help="job name (default: dptrain)")
     parser.add_argument("--container", metavar="RUNTIME:IMAGE", help=container_forms())
+    parser.add_argument("--image", help="Kubernetes: the container image every pod runs (with dptrain, or the "
+                                            "command's program, installed)")
+    parser.add_argument("--volume", action="append", default=[], metavar="CLAIM:PATH",
+                        help="Kubernetes: mount PersistentVolumeClaim CLAIM at PATH in every pod (repeatable); the "
+                             "run directory must be on one for checkpoints to outlive a pod")
     parser.add_argument("--bind", action="append", default=[], metavar="PATH[:DEST]",
                         help="extra path to bind into the container (repeatable); the project and run "
                              "directories and --data are bound anyway")
@@ -71,15 +78,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stop-before", "--grace", type=int, default=300, metavar="SECONDS", dest="stop_before",
                         help="SLURM: signal the ranks this long before --time runs out; they save a checkpoint "
                              "after the current epoch and the job requeues itself to resume (0: no signal; "
-                             "default: 300; --grace is the same)")
+                             "default: 300; --grace is the same); Kubernetes: the seconds a pod has after SIGTERM "
+                             "to do so")
     parser.add_argument("--stop-signal", default="USR1", metavar="SIGNAL",
                         help="SLURM: the signal sent --stop-before seconds ahead: USR1, USR2 or TERM; dptrain train's "
-                             "ranks save a checkpoint and exit with 75 on any of them (default: USR1)")
+                             "ranks save a checkpoint and exit with 75 on any of them (default: USR1; Kubernetes "
+                             "always sends TERM)")
     parser.add_argument("--out", metavar="DIR",
                         help="run directory for the job script and its output (default: a command's "
                              "runs/command-TIMESTAMP; for dptrain train the same as its own --out)")
     what = parser.add_mutually_exclusive_group()
-    what.add_argument("--submit", action="store_true", help="submit the script (sbatch, qsub; local: run it now)")
+    what.add_argument("--submit", action="store_true",
+                      help="submit the script (sbatch, qsub, kubectl apply -f; local: run it now)")
     what.add_argument("--dry-run", action="store_true", help="print the script, write and submit nothing")
     parser.add_argument("--wait", action="store_true", help="with --submit: follow the job to its end and exit with its code")
     parser.add_argument("--wait-timeout", type=float, default=None, metavar="SECONDS",
@@ -163,7 +173,7 @@ def build_spec(args: argparse.Namespace, workdir: Path) -> JobSpec:
         if args.dptrain is not None:
             raise UserError(f"--dptrain '{args.dptrain}' says how ranks run dptrain train, but this job runs the "
                             f"command '{command[0]}' itself; leave --dptrain out")
-        if container is None:  # inside a container the program is the image's, not this machine's
+        if container is None and args.image is None:  # inside a container the program is the image's
             check_command(command, workdir)
         out = args.out or timestamped("runs", "command")
     else:
@@ -185,7 +195,8 @@ def build_spec(args: argparse.Namespace, workdir: Path) -> JobSpec:
                    tasks_per_node=args.tasks_per_node, gpus_per_node=args.gpus_per_node,
                    cpus_per_task=args.cpus_per_task, time=args.time, partition=args.partition, account=args.account,
                    job_name=args.job_name, container=container, binds=tuple(binds), dptrain=args.dptrain or "dptrain",
-                   stop_before=args.stop_before, stop_signal=args.stop_signal)
+                   stop_before=args.stop_before, stop_signal=args.stop_signal, image=args.image,
+                   volumes=tuple(args.volume))
 
 
 def main(args: argparse.Namespace) -> int:
@@ -197,6 +208,10 @@ def main(args: argparse.Namespace) -> int:
     if args.dry_run:
         sys.stdout.write(text)
         return 0
+    program = scheduler.SUBMIT_COMMAND.split()[0]
+    if args.submit and shutil.which(program) is None:
+        raise UserError(f"{program} is not on the PATH; --submit needs it to submit the job: run this where {program} "
+                        "works, or leave --submit out to only write the job script")
 
     from dptrain.train.rundir import claim_run_dir
 
@@ -213,7 +228,9 @@ def main(args: argparse.Namespace) -> int:
         return 0
     job_id = scheduler.submit(script)
     output = scheduler.output_path(run_dir, job_id)
-    print(f"dptrain: submitted job {job_id}; output {output}", flush=True)
+    # (a scheduler whose jobs write no output file into the run directory says where it goes instead)
+    where = scheduler.describe_output(job_id) if hasattr(scheduler, "describe_output") else output
+    print(f"dptrain: submitted job {job_id}; output {where}", flush=True)
     if not args.wait:
         return 0
     status = follow(scheduler, job_id, output, timeout=args.wait_timeout)
