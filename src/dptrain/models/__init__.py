@@ -48,8 +48,9 @@ def build_model(
     return builder(input_shape, num_outputs, **_check_options(name, builder, options))
 
 
-def check_output_shape(model: nn.Module, input_shape: tuple[int, ...], num_outputs: int) -> None:
+def check_output_shape(model: nn.Module, input_shape: tuple[int, ...], num_outputs: int, about: str = "") -> None:
     """Run a batch of 2 zero samples through `model` and fail early if its output does not fit the data.
+    `about` ends the refusal of a wrong shape: what the data was read as, and how to read it otherwise.
 
     The forward runs in eval mode (BatchNorm must not learn from zeros) without gradients; each
     submodule's train/eval flag is restored afterwards.
@@ -76,7 +77,7 @@ def check_output_shape(model: nn.Module, input_shape: tuple[int, ...], num_outpu
     if tuple(output.shape) != expected:
         raise UserError(
             f"model output shape {tuple(output.shape)} does not match the data: "
-            f"expected {expected} for {num_outputs} outputs"
+            f"expected {expected} for {num_outputs} outputs{f'; {about}' if about else ''}"
         )
 
 

@@ -46,8 +46,18 @@ def make_model(config: TrainConfig, data: DataSplits) -> torch.nn.Module:
     torch.manual_seed(config.seed)
     model = build_model(config.model, data.input_shape, data.num_outputs, options=config.model_options)
     if config.loss in BUILTIN_LOSSES:  # a loss of the user's own decides what outputs it needs
-        check_output_shape(model, data.input_shape, data.num_outputs)
+        check_output_shape(model, data.input_shape, data.num_outputs, read_as(data))
     return model
+
+
+def read_as(data: DataSplits) -> str:
+    """What the data was read as, and the --task that reads it the other way (a wrong output shape is
+    often a float label array read as regression targets, or numbers read as classes)."""
+    if data.task == "classification":
+        return (f"the data was read as classification with {data.num_classes} classes (integer labels 0..{data.num_classes - 1}); "
+                "if its labels are numbers to predict, give --task regress")
+    return (f"the data was read as regression with {data.num_outputs} target value{'s' if data.num_outputs != 1 else ''} "
+            "per sample (floating-point labels, or --task regress); if its labels are classes, give --task classify")
 
 
 def loss_name(config: TrainConfig, data: DataSplits) -> str:
