@@ -55,10 +55,11 @@ def read_as(data: DataSplits) -> str:
     """What the data was read as, and the --task that reads it the other way (a wrong output shape is
     often a float label array read as regression targets, or numbers read as classes)."""
     if data.task == "classification":
-        return (f"the data was read as classification with {data.num_classes} classes (integer labels 0..{data.num_classes - 1}); "
-                "if its labels are numbers to predict, give --task regress")
-    return (f"the data was read as regression with {data.num_outputs} target value{'s' if data.num_outputs != 1 else ''} "
-            "per sample (floating-point labels, or --task regress); if its labels are classes, give --task classify")
+        return (f"the data was read as classification with {data.num_classes} classes (integer labels "
+                f"0..{data.num_classes - 1}); if its labels are numbers to predict, give --task regress")
+    values = "value" if data.num_outputs == 1 else "values"
+    return (f"the data was read as regression with {data.num_outputs} target {values} per sample (floating-point "
+            "labels, or --task regress); if its labels are classes, give --task classify")
 
 
 def loss_name(config: TrainConfig, data: DataSplits) -> str:
@@ -97,14 +98,15 @@ def check_loss(loss: Union[str, Callable], spec: str, model: torch.nn.Module, da
 
 def check_first(config: TrainConfig) -> None:
     """The checks that need neither the data nor a model, made before the data is read (a data factory may
-    take long): the file a user's --model or --loss names, a built-in model's name, and --out's run directory
-    (in use by another run, finished, holding a run with other settings or files of anything else)."""
+    take long): the file a user's --model or --loss names, a built-in model's name, and a run in --out (in use
+    by another run, finished, with other settings). A directory of other files is refused where the run
+    directory is opened, after the data: a mistake in the data is the likelier one to fix first."""
     check_model_name(config.model)
     if config.loss not in BUILTIN_LOSSES:
         check_spec_file(config.loss, "--loss")
     if config.out:
         check_not_busy(config.out)
-        check_run_dir(config.out, with_absolute_paths(config.model_dump(mode="json")), config.resume)
+        check_run_dir(config.out, with_absolute_paths(config.model_dump(mode="json")), config.resume, only_runs=True)
 
 
 def validate(config: TrainConfig) -> torch.nn.Module:

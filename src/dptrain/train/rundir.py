@@ -288,11 +288,14 @@ def open_run_dir(path: str, settings: dict[str, Any], resume: bool = False) -> t
     return claim_run_dir(path), False
 
 
-def check_run_dir(path: str, settings: dict[str, Any], resume: bool = False) -> bool:
-    """open_run_dir's refusals, writing nothing (so that they come before the data is read): whether `path`
-    holds a run to continue (False: a new run will be started there)."""
+def check_run_dir(path: str, settings: dict[str, Any], resume: bool = False, only_runs: bool = False) -> bool:
+    """open_run_dir's refusals, writing nothing (so that they can come before the data is read): whether `path`
+    holds a run to continue (False: a new run will be started there). `only_runs`: refuse only what concerns a
+    run found there (finished, other settings, nothing to resume), not a new directory or one of other files."""
     directory = Path(path)
     saved = directory / "config.yaml"
+    if only_runs and not (directory.is_dir() and _is_run_dir(directory)):
+        return False
     if directory.is_dir() and not _is_run_dir(directory):
         if resume:
             raise UserError(f"--resume: run directory '{path}' holds no run to continue")
