@@ -20,6 +20,7 @@ import yaml
 from dptrain.cli import main
 
 FACTORIES = textwrap.dedent('''
+    import math
     from pathlib import Path
 
     import torch
@@ -57,7 +58,7 @@ FACTORIES = textwrap.dedent('''
 
 
     def two_outputs(input_shape, num_outputs):
-        return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(4, 2))
+        return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(math.prod(input_shape), 2))
 ''')
 
 
@@ -121,6 +122,9 @@ def test_the_check_of_values_leaves_the_random_state_as_it_was():
     labels = check_finite(CheckedItems(Noisy(), "training"), "noisy")
     assert [int(label) for label in labels] == [0, 1, 0, 1, 0]
     assert (np.random.rand(), random.random(), torch.rand(1)) == expected
+    # targets of many values are not kept (they could be as large as the data)
+    pairs = torch.utils.data.TensorDataset(torch.zeros(3, 2), torch.zeros(3, 4))
+    assert check_finite(CheckedItems(pairs, "training"), "pairs") is None
 
 
 def test_run_files_write_nan_and_infinity_as_null(tmp_path):
@@ -238,6 +242,11 @@ def test_integer_labels_and_a_model_of_other_outputs_name_the_task_option(sandbo
     assert refused(train("tiny.npz", "--model", "three.py:make"), capsys) == (
         "model output shape (2, 3) does not match the data: expected (2, 2) for 2 outputs; the data was read as "
         "classification with 2 classes (integer labels 0..1); if its labels are numbers to predict, give --task regress")
+
+
+def test_a_built_in_data_set_and_a_model_of_other_outputs_name_no_task_option(sandbox, capsys):
+    line = refused(["train", "--dataset", "digits", "--model", "user.py:two_outputs", "--workers", "1"], capsys)
+    assert line == "model output shape (2, 2) does not match the data: expected (2, 10) for 10 outputs"
 
 
 # ------------------------------------------------------------------ 5. the cheap checks first

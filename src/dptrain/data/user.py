@@ -75,7 +75,7 @@ def describe_splits(train: Dataset, test: Optional[Dataset], spec: str, no_test:
         keep, hold = (part.tolist() for part in hold_out(len(train), seed, test_fraction, at_least_one=True))
         log(holding_out_line(no_test, len(hold), len(train), test_fraction))
         train, test = Subset(train, keep), Subset(train, hold)
-        read = None if read is None else [read[i] for i in keep]
+        read = None if read is None else [read[i] for i in keep]  # the labels of the Subset's items
     x, y = _item(train, spec, "training")
     task = decide_task(task, not (y.is_floating_point() or y.is_complex()), str(y.dtype).removeprefix("torch."),
                        (len(train), *y.shape), f"y of {spec}", log)
@@ -103,14 +103,15 @@ def _finite(value: Any) -> bool:
     return array.dtype.kind not in "fc" or bool(np.isfinite(array).all())
 
 
-def check_finite(dataset: CheckedItems, spec: str) -> list:
+def check_finite(dataset: CheckedItems, spec: str) -> Optional[list]:
     """Read every item of a user's Dataset once, refusing NaN and infinite values in x or y before any worker
     starts (as an array file's values are checked): one line naming the split, the first such item and the fix.
-    Returns every item's y (the labels, so that a classification reads them only once).
+    Returns every item's y when each is one number (the labels, so that a classification reads them only
+    once), else None (targets of many values are not kept: they could be as large as the data).
 
     The random state is kept as it was: a Dataset that draws random numbers as it is read (augmentation)
     draws the same in training whether or not it was checked."""
-    bad, part, labels = [], "", []
+    bad, part, labels = [], "", []  # labels: None once a y of many values is met
     state = np.random.get_state(), random.getstate()
     with torch.random.fork_rng(devices=[]):
         try:
@@ -119,7 +120,10 @@ def check_finite(dataset: CheckedItems, spec: str) -> list:
                 if not (_finite(x) and _finite(y)):
                     part = part or ("x (the input)" if not _finite(x) else "y (the label)")
                     bad.append(index)
-                labels.append(np.asarray(y) if not isinstance(y, torch.Tensor) else y.numpy(force=True))
+                if labels is not None and (y.numel() if isinstance(y, torch.Tensor) else np.size(y)) != 1:
+                    labels = None
+                if labels is not None:
+                    labels.append(y.numpy(force=True) if isinstance(y, torch.Tensor) else np.asarray(y))
         finally:
             np.random.set_state(state[0])
             random.setstate(state[1])

@@ -47,7 +47,8 @@ def make_model(config: TrainConfig, data: DataSplits) -> torch.nn.Module:
     torch.manual_seed(config.seed)
     model = build_model(config.model, data.input_shape, data.num_outputs, options=config.model_options)
     if config.loss in BUILTIN_LOSSES:  # a loss of the user's own decides what outputs it needs
-        check_output_shape(model, data.input_shape, data.num_outputs, read_as(data))
+        # your own data may be read the other way (--task); a built-in data set knows its task
+        check_output_shape(model, data.input_shape, data.num_outputs, read_as(data) if config.data else "")
     return model
 
 
