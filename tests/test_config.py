@@ -218,6 +218,7 @@ def test_a_run_recorded_with_relative_paths_is_still_continued(tmp_path, monkeyp
     run = tmp_path / "run"
     run.mkdir()
     (run / ".dptrain-run").write_text("")
+    (run / "metrics.jsonl").write_text("")  # it recorded something (a run that recorded nothing is started afresh)
     (run / "config.yaml").write_text(to_yaml(build_config({"data": "tiny.npz", "out": "run"})))  # as before
     settings = with_absolute_paths(build_config({"data": "tiny.npz", "out": "run"}).model_dump(mode="json"))
     assert open_run_dir("run", settings) == (Path("run"), True)
@@ -232,6 +233,7 @@ def test_a_run_whose_recorded_data_moved_away_is_continued_with_the_same_file_na
     run = tmp_path / "run"
     run.mkdir()
     (run / ".dptrain-run").write_text("")
+    (run / "metrics.jsonl").write_text("")  # it recorded something (a run that recorded nothing is started afresh)
     recorded = {"data": "/gone/project/tiny.npz", "model": "/gone/project/nets.py:make", "out": "run"}
     (run / "config.yaml").write_text(to_yaml(build_config(recorded)))
 
@@ -256,6 +258,7 @@ def test_a_run_recorded_before_a_setting_existed_continues_when_that_setting_is_
     run = tmp_path / "run"
     run.mkdir()
     (run / ".dptrain-run").write_text("")
+    (run / "metrics.jsonl").write_text("")  # it recorded something (a run that recorded nothing is started afresh)
     old = build_config({"dataset": "digits", "strategy": "sync", "out": "run"}).model_dump(mode="json")
     for newer in ("outer_betas", "proximal_mu", "fragments"):  # as config.yaml looked before these existed
         del old[newer]
@@ -277,6 +280,7 @@ def test_a_run_recorded_before_lr_scaling_continues_with_the_default_and_not_wit
     run = tmp_path / "run"
     run.mkdir()
     (run / ".dptrain-run").write_text("")
+    (run / "metrics.jsonl").write_text("")  # it recorded something (a run that recorded nothing is started afresh)
     old = build_config({"dataset": "digits", "strategy": "sync", "out": "run"}).model_dump(mode="json")
     del old["lr_scaling"]
     old["warmup_epochs"] = 0.0  # the default then

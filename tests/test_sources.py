@@ -270,7 +270,7 @@ def test_missing_and_unsupported_paths(tmp_path):
     with pytest.raises(UserError, match="put x.npy and y.npy"):
         load_dataset(None, data_path=str(tmp_path / "x.npy"))
     (tmp_path / "empty").mkdir()
-    with pytest.raises(UserError, match="'.*empty' needs x.npy and y.npy; it holds: nothing"):
+    with pytest.raises(UserError, match="'.*empty' is empty; --data DIR takes a folder of images .* or a folder holding x.npy and y.npy"):
         load_dataset(None, data_path=str(tmp_path / "empty"))
     (tmp_path / "d.csv").write_text("1\n")
     with pytest.raises(UserError, match="unsupported extension"):

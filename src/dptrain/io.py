@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import io
 import json
+import math
 import os
 import time
 from pathlib import Path
@@ -74,13 +75,32 @@ def write_text(path: Path, text: str) -> None:
     atomic_write_bytes(path, text.encode())
 
 
+def to_json(data: Any, indent: int | None = None) -> str:
+    """`data` as JSON text, a NaN or infinite float written as null: JSON has no such numbers, and the NaN
+    that Python's json writes by default makes the file unreadable to other JSON readers (jq, browsers)."""
+    try:
+        return json.dumps(data, indent=indent, allow_nan=False)
+    except ValueError:
+        return json.dumps(_finite_or_null(data), indent=indent, allow_nan=False)
+
+
+def _finite_or_null(data: Any) -> Any:
+    if isinstance(data, float):
+        return data if math.isfinite(data) else None
+    if isinstance(data, dict):
+        return {key: _finite_or_null(value) for key, value in data.items()}
+    if isinstance(data, (list, tuple)):
+        return [_finite_or_null(value) for value in data]
+    return data
+
+
 def write_json(path: Path, data: Any) -> None:
-    write_text(path, json.dumps(data, indent=2) + "\n")
+    write_text(path, to_json(data, indent=2) + "\n")
 
 
 def write_jsonl(path: Path, records: list[dict]) -> None:
     """Replace a JSON-lines file with `records`."""
-    write_text(path, "".join(json.dumps(record) + "\n" for record in records))
+    write_text(path, "".join(to_json(record) + "\n" for record in records))
 
 
 def append_jsonl(path: Path, record: dict) -> None:
@@ -89,7 +109,7 @@ def append_jsonl(path: Path, record: dict) -> None:
     resumed run rewrites the file whole from its checkpoint's history (write_jsonl)."""
     try:
         with open(path, "ab") as handle:
-            handle.write((json.dumps(record) + "\n").encode())
+            handle.write((to_json(record) + "\n").encode())
             handle.flush()
             os.fsync(handle.fileno())
     except OSError as exc:

@@ -26,6 +26,8 @@ import yaml
 from dptrain.errors import UserError
 from dptrain.io import atomic_write_bytes, make_dirs
 
+RUN_MARKER = ".dptrain-run"  # what `dptrain train` leaves in a directory it claimed (dptrain.train.rundir.MARKER)
+
 IMAGE_SUFFIXES = (".png", ".svg", ".pdf", ".jpg", ".jpeg")
 DEFAULT_NAME = "curves.png"
 WIDTH = 10.0  # inches
@@ -123,6 +125,10 @@ def read_run(name: str) -> Run:
         raise UserError(f"'{name}' is not a directory; give run directories (the --out of `dptrain train`)")
     metrics = path / "metrics.jsonl"
     if not metrics.is_file():
+        if (path / RUN_MARKER).exists() or (path / "config.yaml").is_file():
+            raise UserError(f"run '{name}' recorded no epoch (it has a config.yaml but no metrics.jsonl): it stopped "
+                            "before its first epoch ended, or has not ended one yet; its output says why; fix that "
+                            "and run it again (the same --out takes it), then plot it")
         raise UserError(f"'{name}' is not a dptrain run directory: no metrics.jsonl")
     records = read_records(metrics, name)
     if not records:

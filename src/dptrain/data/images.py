@@ -96,6 +96,11 @@ def load_image_folder(path: str, seed: int, image_size: Optional[int], augment: 
         raise UserError(f"image folder '{path}' has {len(classes)} class subfolder(s) ({', '.join(classes) or 'none'}); "
                         "classification needs at least 2, one subfolder of images per class")
     files, targets = _labelled(top, classes, str(top))
+    empty = [name for label, name in enumerate(classes) if label not in set(targets)]
+    if empty:  # a class without images would be a class the model never sees (or, last, no class at all)
+        raise UserError(f"image folder '{top}' has class subfolder{'s' if len(empty) > 1 else ''} without images "
+                        f"({', '.join(empty)}); put each class's images ({', '.join(sorted(SUFFIXES))}) in its "
+                        "subfolder, or remove the subfolders of classes you do not use")
     if image_size is not None:
         size = (image_size, image_size)
     else:

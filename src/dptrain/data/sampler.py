@@ -148,11 +148,15 @@ def _known_labels(dataset: Dataset) -> "np.ndarray | None":
     return None
 
 
-def labels_of(dataset: Dataset, log: Callable[[str], None] = print) -> np.ndarray:
-    """Every sample's label (for partitioners): from the data, a `targets`/`labels` attribute, or one pass."""
+def labels_of(dataset: Dataset, log: Callable[[str], None] = print,
+              read: Optional[Callable[[], np.ndarray]] = None) -> np.ndarray:
+    """Every sample's label (for partitioners): from the data, a `targets`/`labels` attribute, or one pass
+    (`read`: the labels of every item, read already, instead of that pass)."""
     known = _known_labels(dataset)
     if known is not None:
         return known
+    if read is not None:
+        return read()
     log(f"dptrain: reading the labels of all {len(dataset)} samples once (the Dataset has no `targets` attribute)")
     return np.asarray([np.asarray(dataset[i][1]) for i in range(len(dataset))])
 

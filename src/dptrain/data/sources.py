@@ -46,6 +46,7 @@ import numpy as np
 from dptrain import registry
 from dptrain.data.dstensor import DSTensor, list_arrays
 from dptrain.data.holdout import HOLD_OUT, hold_out, holding_out_line
+from dptrain.data.image_files import IMAGE_SUFFIXES, class_dirs
 from dptrain.errors import UserError, unknown_name
 
 DATASET_NAMES = registry.names("dataset")
@@ -375,7 +376,7 @@ def _open_arrays(path: Path, block_size: int | None) -> dict[str, DSTensor]:
     if path.is_dir() and not path.name.lower().endswith(".zarr"):
         held = sorted(p.name for p in path.iterdir())
         if "x.npy" not in held or "y.npy" not in held:
-            raise UserError(f"data directory '{path}' needs x.npy and y.npy; it holds: {', '.join(held) or 'nothing'}.")
+            raise UserError(_not_a_data_directory(path, held))
         return {
             key: DSTensor.from_file(path / f"{key}.npy", None, block_size)
             for key in ARRAY_NAMES
@@ -391,6 +392,28 @@ def _open_arrays(path: Path, block_size: int | None) -> dict[str, DSTensor]:
         if needed not in held:
             raise UserError(f"data file '{path}' has no array '{needed}'; it holds: {', '.join(held) or 'no arrays'}.")
     return {key: DSTensor.from_file(path, key, block_size) for key in ARRAY_NAMES if key in held}
+
+
+DIRECTORY_FORMS = ("--data DIR takes a folder of images with one subfolder per class (DIR/CLASS/IMAGE.png, or "
+                   "DIR/train/CLASS/... and DIR/test/CLASS/...) or a folder holding x.npy and y.npy")
+
+
+def _not_a_data_directory(path: Path, held: list[str]) -> str:
+    """Why the directory `path` (holding `held`) is neither an image folder nor arrays: what it was read as and
+    the forms that are valid, naming the class subfolders that hold no images."""
+    if not held:
+        return f"data directory '{path}' is empty; {DIRECTORY_FORMS}."
+    if any(name in held for name in ("x.npy", "y.npy")):
+        return (f"data directory '{path}' needs x.npy and y.npy (optionally x_test.npy and y_test.npy); "
+                f"it holds: {', '.join(held)}.")
+    top = path / "train" if (path / "train").is_dir() else path
+    folders = [directory.name for directory in class_dirs(top)]
+    if folders:  # meant as an image folder, but no subfolder holds an image (else it would have been read as one)
+        where = f"'{top}'" if top == path else f"'{path}' (its train/ subfolder)"
+        return (f"data directory {where} looks like an image folder, but its class subfolders hold no images "
+                f"({', '.join(sorted(IMAGE_SUFFIXES))}): {', '.join(folders)}; {DIRECTORY_FORMS}.")
+    return f"data directory '{path}' holds neither class subfolders of images nor x.npy and y.npy (it holds: " \
+           f"{', '.join(held)}); {DIRECTORY_FORMS}."
 
 
 TASKS = {"classify": "classification", "regress": "regression"}

@@ -9,6 +9,7 @@ targets a regression. Every rank calls the factory itself, so it should be cheap
 from __future__ import annotations
 
 import inspect
+import random
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -38,8 +39,9 @@ def _is_dataset(value: Any) -> bool:
 
 
 def load_user_data(spec: str, seed: int, test_fraction: float = HOLD_OUT,
-                   log: Callable[[str], None] = print, task: str = "auto") -> DataSplits:
-    """Call the factory `spec` names and describe what it returned."""
+                   log: Callable[[str], None] = print, task: str = "auto", check_values: bool = False) -> DataSplits:
+    """Call the factory `spec` names and describe what it returned; `check_values`: also read every item once,
+    refusing NaN and infinite values (the validating process does, as for an array file)."""
     factory = load_callable(spec, "--data", "data", "returns (train, test) Datasets")
     try:
         returned = factory(seed=seed) if "seed" in inspect.signature(factory).parameters else factory()
@@ -52,29 +54,81 @@ def load_user_data(spec: str, seed: int, test_fraction: float = HOLD_OUT,
                             "return (train, test) map-style Datasets (test may be None)")
     if len(train) < 2:
         raise UserError(f"data factory {spec} returned a training set of {len(train)} samples; it needs at least 2")
-    return describe_splits(train, test, spec, f"{spec} gave no test set", seed, log, task, test_fraction)
+    return describe_splits(train, test, spec, f"{spec} gave no test set", seed, log, task, test_fraction,
+                           check_values)
 
 
 def describe_splits(train: Dataset, test: Optional[Dataset], spec: str, no_test: str, seed: int,
-                    log: Callable[[str], None], task: str, test_fraction: float = HOLD_OUT) -> DataSplits:
+                    log: Callable[[str], None], task: str, test_fraction: float = HOLD_OUT,
+                    check_values: bool = False) -> DataSplits:
     """Checked train and test Datasets (test held out of train when there is none, said as `no_test`:
-    holding out ...) with their task, classes and shapes: what a source of torch Datasets loads into."""
+    holding out ...) with their task, classes and shapes: what a source of torch Datasets loads into.
+    `check_values`: read every item once first and refuse NaN and infinite values (check_finite)."""
     train = CheckedItems(train, "training")
     test = CheckedItems(test, "test") if test is not None else None
+    read = None  # every training item's label, when check_finite read them
+    if check_values:
+        read = check_finite(train, spec)
+        if test is not None:
+            check_finite(test, spec)
     if test is None:
         keep, hold = (part.tolist() for part in hold_out(len(train), seed, test_fraction, at_least_one=True))
         log(holding_out_line(no_test, len(hold), len(train), test_fraction))
         train, test = Subset(train, keep), Subset(train, hold)
+        read = None if read is None else [read[i] for i in keep]  # the labels of the Subset's items
     x, y = _item(train, spec, "training")
     task = decide_task(task, not (y.is_floating_point() or y.is_complex()), str(y.dtype).removeprefix("torch."),
                        (len(train), *y.shape), f"y of {spec}", log)
     if task == "regression":
         classes, outputs = None, max(1, y.numel())
     else:
-        labels = labels_of(train, log)
+        labels = labels_of(train, log, None if read is None else lambda: np.asarray(read))
         fraction = first_fraction(labels)
         if fraction is not None:
             raise UserError(f"--task classify: {spec} has the label {fraction!r}, which is not a whole "
                             "number; class labels must be 0..C-1")
         classes = outputs = int(np.max(labels)) + 1
     return DataSplits(train, test, task, classes, tuple(x.shape), outputs, spec)
+
+
+def _finite(value: Any) -> bool:
+    """Whether an item's x or y holds no NaN or infinity (anything that is not an array of numbers passes:
+    reading it as one is checked elsewhere)."""
+    if isinstance(value, torch.Tensor):
+        return not (value.is_floating_point() or value.is_complex()) or bool(torch.isfinite(value).all())
+    try:
+        array = np.asarray(value)
+    except Exception:  # noqa: BLE001 - the user's object: not this check's to judge
+        return True
+    return array.dtype.kind not in "fc" or bool(np.isfinite(array).all())
+
+
+def check_finite(dataset: CheckedItems, spec: str) -> Optional[list]:
+    """Read every item of a user's Dataset once, refusing NaN and infinite values in x or y before any worker
+    starts (as an array file's values are checked): one line naming the split, the first such item and the fix.
+    Returns every item's y when each is one number (the labels, so that a classification reads them only
+    once), else None (targets of many values are not kept: they could be as large as the data).
+
+    The random state is kept as it was: a Dataset that draws random numbers as it is read (augmentation)
+    draws the same in training whether or not it was checked."""
+    bad, part, labels = [], "", []  # labels: None once a y of many values is met
+    state = np.random.get_state(), random.getstate()
+    with torch.random.fork_rng(devices=[]):
+        try:
+            for index in range(len(dataset)):
+                x, y = dataset[index]
+                if not (_finite(x) and _finite(y)):
+                    part = part or ("x (the input)" if not _finite(x) else "y (the label)")
+                    bad.append(index)
+                if labels is not None and (y.numel() if isinstance(y, torch.Tensor) else np.size(y)) != 1:
+                    labels = None
+                if labels is not None:
+                    labels.append(y.numpy(force=True) if isinstance(y, torch.Tensor) else np.asarray(y))
+        finally:
+            np.random.set_state(state[0])
+            random.setstate(state[1])
+    if bad:
+        more = f" ({len(bad)} of its {len(dataset)} items do)" if len(bad) > 1 else ""
+        raise UserError(f"--data {spec}: item {bad[0]} of the {dataset.role} Dataset holds NaN or infinite values "
+                        f"in its {part}{more}; remove or replace them in the data (or in the factory) and run again")
+    return labels

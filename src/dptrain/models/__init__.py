@@ -16,6 +16,7 @@ from torch import nn
 
 from dptrain import registry
 from dptrain.errors import UserError, unknown_name
+from dptrain.user_code import check_spec_file
 from dptrain.models import user
 
 MODEL_NAMES = registry.names("model")
@@ -30,10 +31,9 @@ def build_model(
     if isinstance(num_outputs, bool) or not isinstance(num_outputs, int) or num_outputs < 1:
         raise UserError(f"the number of model outputs is {num_outputs!r}, but it must be a positive integer")
     options = dict(options or {})
+    check_name(name)
     if user.is_user_model(name):
         return user.build_user_model(name, input_shape, num_outputs, options)
-    if name not in registry.names("model"):  # read now: an entry registered after import counts too
-        raise unknown_name("model", name, registry.names("model"), "or a user model as package.module:factory")
     if name in _IMAGE_MODELS and len(input_shape) != 3:
         raise UserError(
             f"model '{name}' needs samples shaped (C, H, W), but the data's samples have shape {input_shape}; "
@@ -48,8 +48,18 @@ def build_model(
     return builder(input_shape, num_outputs, **_check_options(name, builder, options))
 
 
-def check_output_shape(model: nn.Module, input_shape: tuple[int, ...], num_outputs: int) -> None:
+def check_name(name: str) -> None:
+    """One line when `name` is neither a built-in model nor a user model whose file is there (without building
+    or importing anything: `dptrain train` asks before it reads the data)."""
+    if user.is_user_model(name):
+        check_spec_file(name, "--model")
+    elif name not in registry.names("model"):  # read now: an entry registered after import counts too
+        raise unknown_name("model", name, registry.names("model"), "or a user model as package.module:factory")
+
+
+def check_output_shape(model: nn.Module, input_shape: tuple[int, ...], num_outputs: int, about: str = "") -> None:
     """Run a batch of 2 zero samples through `model` and fail early if its output does not fit the data.
+    `about` ends the refusal of a wrong shape: what the data was read as, and how to read it otherwise.
 
     The forward runs in eval mode (BatchNorm must not learn from zeros) without gradients; each
     submodule's train/eval flag is restored afterwards.
@@ -76,7 +86,7 @@ def check_output_shape(model: nn.Module, input_shape: tuple[int, ...], num_outpu
     if tuple(output.shape) != expected:
         raise UserError(
             f"model output shape {tuple(output.shape)} does not match the data: "
-            f"expected {expected} for {num_outputs} outputs"
+            f"expected {expected} for {num_outputs} outputs{f'; {about}' if about else ''}"
         )
 
 
@@ -123,4 +133,4 @@ def _is_positive_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
-__all__ = ["MODEL_NAMES", "build_model", "check_output_shape"]
+__all__ = ["MODEL_NAMES", "build_model", "check_name", "check_output_shape"]

@@ -22,10 +22,11 @@ from dptrain.config import BUILTIN_LOSSES, TrainConfig, build_config, to_yaml, w
 from dptrain.data import sharding
 from dptrain.data.kinds import DataSplits, load_data
 from dptrain.data.sampler import as_dataset, loader
-from dptrain.user_code import load_callable
+from dptrain.user_code import check_spec_file, load_callable
 from dptrain.errors import Interrupted, Preempted, UserError
 from dptrain.io import write_text
 from dptrain.models import build_model, check_output_shape
+from dptrain.models import check_name as check_model_name
 from dptrain.runtime.distributed import choose_device, destroy_process_group, init_process_group, set_cpu_threads
 from dptrain.runtime.env import DistEnv, detect
 from dptrain.runtime.launcher import NOT_RESTARTED, launch_local
@@ -34,7 +35,7 @@ from dptrain.runtime.spawn import Ranks
 from dptrain.strategies import build_strategy
 from dptrain.train.optim import build_optimizer
 from dptrain.train import checkpoint_files
-from dptrain.train.rundir import default_run_dir, lock_run_dir, open_run_dir
+from dptrain.train.rundir import check_not_busy, check_run_dir, default_run_dir, lock_run_dir, open_run_dir
 from dptrain.train.preemption import catch_stop_signals_early, release_early_stop_signals
 from dptrain.train.recorder import Summary, summary_line
 from dptrain.train.checkpointer import describe_interruption, epochs_recorded, load_model_state
@@ -46,8 +47,20 @@ def make_model(config: TrainConfig, data: DataSplits) -> torch.nn.Module:
     torch.manual_seed(config.seed)
     model = build_model(config.model, data.input_shape, data.num_outputs, options=config.model_options)
     if config.loss in BUILTIN_LOSSES:  # a loss of the user's own decides what outputs it needs
-        check_output_shape(model, data.input_shape, data.num_outputs)
+        # your own data may be read the other way (--task); a built-in data set knows its task
+        check_output_shape(model, data.input_shape, data.num_outputs, read_as(data) if config.data else "")
     return model
+
+
+def read_as(data: DataSplits) -> str:
+    """What the data was read as, and the --task that reads it the other way (a wrong output shape is
+    often a float label array read as regression targets, or numbers read as classes)."""
+    if data.task == "classification":
+        return (f"the data was read as classification with {data.num_classes} classes (integer labels "
+                f"0..{data.num_classes - 1}); if its labels are numbers to predict, give --task regress")
+    values = "value" if data.num_outputs == 1 else "values"
+    return (f"the data was read as regression with {data.num_outputs} target {values} per sample (floating-point "
+            "labels, or --task regress); if its labels are classes, give --task classify")
 
 
 def loss_name(config: TrainConfig, data: DataSplits) -> str:
@@ -84,10 +97,25 @@ def check_loss(loss: Union[str, Callable], spec: str, model: torch.nn.Module, da
                         "it must return one number (a 0-d tensor), e.g. the mean over the batch")
 
 
+def check_first(config: TrainConfig) -> None:
+    """The checks that need neither the data nor a model, made before the data is read (a data factory may
+    take long): the file a user's --model or --loss names, a built-in model's name, and a run in --out (in use
+    by another run, finished, with other settings). A directory of other files is refused where the run
+    directory is opened, after the data: a mistake in the data is the likelier one to fix first."""
+    check_model_name(config.model)
+    if config.loss not in BUILTIN_LOSSES:
+        check_spec_file(config.loss, "--loss")
+    if config.out:
+        check_not_busy(config.out)
+        check_run_dir(config.out, with_absolute_paths(config.model_dump(mode="json")), config.resume, only_runs=True)
+
+
 def validate(config: TrainConfig) -> torch.nn.Module:
-    """Everything that can be checked before workers start: data, model, loss, worker count."""
+    """Everything that can be checked before workers start: the cheap checks first, then data, model, loss,
+    worker count."""
     device = choose_device(config.device, 0)
     check_amp(config.amp, device)
+    check_first(config)
     data = load_data(config)
     model = make_model(config, data)
     check_loss(build_loss(config, data), config.loss, model, data)

@@ -40,17 +40,36 @@ RESUMABLE_CHANGES = {"out", "resume", "progress", "timeout", "epochs", "max_rest
 
 
 def claim_run_dir(path: str) -> Path:
-    """Create `path` for a new run (or take an empty one, or one dptrain claimed before), refusing one that
-    holds a run's files or files of anything else; marks it as a run directory."""
+    """Create `path` for a new run (or take an empty one, or one dptrain claimed before, or one whose run
+    recorded nothing), refusing one that holds a run's files or files of anything else; marks it as a run
+    directory."""
     directory = Path(path)
-    held = [name for name in RUN_FILES if directory.is_dir() and (directory / name).exists()]
-    if held:
-        raise UserError(f"run directory '{path}' already holds a run ({', '.join(held)}); give --out a new directory")
+    _check_claim(path)
     _make_run_dir(path)
     if not (directory / MARKER).exists():
-        _refuse_other_files(path)
         write_text(directory / MARKER, "a dptrain run directory\n")
     return directory
+
+
+def _check_claim(path: str) -> None:
+    """claim_run_dir's refusals, writing nothing."""
+    directory = Path(path)
+    if directory.exists() and not directory.is_dir():
+        raise UserError(f"run directory '{path}' is a file; give --out a new directory")
+    held = [name for name in RUN_FILES if directory.is_dir() and (directory / name).exists()]
+    if held and not recorded_nothing(directory):
+        raise UserError(f"run directory '{path}' already holds a run ({', '.join(held)}); give --out a new directory")
+    if directory.is_dir() and not (directory / MARKER).exists():
+        _refuse_other_files(path)
+
+
+def recorded_nothing(directory: Path) -> bool:
+    """Whether `directory` holds a run that dptrain started but that recorded nothing (its config.yaml alone:
+    it failed before its first epoch and checkpoint). Nothing there is worth keeping, so a new run, with other
+    settings too (the data fixed), takes the directory over."""
+    return ((directory / MARKER).exists() and (directory / "config.yaml").exists()
+            and not any((directory / name).exists() for name in RUN_FILES if name != "config.yaml")
+            and not (directory / "checkpoints").exists())
 
 
 def _refuse_other_files(path: str) -> None:
@@ -115,6 +134,26 @@ def lock_run_dir(path: str) -> Iterator[Path]:
             pass
         handle.close()
         _remove_if_empty(path, created)
+
+
+def check_not_busy(path: str) -> None:
+    """Refuse `path` when another run holds it (as lock_run_dir would), without creating or changing anything:
+    a cheap check before the data is read. The lock itself is taken later, and may still be refused then."""
+    lock = Path(path) / LOCK_FILE
+    try:
+        handle = open(lock, "rb")
+    except OSError:
+        return  # no lock file: nobody holds the directory (or it is not there yet)
+    with handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise UserError(f"run directory '{path}' is in use by another dptrain run "
+                            f"({_holder_when_written(handle) or 'PID not yet written'}); wait for it to end or give "
+                            "--out another directory") from None
+        except OSError:
+            return  # no flock on this file system: lock_run_dir decides
+        fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _acquire(lock: Path, path: str):
@@ -241,20 +280,33 @@ def open_run_dir(path: str, settings: dict[str, Any], resume: bool = False) -> t
 
     A new directory is created; a finished run (summary.json) is refused; an unfinished run
     with the same settings is continued from its checkpoints; different settings are refused,
-    naming the first difference. Nothing on disk is overwritten before that decision.
+    naming the first difference; a run that recorded nothing is started afresh (see
+    `recorded_nothing`). Nothing on disk is overwritten before that decision.
     """
+    if check_run_dir(path, settings, resume):
+        return Path(path), True
+    return claim_run_dir(path), False
+
+
+def check_run_dir(path: str, settings: dict[str, Any], resume: bool = False, only_runs: bool = False) -> bool:
+    """open_run_dir's refusals, writing nothing (so that they can come before the data is read): whether `path`
+    holds a run to continue (False: a new run will be started there). `only_runs`: refuse only what concerns a
+    run found there (finished, other settings, nothing to resume), not a new directory or one of other files."""
     directory = Path(path)
     saved = directory / "config.yaml"
+    if only_runs and not (directory.is_dir() and _is_run_dir(directory)):
+        return False
     if directory.is_dir() and not _is_run_dir(directory):
         if resume:
             raise UserError(f"--resume: run directory '{path}' holds no run to continue")
         _refuse_other_files(path)
     if (directory / "summary.json").exists():
         raise UserError(f"run directory '{path}' holds a finished run (summary.json); give --out a new directory")
-    if not saved.exists():
+    if not saved.exists() or recorded_nothing(directory) and not resume:
         if resume:
             raise UserError(f"--resume: run directory '{path}' holds no run to continue")
-        return claim_run_dir(path), False
+        _check_claim(path)
+        return False
     # A run recorded before config.yaml held absolute paths named its files relative to the same directory.
     previous = with_absolute_paths(yaml.safe_load(saved.read_text()) or {})
     for key, value in settings.items():
@@ -266,4 +318,4 @@ def open_run_dir(path: str, settings: dict[str, Any], resume: bool = False) -> t
                             f"there, {value!r} now); give --out a new directory, or the same settings to continue it")
     if resume and not (directory / "checkpoints").is_dir():
         raise UserError(f"--resume: run directory '{path}' has no checkpoint yet")
-    return directory, True
+    return True
