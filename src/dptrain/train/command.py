@@ -18,7 +18,7 @@ from typing import Callable, Optional, Union
 import torch
 
 from dptrain import lr_policy, registry
-from dptrain.config import BUILTIN_LOSSES, TrainConfig, build_config, to_yaml, with_absolute_paths
+from dptrain.config import BUILTIN_LOSSES, TrainConfig, build_config, recorded, to_yaml, with_absolute_paths
 from dptrain.data import sharding
 from dptrain.data.kinds import DataSplits, load_data
 from dptrain.data.sampler import as_dataset, loader
@@ -105,7 +105,8 @@ def prepare_run_dir(config: TrainConfig, out: str, world: int, model: torch.nn.M
     """Open (or continue) the run directory; refuse unusable checkpoints before anything is written."""
     # Data, model and loss files as absolute paths: `dptrain train --config RUN/config.yaml` repeats the run
     # from anywhere (and an interrupted run is recognised whichever directory it is continued from).
-    settings = with_absolute_paths(config.model_dump(mode="json"))
+    # Only the settings that apply are compared: those of other strategies and data kinds are not recorded.
+    settings = with_absolute_paths(config.model_dump(mode="json", include=recorded(config)))
     run_dir, resuming = open_run_dir(out, settings, config.resume)
     if resuming and (run_dir / checkpoint_files.DIRECTORY).is_dir():
         epoch, notes = checkpoint_files.latest_complete(run_dir, world)
@@ -115,8 +116,8 @@ def prepare_run_dir(config: TrainConfig, out: str, world: int, model: torch.nn.M
                             f"remove its {checkpoint_files.DIRECTORY}/ folder to start the run over")
         if epoch is not None:
             load_model_state(model, checkpoint_files.load(run_dir, epoch, 0)["model"], epoch, out)
-    recorded = {key: settings[key] for key in ("data", "model", "loss")}
-    text = to_yaml(config.model_copy(update={**recorded, "out": str(run_dir), "resume": False, "workers": world}))
+    paths = {key: settings[key] for key in ("data", "model", "loss")}
+    text = to_yaml(config.model_copy(update={**paths, "out": str(run_dir), "resume": False, "workers": world}))
     saved_config = run_dir / "config.yaml"
     if not saved_config.exists() or saved_config.read_text() != text:
         write_text(saved_config, text)
