@@ -96,7 +96,7 @@ def _no_augment(settings: DataSettings) -> None:
 
 class Factory(Source):
     kind = "factory"
-    help = "package.module:factory returning (train, test) torch Datasets"
+    help = "package.module:factory returning (train, test) torch Datasets, or one Dataset (20 % held out for testing)"
     options = ("task",)
 
     def recognises(self, data: Optional[str], base: Path) -> bool:
