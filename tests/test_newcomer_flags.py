@@ -102,6 +102,16 @@ def test_a_run_records_what_it_used(in_tmp):
     assert "0.7 for none" not in FIELDS["outer_lr"].description
 
 
+def test_the_summary_records_the_data_as_loaded(in_tmp):
+    from dptrain.data.kinds import load_data
+    from dptrain.train.command import data_record
+
+    config = build_config({"data": "x.npz"})
+    assert data_record(config, load_data(config, log=lambda line: None)) == {
+        "source": str(in_tmp / "x.npz"), "task": "classification", "input_shape": [3], "classes": 2,
+        "train_samples": 16, "test_samples": 4}
+
+
 # -- launch refuses before it writes ------------------------------------------------------------------
 
 def test_launch_submit_without_the_submit_tool_writes_nothing(in_tmp, capsys, monkeypatch):

@@ -262,7 +262,17 @@ def train_in_group(config: TrainConfig, env: DistEnv, ctx, held: ExitStack) -> S
                       resume=True, stop_on_collapse=config.stop_on_collapse,
                       lr_scale=lr_policy.guarded_scale(config, ctx.world_size))
     trainer.emulate_straggler(config.slow_workers().get(ctx.rank, 1.0))
+    trainer.data_record = data_record(config, data)
     return trainer.fit(data.train_set(), data.test_set(), epochs=config.epochs)
+
+
+def data_record(config: TrainConfig, data: DataSplits) -> dict:
+    """What the run trained on, from the data itself (summary.json's `data`): its source (--data as config.yaml
+    records it, or the built-in --dataset), task, per-sample input shape (channels first), classes and samples."""
+    source = with_absolute_paths({"data": config.data})["data"] if config.data is not None else config.dataset
+    return {"source": source, "task": data.task,
+            "input_shape": list(data.input_shape), "classes": data.num_classes,
+            "train_samples": len(data.train_set()), "test_samples": len(data.test_set())}
 
 
 def loader_workers(asked: Optional[int], ctx) -> int:
