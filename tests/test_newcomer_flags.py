@@ -67,6 +67,11 @@ def test_defaults_are_never_refused_and_every_strategy_accepts_its_own_options()
         given = {option: getattr(config, option) for option in rules.option_names()
                  if getattr(config, option) is not None}
         assert build_config({"strategy": name, **given}).strategy == name
+    # auto builds its pick from the same settings: theirs apply to it, but not the period it chooses itself.
+    assert build_config({"strategy": "auto", "optimizer_state": "reset", "outer": "nesterov"}).outer == "nesterov"
+    assert build_config({"strategy": "auto", "auto_candidates": "all", "merge": "ema"}).merge == "ema"
+    with pytest.raises(Exception, match="^key 'merge' in the settings applies to strategy async, not auto$"):
+        build_config({"strategy": "auto", "merge": "ema"})  # its safe candidates never pick async
     assert build_config({"data": "pkg.mod:factory", "task": "regress"}).task == "regress"
     assert build_config({"dataset": "synthetic-images", "channels": 1, "image_size": 8}).channels == 1
 

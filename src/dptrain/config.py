@@ -243,7 +243,7 @@ def not_applying(config: TrainConfig) -> dict[str, tuple[str, str]]:
     what was chosen instead)}, in words. A --data path not on this machine (a job's, checked where it runs)
     is of no kind yet: then no data setting is among them."""
     refused: dict[str, tuple[str, str]] = {}
-    chosen = set(rules(config.strategy).option_names())
+    chosen = set(rules(config.strategy).reads(config))
     for option, names in _strategy_readers().items():
         if option not in chosen:
             which = (f"strategy {names[0]}" if len(names) == 1

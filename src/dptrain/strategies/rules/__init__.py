@@ -33,6 +33,12 @@ class StrategyRules:
         return tuple(cls.Options.model_fields)
 
     @classmethod
+    def reads(cls, config: Any) -> tuple[str, ...]:
+        """The TrainConfig fields this strategy reads with `config`: its options (auto: also those of the
+        strategies it may pick); a setting of another strategy's given to it is refused (dptrain.config)."""
+        return cls.option_names()
+
+    @classmethod
     def options(cls, config: Any) -> BaseModel:
         """This strategy's options as a TrainConfig (or any object with those attributes) sets them."""
         return cls.Options(**{name: getattr(config, name) for name in cls.option_names()})
