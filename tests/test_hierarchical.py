@@ -195,8 +195,7 @@ def test_a_resumed_run_ends_bitwise_equal_with_the_same_byte_counts(tmp_path):
     (["--strategy", "hierarchical", "--ranks-per-node", "3"],
      "dptrain: error: --ranks-per-node 3 does not divide the 4 ranks into equal nodes; use one of 1, 2, 4\n"),
     (["--strategy", "sync", "--ranks-per-node", "2"],
-     "dptrain: error: invalid settings in the command line: ranks_per_node applies to strategy hierarchical, "
-     "not sync\n"),
+     "dptrain: error: --ranks-per-node applies to strategy hierarchical, not sync\n"),
 ])
 def test_a_bad_ranks_per_node_is_one_sentence_and_exit_code_2(tmp_path, args, message):
     result = subprocess.run([sys.executable, "-m", "dptrain", "train", "--workers", "4", "--epochs", "1", *args,

@@ -408,9 +408,9 @@ def test_resume_continues_exactly_with_outer_state_and_residuals(name, tmp_path)
     (["--strategy", "fedavg", "--outer-betas", "0.9"], ["--outer-betas", "two numbers"]),
     (["--strategy", "allreduce", "--compression", "int8"], ["compression int8 applies to strategies sync, fedavg and async"]),
     (["--strategy", "sync", "--compression", "int4"], ["--compression must be one of none, fp16, bf16, int8", "'int4'"]),
-    (["--strategy", "allreduce", "--outer", "adam"], ["outer applies to strategies sync and fedavg, not allreduce"]),
-    (["--strategy", "fedavg", "--allreduce-epochs", "2"], ["allreduce_epochs applies to strategy sync, not fedavg"]),
-    (["--strategy", "sync", "--proximal-mu", "0.1"], ["proximal_mu applies to strategy fedavg, not sync"]),
+    (["--strategy", "allreduce", "--outer", "adam"], ["--outer applies to strategies sync and fedavg, not allreduce"]),
+    (["--strategy", "fedavg", "--allreduce-epochs", "2"], ["--allreduce-epochs applies to strategy sync, not fedavg"]),
+    (["--strategy", "sync", "--proximal-mu", "0.1"], ["--proximal-mu applies to strategy fedavg, not sync"]),
     (["--strategy", "fedavg", "--optimizer-state", "average", "--clients-per-round", "0.5"],
      ["optimizer_state average with fedavg needs every client in every round"]),
 ])

@@ -50,7 +50,6 @@ def test_outer_adam_takes_a_small_outer_lr_from_python_as_on_the_command_line():
 def test_every_strategys_options_are_train_settings_with_the_same_defaults(name):
     rules = registry.load("strategy rules", name)
     assert issubclass(registry.load("strategy", name), rules)  # the strategy class owns its rules
-    assert set(rules.exclusive) <= set(rules.option_names())
     for option, field in rules.Options.model_fields.items():
         assert option in FIELDS, f"{name} reads {option}, which is no TrainConfig field"
         assert field.default == FIELDS[option].default, option
@@ -84,8 +83,6 @@ class Toy(Sync):
 
     class Options(StrategyRules.Options):
         sync_every_steps: Optional[int] = Field(None, ge=1)
-
-    exclusive = ("sync_every_steps",)
 
     @classmethod
     def check(cls, config):
@@ -122,12 +119,12 @@ def test_a_strategy_in_one_module_brings_its_options_and_checks(toy):
     with pytest.raises(UserError, match=r"^invalid settings in the settings: toy averages every even number of "
                                         r"steps, not 3$"):
         build_config({"strategy": "toy", "sync_every_steps": 3})
-    # The option it keeps to itself and shares with others: refused elsewhere, naming it too.
-    with pytest.raises(UserError, match="sync_every_steps applies to strategies sync, streaming, hierarchical "
+    # The option it shares with others: refused where it does not apply, naming it too.
+    with pytest.raises(UserError, match="key 'sync_every_steps' in the settings applies to strategies sync, streaming, hierarchical "
                                         "and toy, not allreduce"):
         build_config({"strategy": "allreduce", "sync_every_steps": 4})
     # Options it does not claim are other strategies' own.
-    with pytest.raises(UserError, match="ranks_per_node applies to strategy hierarchical, not toy"):
+    with pytest.raises(UserError, match="key 'ranks_per_node' in the settings applies to strategy hierarchical, not toy"):
         build_config({"strategy": "toy", "ranks_per_node": 2})
     with pytest.raises(UserError, match="must be one of allreduce, .*, auto, toy"):
         build_config({"strategy": "tyo"})
@@ -136,5 +133,6 @@ def test_a_strategy_in_one_module_brings_its_options_and_checks(toy):
 def test_the_rules_of_a_strategy_are_checked_before_the_settings_hold():
     with pytest.raises(UserError, match="overlap_steps 5 is more than sync_every_steps 4"):
         build_config({"strategy": "streaming", "sync_every_steps": 4, "overlap_steps": 5})
-    # Another strategy does not read overlap_steps: the streaming rule does not apply to it.
-    assert build_config({"strategy": "sync", "sync_every_steps": 4, "overlap_steps": 5}).overlap_steps == 5
+    # Another strategy does not read overlap_steps: given to it, it is refused, not checked.
+    with pytest.raises(UserError, match="^key 'overlap_steps' in the settings applies to strategy streaming, not sync$"):
+        build_config({"strategy": "sync", "sync_every_steps": 4, "overlap_steps": 5})

@@ -250,7 +250,7 @@ def test_bench_checks_each_strategy_with_its_own_settings():
 
     train = {"model": "mlp", "dataset": "digits", "epochs": 1, "sync_every_steps": 4}
     check(BenchSpec(strategies=["sync", "streaming"], workers=[2], train=train, baselines=False))
-    with pytest.raises(UserError, match="sync_every_steps applies to strategies sync, streaming and hierarchical, not allreduce"):
+    with pytest.raises(UserError, match="key 'sync_every_steps' in the bench settings applies to strategies sync, streaming and hierarchical, not allreduce"):
         check(BenchSpec(strategies=["streaming", "allreduce"], workers=[2], train=train, baselines=False))
 
 

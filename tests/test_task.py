@@ -84,8 +84,7 @@ def test_bad_task_requests_are_one_line(tmp_path, args, message):
 def test_task_on_a_built_in_data_set_is_refused(tmp_path):
     done = _dptrain(tmp_path, *ARGS, "--dataset", "digits", "--task", "regress", "--out", "run")
     assert done.returncode == 2
-    assert done.stderr.strip() == ("dptrain: error: --task regress applies to your own --data; the built-in digits "
-                                   "knows its task")
+    assert done.stderr.strip() == "dptrain: error: --task applies to your own --data, not --dataset digits"
 
 
 def test_built_in_losses_cast_targets_and_leave_soft_targets_alone():

@@ -58,7 +58,7 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
     for name, field in FIELDS.items():
         default = field.default if field.default_factory is None else field.default_factory()
         choices = choices_of(name)  # listed by the metavar: --amp {none,bf16,fp16}
-        help_text = field.description
+        help_text = field.description.replace("%", "%%")  # argparse formats help with %
         if default not in (None, {}):  # an unset default is described in the text, if at all
             help_text += f" (default: {str(default).lower() if isinstance(default, bool) else default})"
         if name == "model_options":

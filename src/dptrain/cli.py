@@ -32,11 +32,25 @@ COMMAND_MODULES: dict[str, tuple[str, str]] = {
 }
 
 
+DESCRIPTION = "Data-parallel PyTorch training from a laptop to an HPC cluster."
+WHICH_COMMAND = """which to use:
+  train    a model from the zoo (or package.module:factory) on a built-in data set or your --data,
+           with a strategy: dptrain trains and records the run (workers on this machine, or under
+           torchrun, srun or mpirun)
+  run      your own training script, unchanged (it calls torch.distributed or dptrain.Trainer),
+           as N ranks on this machine
+  launch   either of them on a cluster: writes a SLURM or PBS job script (--submit submits it)
+  Python   import dptrain in your script: Trainer(model, optimizer, loss, strategy).fit(train, test)
+           trains your model with a strategy (start the script with `dptrain run`);
+           train_from_config({...}) does what `dptrain train` does
+  demo     a first look: digits under two strategies, compared; info: what this machine detects"""
+
+
 def build_parser(only: Optional[str] = None) -> argparse.ArgumentParser:
     """The whole command line; with `only`, the commands of COMMAND_MODULES other than that one get
     no arguments (their modules are not imported: a worker parsing `train` needs none of them)."""
-    parser = Parser(prog="dptrain", description="Data-parallel PyTorch training from a laptop to an HPC cluster.",
-                    allow_abbrev=False)
+    parser = Parser(prog="dptrain", description=DESCRIPTION, epilog=WHICH_COMMAND,
+                    formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     parser.add_argument("--version", action="version", version=f"dptrain {__version__}")
     parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
@@ -46,13 +60,21 @@ def build_parser(only: Optional[str] = None) -> argparse.ArgumentParser:
                                             "the job when started by torchrun, srun or mpirun.")
     add_config_flags(train)
 
-    demo = commands.add_parser("demo", help="train digits under allreduce and sync and compare them", allow_abbrev=False)
+    demo = commands.add_parser("demo", help="train digits under allreduce and sync and compare them", allow_abbrev=False,
+                               description="Train the built-in digits data set twice on this machine, under "
+                                           "allreduce (gradients averaged every step) and sync (weights averaged "
+                                           "every epoch), and print their accuracy, time and bytes sent side by "
+                                           "side. Both runs are kept in --out.")
     demo.add_argument("--workers", type=int, default=2, help="workers per run (default: 2)")
     demo.add_argument("--epochs", type=int, default=10, help="epochs per run (default: 10)")
     demo.add_argument("--out", default=None, help="directory for the two runs (default: runs/demo-TIMESTAMP)")
 
     commands.add_parser("info", help="print what the runtime detects: launcher, ranks, devices, versions",
-                        allow_abbrev=False)
+                        allow_abbrev=False,
+                        description="Print what dptrain detects here: the launcher or scheduler (torchrun, SLURM, "
+                                    "PBS, mpirun or none), this process's rank and world size, the devices and the "
+                                    "versions of Python, PyTorch and dptrain. The first thing to run when a job "
+                                    "misbehaves; it starts no worker.")
     for name, (module, help_text) in COMMAND_MODULES.items():
         command = commands.add_parser(name, help=help_text, allow_abbrev=False)
         if only is None or only == name:

@@ -12,9 +12,10 @@ from typing import Any, Iterable, Literal, Optional, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from dptrain import lr_policy, registry
-from dptrain.data.kinds import absolute_spec, data_help
+from dptrain.data.kinds import absolute_spec, data_help, data_options, find_source, readers_of
 from dptrain.errors import UserError, did_you_mean
 from dptrain.user_code import FILE_SPEC, looks_like_spec
 from dptrain.lr_policy import DEFAULT_LR_SCALING, LR_DEFAULTS
@@ -101,9 +102,10 @@ class TrainConfig(BaseModel):
         "none", description="sync, fedavg: outer (server) optimizer on the mean change: none (adopt the average), "
                             "sgd (FedAvgM with --outer-lr 1), nesterov (DiLoCo), adam (FedAdam)")
     outer_lr: Optional[float] = Field(None, gt=0, description=f"sync, fedavg: outer learning rate (default: "
-                                                               f"{OUTER_LR_DEFAULTS['nesterov']:g} for none and nesterov "
-                                                               f"as DiLoCo, {OUTER_LR_DEFAULTS['sgd']:g} for sgd as "
-                                                               f"FedAvgM, {OUTER_LR_DEFAULTS['adam']:g} for adam)")
+                                                               f"{OUTER_LR_DEFAULTS['nesterov']:g} for nesterov as "
+                                                               f"DiLoCo, {OUTER_LR_DEFAULTS['sgd']:g} for sgd as "
+                                                               f"FedAvgM, {OUTER_LR_DEFAULTS['adam']:g} for adam; none "
+                                                               f"has no outer learning rate)")
     outer_momentum: float = Field(OUTER_MOMENTUM, ge=0, lt=1, description="sync, fedavg: outer momentum (sgd, nesterov)")
     outer_betas: tuple[float, float] = Field(OUTER_BETAS, description="sync, fedavg: --outer adam's B1,B2 (FedAdam)")
     outer_eps: float = Field(OUTER_EPS, gt=0, description="sync, fedavg: --outer adam's tau added to sqrt(v) (FedAdam)")
@@ -181,14 +183,14 @@ class TrainConfig(BaseModel):
     def _cross_field_checks(self) -> "TrainConfig":
         if self.data is None and self.dataset is None:
             raise ValueError("give --dataset or --data")
-        _check_exclusive_options(self)
+        _refuse_what_does_not_apply(self)
         rules(self.strategy).check(self)
         if self.scale_lr and self.lr_scaling != "linear":
             if "lr_scaling" in self.model_fields_set and self.lr_scaling != "auto":
                 raise ValueError(f"scale_lr is short for lr_scaling linear and contradicts lr_scaling "
                                  f"{self.lr_scaling}; give one of them")
             self.lr_scaling = "linear"  # recorded so in config.yaml
-        if self.outer_lr is None:
+        if self.outer_lr is None and OUTER_LR_DEFAULTS[self.outer] is not None:  # none has no outer LR
             self.outer_lr = OUTER_LR_DEFAULTS[self.outer]
         if self.lr is None:
             self.lr = LR_DEFAULTS[self.optimizer]
@@ -227,21 +229,46 @@ def rules(strategy: str) -> Any:
     return registry.load("strategy rules", strategy)
 
 
-def _check_exclusive_options(config: TrainConfig) -> None:
-    """An option some strategies keep to themselves (their rules' `exclusive`), set away from its default
-    with a strategy that does not read it, is an error naming the strategies that do."""
+def _strategy_readers() -> dict[str, list[str]]:
+    """{option: the strategies that read it (their rules' Options)}, in the registry's order."""
     readers: dict[str, list[str]] = {}
     for name in registry.names("strategy"):
-        for option in rules(name).exclusive:
+        for option in rules(name).option_names():
             readers.setdefault(option, []).append(name)
-    for option in FIELDS:
-        if option not in readers or config.strategy in readers[option]:
-            continue
-        if getattr(config, option) != FIELDS[option].default:
-            names = readers[option]
+    return readers
+
+
+def not_applying(config: TrainConfig) -> dict[str, tuple[str, str]]:
+    """The settings that some strategy or kind of data reads and `config`'s do not: {key: (who reads it,
+    what was chosen instead)}, in words. A --data path not on this machine (a job's, checked where it runs)
+    is of no kind yet: then no data setting is among them."""
+    refused: dict[str, tuple[str, str]] = {}
+    chosen = set(rules(config.strategy).reads(config))
+    for option, names in _strategy_readers().items():
+        if option not in chosen:
             which = (f"strategy {names[0]}" if len(names) == 1
                      else f"strategies {', '.join(names[:-1])} and {names[-1]}")
-            raise ValueError(f"{option} applies to {which}, not {config.strategy}")
+            refused[option] = (which, config.strategy)
+    data = config.data
+    if data is None or looks_like_spec(data) or os.path.exists(data):
+        source = find_source(data)
+        reads = source.reads(config)
+        for option in data_options():
+            if option not in reads:
+                refused[option] = (readers_of(option), source.described(config))
+    return refused
+
+
+def _refuse_what_does_not_apply(config: TrainConfig) -> None:
+    """The one rule for settings that do not apply: a setting given (a flag, a key of a config file that
+    changes its default, a keyword from Python) that the chosen strategy or data does not read is an error
+    naming it, what reads it and what was chosen. Defaults are never refused."""
+    refused = not_applying(config)
+    for option in FIELDS:
+        if option in refused and option in config.model_fields_set and getattr(config, option) is not None:
+            readers, chosen = refused[option]
+            raise PydanticCustomError("does_not_apply", "{option} applies to {readers}, not {chosen}",
+                                      {"option": option, "readers": readers, "chosen": chosen})
 
 
 def flag_of(key: str) -> str:
@@ -286,6 +313,10 @@ def _describe(error: dict, origin: str, flags: frozenset = frozenset()) -> str:
     """Turn one pydantic error into one sentence: what is wrong, where it came from, what is valid."""
     loc = [str(part) for part in error["loc"] if not isinstance(part, int)]
     field = loc[0] if loc else ""
+    if error["type"] == "does_not_apply":  # the one rule for settings that do not apply (its ctx names them)
+        ctx = error["ctx"]
+        subject = flag_of(ctx["option"]) if ctx["option"] in flags else f"key '{ctx['option']}' in {origin}"
+        return f"{subject} applies to {ctx['readers']}, not {ctx['chosen']}"
     if error["type"] == "extra_forbidden":
         hint = did_you_mean(field, list(FIELDS)) or f"valid keys are: {', '.join(FIELDS)}"
         return f"unknown key '{field}' in {origin}; {hint}"
@@ -348,7 +379,13 @@ def load_yaml(path: str) -> dict[str, Any]:
 def resolve(config_file: Optional[str], overrides: dict[str, Any]) -> TrainConfig:
     """Config file values, then command-line overrides on top, validated once."""
     values = load_yaml(config_file) if config_file else {}
+    # A file's strategy or data option at its default is not given (a run's older config.yaml lists them all).
+    optional = set(_strategy_readers()) | set(data_options())
+    values = {key: value for key, value in values.items()
+              if key not in optional or key not in FIELDS or value != _as_yaml(FIELDS[key].default)}
     given = {key: value for key, value in overrides.items() if value is not None}
+    if {**values, **given}.get("outer", "none") == "none" and values.get("outer_lr") == OLD_OUTER_LR_OF_NONE:
+        del values["outer_lr"]  # recorded by an older dptrain for outer none, which has no outer LR
     origin = f"'{config_file}'" if config_file else "the command line"
     return build_config({**values, **given}, origin, flags=given)
 
@@ -372,6 +409,22 @@ def with_absolute_paths(values: dict[str, Any], base: Optional[str] = None) -> d
     return absolute
 
 
+# What dptrain recorded as outer_lr for outer none before none had no outer LR.
+OLD_OUTER_LR_OF_NONE = 0.7
+
+
+def _as_yaml(value: Any) -> Any:
+    """`value` as YAML gives it back (tuples as lists)."""
+    return yaml.safe_load(yaml.safe_dump(value)) if isinstance(value, tuple) else value
+
+
+def recorded(config: TrainConfig) -> set[str]:
+    """The settings that apply to `config` (all but those of other strategies and other kinds of data):
+    what a run records and compares."""
+    return set(FIELDS) - set(not_applying(config))
+
+
 def to_yaml(config: TrainConfig) -> str:
-    """The resolved config as YAML that `--config` reads back to the same TrainConfig."""
-    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
+    """The resolved config as YAML that `--config` reads back to the same TrainConfig: the settings that
+    apply to its strategy and data (the others would be refused, and hold their defaults)."""
+    return yaml.safe_dump(config.model_dump(mode="json", include=recorded(config)), sort_keys=False)

@@ -75,8 +75,20 @@ def lr_line(config: Any, world: int) -> str:
                if warm and config.warmup_epochs is None else "")
     guarded = ", backed off if an average goes wrong" if rule == "auto" else ""
     return (f"dptrain: {config.strategy} on {world} workers trains with learning rate {config.lr * factor:g} "
-            f"({config.lr:g} x {factor:.3g}, --lr-scaling {rule}{warming}{guarded}); "
+            f"({config.lr:g} x {factor:.3g}, {rule_asked(config, rule)}{warming}{guarded}); "
             f"--lr-scaling none keeps {config.lr:g}")
+
+
+def rule_asked(config: Any, rule: str) -> str:
+    """The LR rule in effect and how it came to be: '--lr-scaling sqrt', '--lr-scaling none, the default',
+    '--scale-lr, i.e. --lr-scaling linear', '--lr-scaling auto, which keeps the LR of allreduce'."""
+    if config.scale_lr:
+        return f"--scale-lr, i.e. --lr-scaling {rule}"
+    if config.lr_scaling == DEFAULT_LR_SCALING:
+        return f"--lr-scaling {rule}, the default"
+    if config.lr_scaling != rule:
+        return f"--lr-scaling {config.lr_scaling}, which keeps the LR of {config.strategy}"
+    return f"--lr-scaling {rule}"
 
 
 # -- schedules ----------------------------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ import os
 from pathlib import Path
 from typing import Callable, Optional, Protocol
 
+from dptrain import registry
 from dptrain.data.image_files import is_image_folder
 from dptrain.data.splits import DataSplits
 from dptrain.errors import UserError
@@ -49,10 +50,28 @@ class Source:
 
     kind: str = ""  # its name, for register_source's `before`
     help: str = ""  # what a --data of this kind is, in --help ("" for a kind --data does not name)
+    options: tuple[str, ...] = ()  # the settings besides --data it reads; the others are refused with it (config)
 
     def recognises(self, data: Optional[str], base: Path) -> bool:
         """Whether `data` is of this kind, from its form and at most a look at names on disk."""
         raise NotImplementedError
+
+    def reads(self, settings: DataSettings) -> tuple[str, ...]:
+        """The settings (DataSettings fields besides data) that loading `settings`' data reads."""
+        return self.options
+
+    def may_read(self) -> tuple[str, ...]:
+        """Every setting this kind reads for some data."""
+        return self.options
+
+    def described(self, settings: Optional[DataSettings] = None) -> str:
+        """This kind in words ('an image folder'), or `settings`' data of this kind ("--data 'x' (an image folder)")."""
+        kind = f"{'an' if self.kind[:1] in 'aeiou' else 'a'} {self.kind}"
+        return kind if settings is None else f"--data '{settings.data}' ({kind})"
+
+    def read_by(self, option: str) -> list[str]:
+        """Who of this kind reads `option`, in words, for a kind that --data does not name (empty: nobody)."""
+        return []
 
     def check(self, data: Optional[str], base: Path) -> None:
         """One UserError line when `data` cannot be loaded, found without reading it (dptrain launch,
@@ -77,7 +96,8 @@ def _no_augment(settings: DataSettings) -> None:
 
 class Factory(Source):
     kind = "factory"
-    help = "package.module:factory returning (train, test) torch Datasets"
+    help = "package.module:factory returning (train, test) torch Datasets, or one Dataset (20 % held out for testing)"
+    options = ("task",)
 
     def recognises(self, data: Optional[str], base: Path) -> bool:
         return data is not None and looks_like_spec(data) and not (base / data).exists()
@@ -97,6 +117,7 @@ class Factory(Source):
 class ImageFolderSource(Source):
     kind = "image folder"
     help = "a folder of images, one subfolder per class"
+    options = ("task", "image_size", "augment")
 
     def recognises(self, data: Optional[str], base: Path) -> bool:
         return data is not None and is_image_folder(str(base / data))
@@ -110,6 +131,7 @@ class ImageFolderSource(Source):
 class ArrayFile(Source):
     kind = "array file"
     help = "a file (.npz, .npy, .h5, .zarr) with x, y and optional x_test, y_test"
+    options = ("task", "block_size")
 
     def recognises(self, data: Optional[str], base: Path) -> bool:
         return data is not None
@@ -126,6 +148,27 @@ class ArrayFile(Source):
 
 class BuiltIn(Source):
     kind = "built-in"
+    options = ("dataset", "block_size")
+    # What each built-in data set reads besides those; one registered elsewhere may read any of BUILT_IN_SETTINGS.
+    DATASET_OPTIONS = {"digits": (), "mnist1d": (), "synthetic-images": ("samples", "image_size", "channels", "classes"),
+                       "synthetic-regression": ("samples", "features")}
+    BUILT_IN_SETTINGS = ("samples", "image_size", "channels", "classes", "features")
+
+    def reads(self, settings: DataSettings) -> tuple[str, ...]:
+        return self.options + self.DATASET_OPTIONS.get(settings.dataset, self.BUILT_IN_SETTINGS)
+
+    def may_read(self) -> tuple[str, ...]:
+        return self.options + self.BUILT_IN_SETTINGS
+
+    def described(self, settings: Optional[DataSettings] = None) -> str:
+        return "built-in data (no --data)" if settings is None else f"--dataset {settings.dataset}"
+
+    def read_by(self, option: str) -> list[str]:
+        if option in self.options:
+            return [self.described()]
+        names = [name for name in registry.names("dataset")
+                 if option in self.DATASET_OPTIONS.get(name, self.BUILT_IN_SETTINGS)]
+        return [f"--dataset {' or '.join(names)}"] if names else []
 
     def recognises(self, data: Optional[str], base: Path) -> bool:
         return data is None
@@ -181,6 +224,21 @@ def check_spec(data: Optional[str], base: Path) -> None:
 def absolute_spec(data: str, base: str) -> str:
     """--data as a run's config.yaml records it: what lies on disk as an absolute path (see Source.absolute)."""
     return find_source(data, Path(base)).absolute(data, base)
+
+
+def data_options() -> list[str]:
+    """The settings that some kind of data reads and others do not (dptrain.config refuses them where they
+    do not apply), in the order of the table."""
+    return list(dict.fromkeys(option for source in SOURCES for option in source.may_read()))
+
+
+def readers_of(option: str) -> str:
+    """The kinds (and built-in data sets) that read `option`, in words."""
+    named = [source for source in SOURCES if source.help]  # the kinds --data names
+    reading = [source for source in named if option in source.may_read()]
+    words = [] if not reading else ["your own --data"] if reading == named else [
+        "--data as " + " or ".join(source.described() for source in reading)]
+    return " and ".join(words + [who for source in SOURCES if not source.help for who in source.read_by(option)])
 
 
 def data_help() -> str:

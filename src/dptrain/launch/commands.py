@@ -167,6 +167,9 @@ def check_files(config: TrainConfig, workdir: Path) -> None:
 
 def build_spec(args: argparse.Namespace, workdir: Path) -> JobSpec:
     train_args, command = split_words(list(args.train_args))
+    if not train_args and not command:  # nothing to run: a default digits job is never what was meant
+        raise UserError("nothing to run after '--'; give dptrain train's arguments (e.g. -- --dataset digits "
+                        "--epochs 3) or a command (e.g. -- python train.py)")
     container = parse_container(args.container) if args.container else None
     binds = list(args.bind)
     if command:
@@ -204,6 +207,9 @@ def main(args: argparse.Namespace) -> int:
         raise UserError("--wait follows a submitted job; add --submit")
     spec = build_spec(args, Path(os.getcwd()).resolve())
     scheduler = registry.load("scheduler", spec.scheduler)
+    if args.submit and shutil.which(scheduler.SUBMIT_COMMAND) is None:  # before anything is written
+        raise UserError(f"{scheduler.SUBMIT_COMMAND} is not on the PATH; --submit needs it (run on the cluster's "
+                        "login node, or leave --submit out to only write the job script)")
     text = scheduler.render(spec)
     if args.dry_run:
         sys.stdout.write(text)

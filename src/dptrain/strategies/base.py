@@ -31,7 +31,7 @@ def check_period(every: int, every_steps: Optional[int]) -> None:
 class Strategy(StrategyRules):
     """Base class: no communication at all (each worker trains alone).
 
-    The class-level hooks (`Options`, `exclusive`, `check`, `scales_lr`, `check_before_spawn`) come from
+    The class-level hooks (`Options`, `check`, `scales_lr`, `check_before_spawn`) come from
     the strategy's rules class in dptrain.strategies.rules, which config validation reads without torch.
 
     `comm_bytes` counts the payload this worker hands to collectives: the bytes of every

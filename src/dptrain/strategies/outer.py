@@ -59,7 +59,7 @@ class OuterOptimizer:
         """Settings not given: dptrain.strategies.rules.outer's defaults for `kind`, as on the command line."""
         settings = outer_settings(kind, lr, momentum, betas, eps)  # also refuses an unknown kind
         lr, momentum, betas, eps = settings.outer_lr, settings.outer_momentum, settings.outer_betas, settings.outer_eps
-        if lr <= 0 or not 0 <= momentum < 1 or eps <= 0:
+        if (lr is not None and lr <= 0) or not 0 <= momentum < 1 or eps <= 0:  # none has no lr
             raise ValueError("outer lr and eps must be positive and momentum in [0, 1)")
         if len(betas) != 2 or not all(0 <= b < 1 for b in betas):
             raise ValueError(f"outer betas must be two numbers in [0, 1), not {tuple(betas)}")

@@ -18,7 +18,7 @@ from typing import Callable, Optional, Union
 import torch
 
 from dptrain import lr_policy, registry
-from dptrain.config import BUILTIN_LOSSES, TrainConfig, build_config, to_yaml, with_absolute_paths
+from dptrain.config import BUILTIN_LOSSES, TrainConfig, build_config, recorded, to_yaml, with_absolute_paths
 from dptrain.data import sharding
 from dptrain.data.kinds import DataSplits, load_data
 from dptrain.data.sampler import as_dataset, loader
@@ -133,7 +133,8 @@ def prepare_run_dir(config: TrainConfig, out: str, world: int, model: torch.nn.M
     """Open (or continue) the run directory; refuse unusable checkpoints before anything is written."""
     # Data, model and loss files as absolute paths: `dptrain train --config RUN/config.yaml` repeats the run
     # from anywhere (and an interrupted run is recognised whichever directory it is continued from).
-    settings = with_absolute_paths(config.model_dump(mode="json"))
+    # Only the settings that apply are compared: those of other strategies and data kinds are not recorded.
+    settings = with_absolute_paths(config.model_dump(mode="json", include=recorded(config)))
     run_dir, resuming = open_run_dir(out, settings, config.resume)
     if resuming and (run_dir / checkpoint_files.DIRECTORY).is_dir():
         epoch, notes = checkpoint_files.latest_complete(run_dir, world)
@@ -143,8 +144,8 @@ def prepare_run_dir(config: TrainConfig, out: str, world: int, model: torch.nn.M
                             f"remove its {checkpoint_files.DIRECTORY}/ folder to start the run over")
         if epoch is not None:
             load_model_state(model, checkpoint_files.load(run_dir, epoch, 0)["model"], epoch, out)
-    recorded = {key: settings[key] for key in ("data", "model", "loss")}
-    text = to_yaml(config.model_copy(update={**recorded, "out": str(run_dir), "resume": False, "workers": world}))
+    paths = {key: settings[key] for key in ("data", "model", "loss")}
+    text = to_yaml(config.model_copy(update={**paths, "out": str(run_dir), "resume": False, "workers": world}))
     saved_config = run_dir / "config.yaml"
     if not saved_config.exists() or saved_config.read_text() != text:
         write_text(saved_config, text)
@@ -289,7 +290,17 @@ def train_in_group(config: TrainConfig, env: DistEnv, ctx, held: ExitStack) -> S
                       resume=True, stop_on_collapse=config.stop_on_collapse,
                       lr_scale=lr_policy.guarded_scale(config, ctx.world_size))
     trainer.emulate_straggler(config.slow_workers().get(ctx.rank, 1.0))
+    trainer.data_record = data_record(config, data)
     return trainer.fit(data.train_set(), data.test_set(), epochs=config.epochs)
+
+
+def data_record(config: TrainConfig, data: DataSplits) -> dict:
+    """What the run trained on, from the data itself (summary.json's `data`): its source (--data as config.yaml
+    records it, or the built-in --dataset), task, per-sample input shape (channels first), classes and samples."""
+    source = with_absolute_paths({"data": config.data})["data"] if config.data is not None else config.dataset
+    return {"source": source, "task": data.task,
+            "input_shape": list(data.input_shape), "classes": data.num_classes,
+            "train_samples": len(data.train_set()), "test_samples": len(data.test_set())}
 
 
 def loader_workers(asked: Optional[int], ctx) -> int:

@@ -50,6 +50,7 @@ class Summary:
     launcher: str
     seed: int
     strategy_results: dict = field(default_factory=dict)  # e.g. async merges, fedavg rounds
+    data: Optional[dict] = None  # what `dptrain train` trained on: source, task, input shape, classes, samples
 
     @classmethod
     def from_dict(cls, record: dict) -> "Summary":

@@ -101,6 +101,7 @@ class Trainer:
         self.check_averages, self.stop_on_collapse, self.lr_scale = check_averages, stop_on_collapse, lr_scale
         self.scaler: Optional[torch.amp.GradScaler] = None
         self.strategy_choice: Optional[dict] = None  # how --strategy auto chose (summary.json's strategy_options.auto)
+        self.data_record: Optional[dict] = None  # what the data was, for summary.json (set by `dptrain train`)
         self.stop_signals = StopSignals()
         self._slowdown = 1.0
         self._evaluation: Optional[tuple] = None  # (test set, (rank, world), its DataLoader)
@@ -423,6 +424,6 @@ class Trainer:
             samples_per_second=self.recorder.samples() / max(wall, 1e-9), comm_bytes=sum(comm),
             comm_bytes_per_worker=comm, model_parameters=sum(p.numel() for p in final.parameters()),
             backend=self.ctx.backend, device=str(self.ctx.device), launcher=self.ctx.launcher, seed=self.seed,
-            strategy_results=self.strategy.summary())
+            strategy_results=self.strategy.summary(), data=self.data_record)
         self.recorder.write_final(summary, final)
         return summary

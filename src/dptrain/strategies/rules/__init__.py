@@ -4,9 +4,9 @@ A strategy class (dptrain.strategies.NAME) inherits these class-level hooks from
 (dptrain.strategies.rules.NAME), so that config validation (dptrain.config) and the LR policy
 (dptrain.lr_policy) can ask them through dptrain.registry without importing torch:
 
-- `Options`: a pydantic model of the TrainConfig fields the strategy reads, with its defaults;
-- `exclusive`: those of its options that mean nothing to a strategy that does not read them: setting
-  one with another strategy is an error naming the strategies that read it;
+- `Options`: a pydantic model of the TrainConfig fields the strategy reads, with its defaults; an option
+  of some strategy given to a strategy that does not read it is refused, naming those that do
+  (dptrain.config: the one rule for settings that do not apply);
 - `check(config)`: the cross-field rules that concern the strategy (raise ValueError with one sentence);
 - `scales_lr(config)`: whether --lr-scaling auto scales this run's LR (its replicas train alone for whole
   epochs between averages that the trainer checks, dptrain.train.health);
@@ -16,7 +16,7 @@ A strategy class (dptrain.strategies.NAME) inherits these class-level hooks from
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
@@ -27,12 +27,16 @@ class StrategyRules:
     class Options(BaseModel):
         model_config = ConfigDict(extra="forbid")
 
-    exclusive: ClassVar[tuple[str, ...]] = ()
-
     @classmethod
     def option_names(cls) -> tuple[str, ...]:
         """The TrainConfig fields this strategy reads."""
         return tuple(cls.Options.model_fields)
+
+    @classmethod
+    def reads(cls, config: Any) -> tuple[str, ...]:
+        """The TrainConfig fields this strategy reads with `config`: its options (auto: also those of the
+        strategies it may pick); a setting of another strategy's given to it is refused (dptrain.config)."""
+        return cls.option_names()
 
     @classmethod
     def options(cls, config: Any) -> BaseModel:
@@ -57,3 +61,10 @@ def trains_alone_for_epochs(config: Any) -> bool:
     """Replicas that meet every few steps (--sync-every-steps, --allreduce-epochs) are one large-batch model,
     as allreduce is; only whole epochs alone between averages let --lr-scaling auto scale the LR."""
     return config.sync_every_steps is None and not config.allreduce_epochs
+
+
+def check_one_period(config: Any) -> None:
+    """--sync-every (epochs) and --sync-every-steps both set the averaging period: one of them, not both."""
+    if config.sync_every_steps is not None and config.sync_every != 1:
+        raise ValueError(f"sync_every {config.sync_every} and sync_every_steps {config.sync_every_steps} both "
+                         "set how often to average; give one of them")

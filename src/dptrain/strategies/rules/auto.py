@@ -4,13 +4,28 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
+from dptrain import registry
+from dptrain.bench.costmodel import ALL_CANDIDATES, SAFE_CANDIDATES
 from dptrain.strategies.rules import StrategyRules
+
+# Auto decides how often its pick averages: these settings of the strategies it may pick are its own choice.
+CHOSEN_BY_AUTO = ("sync_every", "sync_every_steps")
 
 
 class AutoRules(StrategyRules):
     class Options(StrategyRules.Options):
         auto_candidates: Literal["safe", "all"] = "safe"
         compression: Literal["none", "fp16", "bf16", "int8"] = "none"
+
+    @classmethod
+    def reads(cls, config: Any) -> tuple[str, ...]:
+        """Its own options and those of every strategy among its candidates, which it builds from the same
+        settings (dptrain.strategies.auto.Auto.build), less the period that it chooses itself."""
+        candidates = ALL_CANDIDATES if config.auto_candidates == "all" else SAFE_CANDIDATES
+        picked = (registry.load("strategy rules", name).option_names()
+                  for name in dict.fromkeys(candidate.strategy for candidate in candidates))
+        return tuple(dict.fromkeys([*cls.option_names(), *(option for options in picked for option in options
+                                                           if option not in CHOSEN_BY_AUTO)]))
 
     @classmethod
     def check(cls, config: Any) -> None:

@@ -18,8 +18,6 @@ class FedAvgRules(StrategyRules):
         clients_per_round: float = Field(1.0, gt=0, le=1)
         proximal_mu: float = Field(0.0, ge=0)
 
-    exclusive = ("outer", "proximal_mu")
-
     @classmethod
     def check(cls, config: Any) -> None:
         if config.proximal_mu and config.amp == "fp16":

@@ -6,7 +6,7 @@ from typing import Any, Optional
 
 from pydantic import Field
 
-from dptrain.strategies.rules import StrategyRules
+from dptrain.strategies.rules import StrategyRules, check_one_period
 
 
 class HierarchicalRules(StrategyRules):
@@ -15,9 +15,6 @@ class HierarchicalRules(StrategyRules):
         sync_every_steps: Optional[int] = Field(None, ge=1)
         ranks_per_node: Optional[int] = Field(None, ge=1)
 
-    exclusive = ("sync_every_steps", "ranks_per_node")
-
     @classmethod
     def check(cls, config: Any) -> None:
-        if config.compression != "none":
-            raise ValueError(f"compression applies to strategies allreduce, sync, fedavg and async, not {config.strategy}")
+        check_one_period(config)

@@ -1,7 +1,7 @@
 """The outer (server) optimizer's settings and their defaults, in one table for the CLI, YAML and Python.
 
-`--outer-lr` when not given: DiLoCo's 0.7 (also recorded for `none`, where it is unused), FedAvgM's server
-learning rate 1, and for FedAdam a step of about 0.01 per coordinate (Reddi et al. tune it per task). The
+`--outer-lr` when not given: DiLoCo's 0.7, FedAvgM's server learning rate 1 (none for `none`, which adopts
+the average and has no learning rate), and for FedAdam a step of about 0.01 per coordinate (Reddi et al. tune it per task). The
 momentum (sgd, nesterov) and FedAdam's B1, B2 and tau are the papers' values. TrainConfig's defaults and
 `Sync(outer=...)` / `FedAvg(outer=...)` both resolve through `outer_settings`.
 """
@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from dptrain.strategies.rules import StrategyRules
 
 OUTERS = ("none", "sgd", "nesterov", "adam")
-OUTER_LR_DEFAULTS = {"none": 0.7, "nesterov": 0.7, "sgd": 1.0, "adam": 0.01}
+OUTER_LR_DEFAULTS: dict[str, Optional[float]] = {"none": None, "nesterov": 0.7, "sgd": 1.0, "adam": 0.01}
 OUTER_MOMENTUM = 0.9
 OUTER_BETAS = (0.9, 0.99)
 OUTER_EPS = 1e-3
@@ -27,7 +27,7 @@ class OuterSettings(BaseModel):
     model_config = ConfigDict(frozen=True)
 
     outer: str = "none"
-    outer_lr: float = OUTER_LR_DEFAULTS["none"]
+    outer_lr: Optional[float] = OUTER_LR_DEFAULTS["none"]  # None: `none` has no learning rate
     outer_momentum: float = OUTER_MOMENTUM
     outer_betas: tuple[float, float] = OUTER_BETAS
     outer_eps: float = OUTER_EPS

@@ -6,7 +6,7 @@ from typing import Any, Optional
 
 from pydantic import Field
 
-from dptrain.strategies.rules import StrategyRules
+from dptrain.strategies.rules import StrategyRules, check_one_period
 
 
 class StreamingRules(StrategyRules):
@@ -16,14 +16,11 @@ class StreamingRules(StrategyRules):
         overlap_steps: Optional[int] = Field(None, ge=0)
         fragments: int = Field(1, ge=1)
 
-    exclusive = ("sync_every_steps",)
-
     @classmethod
     def check(cls, config: Any) -> None:
+        check_one_period(config)
         if (config.overlap_steps is not None and config.sync_every_steps is not None
                 and config.overlap_steps > config.sync_every_steps):
             raise ValueError(f"overlap_steps {config.overlap_steps} is more than sync_every_steps "
                              f"{config.sync_every_steps}; an average must land before the next one is sent, "
                              f"so use at most {config.sync_every_steps}")
-        if config.compression != "none":
-            raise ValueError(f"compression applies to strategies allreduce, sync, fedavg and async, not {config.strategy}")

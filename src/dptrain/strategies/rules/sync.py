@@ -6,7 +6,7 @@ from typing import Any, Optional
 
 from pydantic import Field
 
-from dptrain.strategies.rules import StrategyRules, trains_alone_for_epochs
+from dptrain.strategies.rules import StrategyRules, check_one_period, trains_alone_for_epochs
 from dptrain.strategies.rules.outer import OuterOptions
 
 
@@ -16,7 +16,9 @@ class SyncRules(StrategyRules):
         sync_every_steps: Optional[int] = Field(None, ge=1)
         allreduce_epochs: int = Field(0, ge=0)
 
-    exclusive = ("sync_every_steps", "outer", "allreduce_epochs")
+    @classmethod
+    def check(cls, config: Any) -> None:
+        check_one_period(config)
 
     @classmethod
     def scales_lr(cls, config: Any) -> bool:
