@@ -6,7 +6,7 @@ from typing import Any, Optional
 
 from pydantic import Field
 
-from dptrain.strategies.rules import StrategyRules
+from dptrain.strategies.rules import StrategyRules, refuse_step_checkpoints
 
 
 class StreamingRules(StrategyRules):
@@ -18,8 +18,12 @@ class StreamingRules(StrategyRules):
 
     exclusive = ("sync_every_steps",)
 
+    no_step_checkpoints = ("its fragment averages are still in flight across steps (--overlap-steps), "
+                           "which no checkpoint holds")
+
     @classmethod
     def check(cls, config: Any) -> None:
+        refuse_step_checkpoints(cls, config)
         if (config.overlap_steps is not None and config.sync_every_steps is not None
                 and config.overlap_steps > config.sync_every_steps):
             raise ValueError(f"overlap_steps {config.overlap_steps} is more than sync_every_steps "
