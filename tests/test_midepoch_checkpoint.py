@@ -15,6 +15,7 @@ from torch import nn
 from distributed import run_distributed
 from dptrain import faults
 from dptrain.data.sampler import EpochPlan, PlanBatches
+from dptrain.errors import Preempted
 from dptrain.train import checkpoint_files
 from test_checkpoint_resume import _state
 from test_train_cli import dptrain
@@ -92,7 +93,7 @@ def _model():
     return nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.ReLU(), nn.Dropout(0.2), nn.Linear(32, 10))
 
 
-def _fit(strategy_name: str, out, resume: bool = False, every_steps: int = 0):
+def _fit(strategy_name: str, out, resume: bool = False, every_steps: int = 0, made=lambda trainer: None):
     from dptrain.strategies import AllReduce, FedAvg, Sync
     from dptrain.train.trainer import Trainer
     strategy = {"allreduce": AllReduce, "sync": Sync, "fedavg": FedAvg}[strategy_name]()
@@ -100,12 +101,14 @@ def _fit(strategy_name: str, out, resume: bool = False, every_steps: int = 0):
     trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), "cross-entropy", strategy,
                       batch_size=BATCH, seed=1, verbose=False, progress=False, out=out, checkpoint_every=0,
                       checkpoint_every_steps=every_steps, resume=resume)
+    made(trainer)
     trainer.fit(_digits(), epochs=EPOCHS)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, trainer.history
 
 
-def _killed_and_resumed(rank, world, root, kills):
-    """Per strategy: a run without step checkpoints, and one killed after step `kills[strategy]` and resumed."""
+def _killed_and_resumed(rank, world, root, kills, signal_step):
+    """Per strategy: a run without step checkpoints, and one killed after step `kills[strategy]` and resumed;
+    then sync stopped by a signal (_stopped_and_resumed)."""
     results = {}
     for name, kill in kills.items():
         clean = _fit(name, None)
@@ -120,17 +123,47 @@ def _killed_and_resumed(rank, world, root, kills):
                 _fit(name, f"{root}/{name}", every_steps=EVERY)
         finally:
             faults.step = real_step
+        torch.distributed.barrier()  # a killed world's files are all written before it restarts
         saved = checkpoint_files.latest_complete(f"{root}/{name}", world)[0]
         results[name] = (clean, _fit(name, f"{root}/{name}", resume=True, every_steps=EVERY), saved)
-    return results
+    return results, _stopped_and_resumed(f"{root}/stopped", signal_step, results["sync"][0][0])
 
 
-def test_a_run_killed_mid_epoch_ends_bitwise_equal_to_an_uninterrupted_one(tmp_path):
-    # A random step of the run for each strategy (reproducible: the seed is in the test's id).
-    rng = random.Random(2312)
-    kills = {name: rng.randrange(EVERY + 1, EPOCHS * ROWS // 2 // BATCH) for name in ("allreduce", "sync", "fedavg")}
-    steps = ROWS // 2 // BATCH
-    for rank, results in enumerate(run_distributed(_killed_and_resumed, 2, str(tmp_path), kills, timeout=240)):
+def _stopped_and_resumed(root, signal_step, clean):
+    """sync with SIGTERM on rank 0 after step `signal_step`: (stop message, checkpoint it left, clean model,
+    resumed model)."""
+    trainers = []
+
+    def signal_here(at_rank, step):
+        if step == signal_step and at_rank == 0:
+            trainers[0].stop_signals.requested = "SIGTERM"
+
+    real_step, faults.step = faults.step, signal_here
+    try:
+        with pytest.raises(Preempted) as stopped:
+            _fit("sync", root, every_steps=EVERY, made=trainers.append)
+    finally:
+        faults.step = real_step
+    saved = checkpoint_files.latest_complete(root, 2)[0]
+    return str(stopped.value), saved, clean, _fit("sync", root, resume=True, every_steps=EVERY)[0]
+
+
+# A random step of the run for each strategy (reproducible: seeded); SIGTERM after step 10 (epoch 2, step 2).
+KILLS = {name: random.Random(2312 + i).randrange(EVERY + 1, EPOCHS * ROWS // 2 // BATCH)
+         for i, name in enumerate(("allreduce", "sync", "fedavg"))}
+SIGNAL_STEP = 10
+
+
+@pytest.fixture(scope="module")
+def interrupted(tmp_path_factory):
+    """What each rank of _killed_and_resumed returned (one pair of processes for both tests below)."""
+    root = tmp_path_factory.mktemp("interrupted")
+    return root, run_distributed(_killed_and_resumed, 2, str(root), KILLS, SIGNAL_STEP, timeout=240)
+
+
+def test_a_run_killed_mid_epoch_ends_bitwise_equal_to_an_uninterrupted_one(interrupted):
+    kills, steps = KILLS, ROWS // 2 // BATCH
+    for rank, (results, _) in enumerate(interrupted[1]):
         for name, ((clean, clean_history), (resumed, history), saved) in results.items():
             # The last checkpoint before the kill: steps 3 and 6 of each epoch (the kill comes before a save).
             last = max(g for g in range(1, kills[name]) if (g - 1) % steps + 1 in (EVERY, 2 * EVERY))
@@ -138,6 +171,18 @@ def test_a_run_killed_mid_epoch_ends_bitwise_equal_to_an_uninterrupted_one(tmp_p
             assert resumed.keys() == clean.keys()
             assert all(torch.equal(resumed[key], clean[key]) for key in clean), f"{name}, rank {rank}"
             assert [r["train_loss"] for r in history] == [r["train_loss"] for r in clean_history], name
+
+
+def test_a_stop_signal_mid_epoch_checkpoints_at_the_next_step_checkpoint_and_the_run_continues(interrupted):
+    # SIGTERM on rank 0 after step 10 (epoch 2, step 2): every rank stops after step 11, at the checkpoint at
+    # step 3 of epoch 2, not at the epoch's end.
+    root, ranks = interrupted
+    for rank, (_, (said, saved, clean, resumed)) in enumerate(ranks):
+        signal = "SIGTERM" if rank == 0 else "a signal to another rank"
+        assert said == (f"rank {rank}: stopped by {signal} at step 3 of epoch 2; a checkpoint is saved in "
+                        f"{root}/stopped: run the same command again to continue")
+        assert saved == (1, 3)
+        assert all(torch.equal(resumed[key], clean[key]) for key in clean)
 
 
 DIGITS2 = ["--dataset", "digits", "--model", "mlp", "--batch-size", "32", "--lr", "0.05", "--workers", "2",
