@@ -21,12 +21,12 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
+from dptrain import faults
 from dptrain.data.sampler import PlanBatches, TrainData, as_dataset, evaluation_loader, labels_of, loader
 from dptrain.errors import Diverged, Interrupted, Preempted, UserError
 from dptrain.runtime.distributed import DistContext, init_process_group
 from dptrain.runtime.env import detect, launcher_reports_interrupts
 from dptrain.strategies.base import Strategy
-from dptrain import faults
 from dptrain.train import checkpoint_files
 from dptrain.train.checkpointer import Checkpointer, describe_interruption
 from dptrain.train.health import AverageHealth, LRGuard
@@ -152,8 +152,8 @@ class Trainer:
         strategy, self.strategy_choice = self.strategy.resolve(self, train)  # auto measures and picks one
         self.strategy = strategy
         if self.checkpoint_every_steps and strategy.no_step_checkpoints:
-            raise UserError(f"--checkpoint-every-steps does not apply to strategy {strategy.name}: "
-                            f"{strategy.no_step_checkpoints}; it checkpoints at epoch ends (--checkpoint-every)")
+            raise UserError(f"checkpoint_every_steps does not apply to strategy {strategy.name}: "
+                            f"{strategy.no_step_checkpoints}; it checkpoints at epoch ends (checkpoint_every)")
         plan = strategy.epoch_plan(ctx, len(train), lambda: labels_of(train, self.recorder.log), self.batch_size,
                                    self.seed, self.shuffle, getattr(train, "block_size", None))
         # Checkpoints within an epoch are taken at the same step on every rank: below the fewest steps any

@@ -18,7 +18,7 @@ class StreamingRules(StrategyRules):
 
     exclusive = ("sync_every_steps",)
 
-    no_step_checkpoints = ("its fragment averages are still in flight across steps (--overlap-steps), "
+    no_step_checkpoints = ("its fragment averages stay in flight across steps (overlap_steps), "
                            "which no checkpoint holds")
 
     @classmethod
