@@ -139,6 +139,9 @@ class TrainConfig(BaseModel):
 
     # Reliability
     checkpoint_every: int = Field(1, ge=0, description="save a checkpoint every E epochs (0: never)")
+    checkpoint_every_steps: int = Field(0, ge=0, description="also save a checkpoint every N training steps within "
+                                                             "an epoch (0: never); a run killed or stopped "
+                                                             "mid-epoch continues from there, bit for bit")
     keep_checkpoints: int = Field(2, ge=1, description="how many checkpoints to keep")
     resume: bool = Field(False, description="continue the run in --out from its last checkpoint (also automatic when "
                                             "--out holds an unfinished run with the same settings)")

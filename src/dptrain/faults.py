@@ -8,7 +8,9 @@ again (the restarted world runs through). Without DPTRAIN_FAULT nothing here doe
 
 Points: save-begin (before any file of the checkpoint), save-fsync (the data written, not yet
 flushed to disk), save-rename (on disk under the temporary name), save-end (this rank's files
-complete, before rank 0 prunes and before the other ranks have finished theirs).
+complete, before rank 0 prunes and before the other ranks have finished theirs), and step, where
+the number is not an epoch but a training step (counted from 1 over the run): step@1:37 kills rank 1
+right after its 37th optimizer step, which lands between checkpoints (--checkpoint-every-steps).
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ import re
 import signal
 from typing import Optional
 
-POINTS = ("save-begin", "save-fsync", "save-rename", "save-end")
+POINTS = ("save-begin", "save-fsync", "save-rename", "save-end")  # the points of a save
+STEP = "step"  # after a training step: its number is the step's, not an epoch's
 SPEC = re.compile(r"^(?P<point>[a-z-]+)@(?P<rank>\d+):(?P<epoch>\d+)$")
 
 _where: dict[str, Optional[int]] = {"rank": None, "epoch": None}
@@ -31,13 +34,23 @@ def at(rank: int, epoch: int) -> None:
 
 def point(name: str) -> None:
     """Die here if DPTRAIN_FAULT names this point, rank and epoch (and it has not fired before)."""
+    _fire(name, _where["rank"], _where["epoch"])
+
+
+def step(rank: int, number: int) -> None:
+    """Die here if DPTRAIN_FAULT is step@RANK:NUMBER for this rank's step `number` (and it has not fired before)."""
+    _fire(STEP, rank, number)
+
+
+def _fire(name: str, rank: Optional[int], number: Optional[int]) -> None:
     spec = os.environ.get("DPTRAIN_FAULT")
     if not spec:
         return
     match = SPEC.match(spec)
-    if match is None or match["point"] not in POINTS:
-        raise ValueError(f"DPTRAIN_FAULT={spec!r} is not POINT@RANK:EPOCH with POINT one of {', '.join(POINTS)}")
-    if (match["point"], int(match["rank"]), int(match["epoch"])) != (name, _where["rank"], _where["epoch"]):
+    if match is None or match["point"] not in (*POINTS, STEP):
+        raise ValueError(f"DPTRAIN_FAULT={spec!r} is not POINT@RANK:EPOCH with POINT one of {', '.join(POINTS)} "
+                         f"(or {STEP}@RANK:STEP)")
+    if (match["point"], int(match["rank"]), int(match["epoch"])) != (name, rank, number):
         return
     marker = os.environ.get("DPTRAIN_FAULT_ONCE")
     if marker:

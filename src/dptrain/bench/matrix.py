@@ -30,7 +30,7 @@ from dptrain.runtime.env import free_port
 BASELINES_DIR = Path(__file__).resolve().parents[3] / "benchmarks" / "baselines"
 BASELINE_OPTIONS = ("dataset", "model", "samples", "image_size", "epochs", "batch_size", "lr", "momentum", "seed")
 # Settings of dptrain's own runs that leave what is trained unchanged: the baselines need not follow them.
-DPTRAIN_ONLY = ("shuffle", "timeout", "checkpoint_every", "keep_checkpoints")
+DPTRAIN_ONLY = ("shuffle", "timeout", "checkpoint_every", "checkpoint_every_steps", "keep_checkpoints")
 
 
 @dataclass(frozen=True)

@@ -162,20 +162,24 @@ def labels_of(dataset: Dataset, log: Callable[[str], None] = print,
 
 
 class PlanBatches(Sampler):
-    """The rows of each step of one epoch of a plan, as a DataLoader batch sampler (call set_epoch first)."""
+    """The rows of each step of one epoch of a plan, as a DataLoader batch sampler (call set_epoch first).
+
+    `set_epoch(epoch, start)` begins the epoch at its step `start` (a run resumed from a checkpoint within
+    the epoch): the batches before it are skipped without reading their rows."""
 
     def __init__(self, plan: EpochPlan) -> None:
-        self.plan, self.epoch = plan, 0
+        self.plan, self.epoch, self.start = plan, 0, 0
 
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        self.epoch, self.start = epoch, start
 
     def __len__(self) -> int:
-        return self.plan.steps
+        return self.plan.steps - self.start
 
     def __iter__(self) -> Iterator[list[int]]:
-        for batch in sharding.batches(self.plan.rows(self.epoch), self.plan.steps):
-            yield batch.tolist()
+        for index, batch in enumerate(sharding.batches(self.plan.rows(self.epoch), self.plan.steps)):
+            if index >= self.start:
+                yield batch.tolist()
 
 
 class _Rows(Sampler):

@@ -1,10 +1,15 @@
-"""Checkpoints: each rank's full state at an epoch end, written atomically, verified on load.
+"""Checkpoints: each rank's full state at an epoch end (or within an epoch), written atomically, verified on load.
 
 Layout in the run directory:
 
     checkpoints/epoch-000004/rank-00000.pt     model, optimizer, scheduler, strategy, RNG, history
     checkpoints/epoch-000004/rank-00000.pt.sha256
     ...one pair per rank
+    checkpoints/epoch-000004-step-000017/...   17 steps into epoch 5 (--checkpoint-every-steps): also
+                                               the position in the epoch ("position")
+
+A checkpoint is named by where it was taken: an epoch end as the int E (epochs complete), a point
+within an epoch as the pair (E, K): K steps into epoch E + 1. Pairs sort after E and before E + 1.
 
 A checkpoint is complete when every rank's file is present and matches its checksum. Files
 are written to a temporary name, fsynced and renamed, so a crash never leaves a half file
@@ -17,26 +22,45 @@ from __future__ import annotations
 
 import hashlib
 import io
+import random
 import re
 import shutil
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
+import numpy as np
 import torch
 
 from dptrain.errors import UserError
 from dptrain.io import atomic_write_bytes, make_dirs
 
 DIRECTORY = "checkpoints"
-EPOCH_DIR = re.compile(r"^epoch-(\d{6})$")
+EPOCH_DIR = re.compile(r"^epoch-(\d{6})(?:-step-(\d{6,}))?$")
+At = Union[int, tuple[int, int]]  # an epoch end E, or (E, K): K steps into epoch E + 1
+
+
+def _key(at: At) -> tuple[int, int]:
+    """(epochs complete, steps into the next): the order of checkpoints."""
+    return (at[0], at[1]) if isinstance(at, tuple) else (at, 0)
+
+
+def named(epoch: int, steps: int) -> At:
+    """The name of a checkpoint `steps` into epoch `epoch + 1` (0 steps: the end of epoch `epoch`)."""
+    return (epoch, steps) if steps else epoch
+
+
+def describe(at: At) -> str:
+    """'epoch 4', or 'step 17 of epoch 5' for a checkpoint within an epoch."""
+    epoch, steps = _key(at)
+    return f"step {steps} of epoch {epoch + 1}" if steps else f"epoch {epoch}"
 
 
 def _rank_file(directory: Path, rank: int) -> Path:
     return directory / f"rank-{rank:05d}.pt"
 
 
-def save(run_dir: Path, epoch: int, rank: int, state: dict[str, Any]) -> Path:
-    """Write this rank's state for `epoch` (counted from 1) atomically, with its checksum."""
+def save(run_dir: Path, epoch: At, rank: int, state: dict[str, Any]) -> Path:
+    """Write this rank's state for `epoch` (counted from 1, or a point within an epoch) atomically, with its checksum."""
     directory = _epoch_dir(run_dir, epoch)
     make_dirs(directory)
     buffer = io.BytesIO()
@@ -64,14 +88,15 @@ def prune(run_dir: Path, keep: int, world_size: int) -> None:
     complete = [epoch for epoch in epochs if _has_every_rank(_epoch_dir(run_dir, epoch), world_size)]
     if len(complete) < keep:
         return  # fewer complete checkpoints than asked for: every one, and all newer partial ones, stay
-    oldest_kept = complete[-keep]
+    oldest_kept = _key(complete[-keep])
     for epoch in epochs:
-        if epoch < oldest_kept:
+        if _key(epoch) < oldest_kept:
             shutil.rmtree(_epoch_dir(run_dir, epoch), ignore_errors=True)
 
 
-def _epoch_dir(run_dir: Path, epoch: int) -> Path:
-    return Path(run_dir) / DIRECTORY / f"epoch-{epoch:06d}"
+def _epoch_dir(run_dir: Path, at: At) -> Path:
+    epoch, steps = _key(at)
+    return Path(run_dir) / DIRECTORY / (f"epoch-{epoch:06d}-step-{steps:06d}" if steps else f"epoch-{epoch:06d}")
 
 
 def _has_every_rank(directory: Path, world_size: int) -> bool:
@@ -83,11 +108,13 @@ def _checksum_file(path: Path) -> Path:
     return path.with_name(path.name + ".sha256")
 
 
-def _epochs(run_dir: Path) -> list[int]:
+def _epochs(run_dir: Path) -> list[At]:
+    """The checkpoints in the run directory, oldest first (epoch ends and points within epochs)."""
     root = run_dir / DIRECTORY
     if not root.is_dir():
         return []
-    return sorted(int(m.group(1)) for m in (EPOCH_DIR.match(p.name) for p in root.iterdir()) if m)
+    found = (EPOCH_DIR.match(p.name) for p in root.iterdir())
+    return sorted((named(int(m.group(1)), int(m.group(2) or 0)) for m in found if m), key=_key)
 
 
 def _verified_bytes(path: Path) -> Optional[bytes]:
@@ -98,12 +125,12 @@ def _verified_bytes(path: Path) -> Optional[bytes]:
     return data if hashlib.sha256(data).hexdigest() == checksum.read_text().strip() else None
 
 
-def latest_complete(run_dir: Path, world_size: int) -> tuple[Optional[int], list[str]]:
-    """(newest epoch whose files all verify, or None; a note for each newer epoch skipped).
+def latest_complete(run_dir: Path, world_size: int) -> tuple[Optional[At], list[str]]:
+    """(newest checkpoint whose files all verify, or None; a note for each newer one skipped).
 
     A checkpoint with rank files missing was being written when the run stopped (Ctrl-C, a kill):
     expected, and said calmly. One whose files are there but fail their checksum is corrupt."""
-    skipped: list[tuple[int, list[int], list[int]]] = []  # (epoch, missing ranks, corrupt ranks)
+    skipped: list[tuple[At, list[int], list[int]]] = []  # (epoch, missing ranks, corrupt ranks)
     found = None
     for epoch in reversed(_epochs(Path(run_dir))):
         directory = _epoch_dir(run_dir, epoch)
@@ -113,14 +140,14 @@ def latest_complete(run_dir: Path, world_size: int) -> tuple[Optional[int], list
             break
         missing = [rank for rank in bad if not _complete_pair(_rank_file(directory, rank))]
         skipped.append((epoch, missing, [rank for rank in bad if rank not in missing]))
-    then = f"continuing from epoch {found}" if found is not None else "starting the run over"
+    then = f"continuing from {describe(found)}" if found is not None else "starting the run over"
     notes = []
     for epoch, missing, corrupt in skipped:
         if corrupt:
-            notes.append(f"the checkpoint of epoch {epoch} is corrupt (rank file(s) {corrupt[:4]} fail their "
+            notes.append(f"the checkpoint of {describe(epoch)} is corrupt (rank file(s) {corrupt[:4]} fail their "
                          f"checksum); {then}")
         else:
-            notes.append(f"the checkpoint of epoch {epoch} was not finished; {then}")
+            notes.append(f"the checkpoint of {describe(epoch)} was not finished; {then}")
     return found, notes
 
 
@@ -129,7 +156,7 @@ def _complete_pair(path: Path) -> bool:
     return path.is_file() and _checksum_file(path).is_file()
 
 
-def load(run_dir: Path, epoch: int, rank: int) -> dict[str, Any]:
+def load(run_dir: Path, epoch: At, rank: int) -> dict[str, Any]:
     """This rank's verified state of `epoch`, loaded without unpickling arbitrary objects."""
     path = _rank_file(_epoch_dir(run_dir, epoch), rank)
     data = _verified_bytes(path)
@@ -168,6 +195,9 @@ def validate(state: Any, path: Path) -> None:
         if not isinstance(state[key], types) or isinstance(state[key], bool):
             raise UserError(f"checkpoint '{path}' is not a dptrain checkpoint: its {key!r} is a "
                             f"{type(state[key]).__name__}, not a {' or '.join(t.__name__ for t in types)}")
+    if not isinstance(state.get("position", {}), dict):
+        raise UserError(f"checkpoint '{path}' is not a dptrain checkpoint: its 'position' is a "
+                        f"{type(state['position']).__name__}, not a dict")
     for name, value in state["model"].items():
         if not isinstance(value, torch.Tensor):
             raise UserError(f"checkpoint '{path}' is not a dptrain checkpoint: model entry {name!r} is a "
@@ -187,13 +217,28 @@ def first_mismatch(exc: Exception) -> str:
 
 
 def rng_state() -> dict[str, Any]:
-    state = {"torch": torch.get_rng_state()}
+    """Every global random generator: torch's (and CUDA's), numpy's and Python's, in types torch.load
+    reads with weights_only (a user's augmentation may draw from any of them)."""
+    kind, keys, position, has_gauss, gauss = np.random.get_state()
+    version, python_state, python_gauss = random.getstate()
+    state = {"torch": torch.get_rng_state(),
+             "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "position": int(position),
+                       "has_gauss": int(has_gauss), "gauss": float(gauss)},
+             "python": {"version": version, "state": list(python_state), "gauss": python_gauss}}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore rng_state() output (checkpoints written before numpy's and Python's were kept lack them)."""
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+    if "numpy" in state:
+        saved = state["numpy"]
+        np.random.set_state((saved["kind"], saved["keys"].numpy().astype(np.uint32), saved["position"],
+                             saved["has_gauss"], saved["gauss"]))
+    if "python" in state:
+        saved = state["python"]
+        random.setstate((saved["version"], tuple(saved["state"]), saved["gauss"]))

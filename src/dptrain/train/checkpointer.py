@@ -2,7 +2,9 @@
 
 A checkpoint holds every component that changes during training (model, optimizer, LR
 schedule, gradient scaler, strategy), the RNG state and the history, so that a resumed run
-continues bit for bit. The file format, checksums and pruning live in dptrain.train.checkpoint.
+continues bit for bit. A checkpoint within an epoch (every `every_steps` steps) also holds the
+position in the epoch (the trainer's `position`: steps done, the epoch's running loss, the checks'
+state). The file format, checksums and pruning live in dptrain.train.checkpoint_files.
 """
 
 from __future__ import annotations
@@ -16,40 +18,51 @@ from dptrain.runtime.distributed import DistContext
 from dptrain.train import checkpoint_files
 
 
-def load_model_state(model, saved: dict, epoch: int, run_dir: Path) -> None:
+def load_model_state(model, saved: dict, epoch: checkpoint_files.At, run_dir: Path) -> None:
     """Load a checkpoint's model state, or say in one line which key or shape does not fit."""
     try:
         model.load_state_dict(saved)
     except RuntimeError as exc:
-        raise UserError(f"the checkpoint of epoch {epoch} in '{run_dir}' does not fit this model: "
+        raise UserError(f"the checkpoint of {checkpoint_files.describe(epoch)} in '{run_dir}' does not fit this model: "
                         f"{checkpoint_files.first_mismatch(exc)}") from None
 
 
 class Checkpointer:
-    """Saves every `every` epochs into OUT/checkpoints (0: never) and keeps `keep`; restores the newest."""
+    """Saves every `every` epochs into OUT/checkpoints (0: never), and every `every_steps` steps within an
+    epoch (0: never), and keeps `keep`; restores the newest."""
 
     def __init__(self, out: Optional[Path], ctx: DistContext, every: int, keep: int,
-                 log: Callable[[str], None]) -> None:
+                 log: Callable[[str], None], every_steps: int = 0) -> None:
         self.out, self.ctx, self.every, self.keep, self.log = out, ctx, every, keep, log
+        self.every_steps = every_steps
 
     @property
     def enabled(self) -> bool:
         """Whether this run checkpoints at all (and so whether it can stop early and continue)."""
-        return bool(self.every)
+        return bool(self.every or self.every_steps)
 
     def due(self, epoch: int) -> bool:
-        return self.enabled and epoch % self.every == 0
+        return bool(self.every) and epoch % self.every == 0
 
-    def save(self, epoch: int, step: int, wall: float, components: dict, history: list[dict]) -> None:
-        """This rank's state after `epoch` (from 1); `components` map a name to an object with state_dict() or None."""
+    def due_within(self, steps: int, common: int) -> bool:
+        """Whether a checkpoint is due `steps` into an epoch whose every rank takes at least `common` steps
+        (the epoch's end, with its averages, is the epoch checkpoint's)."""
+        return bool(self.every_steps) and 0 < steps < common and steps % self.every_steps == 0
+
+    def save(self, epoch: int, step: int, wall: float, components: dict, history: list[dict],
+             position: Optional[dict] = None) -> None:
+        """This rank's state after `epoch` (from 1); `components` map a name to an object with state_dict() or None.
+
+        With `position` (steps > 0 done of epoch `epoch` + 1) it is a checkpoint within that epoch."""
         if self.out is None:
             return
+        at = checkpoint_files.named(epoch, position["steps"]) if position else epoch
         state = {"epoch": epoch, "step": step, "wall_seconds": wall,
                  **{name: (part.state_dict() if part is not None else {}) for name, part in components.items()},
-                 "rng": checkpoint_files.rng_state(), "history": history}
-        faults.at(self.ctx.rank, epoch)
+                 "rng": checkpoint_files.rng_state(), "history": history, **({"position": position} if position else {})}
+        faults.at(self.ctx.rank, None if position else epoch)  # the save fault points name epoch ends
         faults.point("save-begin")
-        checkpoint_files.save(self.out, epoch, self.ctx.rank, state)
+        checkpoint_files.save(self.out, at, self.ctx.rank, state)
         faults.point("save-end")
         faults.at(self.ctx.rank, None)  # other files written later are not part of a save
         if self.ctx.is_main:
@@ -72,7 +85,8 @@ class Checkpointer:
             elif part is not None and state.get(name):
                 part.load_state_dict(state[name])
         checkpoint_files.set_rng_state(state["rng"])
-        self.log(f"dptrain: resuming after epoch {epoch} from {self.out}")
+        where = f"at {checkpoint_files.describe(epoch)}" if isinstance(epoch, tuple) else f"after epoch {epoch}"
+        self.log(f"dptrain: resuming {where} from {self.out}")
         return state
 
 
@@ -84,7 +98,8 @@ def describe_interruption(out: Optional[Path], world_size: int, epochs_done: int
     saved, _ = checkpoint_files.latest_complete(out, world_size)
     if saved is None:
         return f"interrupted {where}, before any checkpoint; the same command again starts the run over"
-    return f"interrupted {where}; the same command again continues from the checkpoint of epoch {saved}"
+    return (f"interrupted {where}; the same command again continues from the checkpoint of "
+            f"{checkpoint_files.describe(saved)}")
 
 
 def epochs_recorded(out: Path) -> int:

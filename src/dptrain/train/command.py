@@ -250,7 +250,7 @@ def _join_run_dir(config: TrainConfig, env: DistEnv, ctx, held: ExitStack) -> Tr
 
 def run_worker(config: TrainConfig, env: DistEnv) -> Summary:
     """Train as one rank (or alone): the same code under every launcher."""
-    if config.checkpoint_every:
+    if config.checkpoint_every or config.checkpoint_every_steps:
         catch_stop_signals_early()
     else:  # nothing to stop cleanly with: a stop signal stops the process
         release_early_stop_signals()
@@ -287,6 +287,7 @@ def train_in_group(config: TrainConfig, env: DistEnv, ctx, held: ExitStack) -> S
                       device=config.device, timeout=config.timeout, out=config.out, progress=config.progress,
                       loader_workers=loader_workers(config.loader_workers, ctx),
                       checkpoint_every=config.checkpoint_every, keep_checkpoints=config.keep_checkpoints,
+                      checkpoint_every_steps=config.checkpoint_every_steps,
                       resume=True, stop_on_collapse=config.stop_on_collapse,
                       lr_scale=lr_policy.guarded_scale(config, ctx.world_size))
     trainer.emulate_straggler(config.slow_workers().get(ctx.rank, 1.0))

@@ -124,6 +124,13 @@ class AverageHealth:
         self.best_loss = float(totals[0]) / max(float(totals[2]), 1.0)
         return self.best_loss
 
+    def state_dict(self) -> dict:
+        """What a checkpoint within an epoch keeps (at an epoch end, start() measures afresh)."""
+        return {"streak": self.streak, "best_loss": self.best_loss, "collapses": self.collapses}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.streak, self.best_loss, self.collapses = state["streak"], state["best_loss"], state["collapses"]
+
     def before(self, model: nn.Module, trained: bool) -> None:
         """This worker's own model, just before the average (a worker that sat the round out counts nothing)."""
         self._local = self._measure(model) if trained else torch.zeros(4, dtype=torch.float64)
@@ -241,6 +248,15 @@ class LRGuard:
                  f"LR scale {self.scale:g} -> {new_scale:g}{', back to the previous average' if restored else ''}")
         self.scale = new_scale
         return event
+
+    def good_state(self) -> dict:
+        """The average kept to come back to ({} when none): a checkpoint within an epoch holds it, since the
+        model it resumes from is no average (start() would keep it)."""
+        return self._good or {}
+
+    def resume(self, best_loss: float, good: dict) -> None:
+        """Continue within an epoch: the best loss and the kept average of the checkpoint (good_state())."""
+        self.best_loss, self._good = best_loss, (good or None)
 
     def state_dict(self) -> dict:
         return {"scale": self.scale, "best_loss": self.best_loss, "backoffs": list(self.backoffs)}

@@ -21,11 +21,13 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
+from dptrain import faults
 from dptrain.data.sampler import PlanBatches, TrainData, as_dataset, evaluation_loader, labels_of, loader
 from dptrain.errors import Diverged, Interrupted, Preempted, UserError
 from dptrain.runtime.distributed import DistContext, init_process_group
 from dptrain.runtime.env import detect, launcher_reports_interrupts
 from dptrain.strategies.base import Strategy
+from dptrain.train import checkpoint_files
 from dptrain.train.checkpointer import Checkpointer, describe_interruption
 from dptrain.train.health import AverageHealth, LRGuard
 from dptrain.train.preemption import StopSignals
@@ -69,8 +71,8 @@ class Trainer:
     `strategy` defaults to AllReduce (per-step gradient all-reduce). `schedule(optimizer,
     steps_per_epoch, epochs)` may return an LR scheduler stepped once per step. With `out`, the
     run directory receives metrics.jsonl, summary.json, model.pt and, every `checkpoint_every`
-    epochs, checkpoints (`resume=True` continues from the newest). Nothing joins a process group
-    before `fit`.
+    epochs (and every `checkpoint_every_steps` steps within an epoch), checkpoints (`resume=True`
+    continues from the newest, bit for bit). Nothing joins a process group before `fit`.
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, loss: Union[str, LossFn] = "cross-entropy",
@@ -79,7 +81,7 @@ class Trainer:
                  device: str = "auto", timeout: float = 300.0, out: Optional[str] = None, progress: bool = True,
                  verbose: bool = True, loader_workers: int = 0, checkpoint_every: int = 0,
                  keep_checkpoints: int = 2, resume: bool = False, check_averages: bool = True,
-                 stop_on_collapse: bool = False, lr_scale: float = 1.0) -> None:
+                 stop_on_collapse: bool = False, lr_scale: float = 1.0, checkpoint_every_steps: int = 0) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer over the model's parameters, "
                             f"not {type(optimizer).__name__}")
@@ -96,6 +98,7 @@ class Trainer:
         self.out = Path(out) if out else None
         self.progress, self.verbose, self.loader_workers = progress, verbose, loader_workers
         self.checkpoint_every, self.keep_checkpoints, self.resume = checkpoint_every, keep_checkpoints, resume
+        self.checkpoint_every_steps = checkpoint_every_steps
         # The check of every average (dptrain.train.health); with lr_scale > 1 (the factor --lr-scaling auto
         # multiplied the optimizer's LR by) it also backs that factor off when averages go wrong.
         self.check_averages, self.stop_on_collapse, self.lr_scale = check_averages, stop_on_collapse, lr_scale
@@ -126,7 +129,7 @@ class Trainer:
         self.model = self.model.to(self.ctx.device)
         self.recorder = Recorder(self.out, self.ctx.is_main, self.verbose, self.progress, self.ctx.world_size)
         self.checkpointer = Checkpointer(self.out, self.ctx, self.checkpoint_every, self.keep_checkpoints,
-                                         self.recorder.log)
+                                         self.recorder.log, self.checkpoint_every_steps)
         return self.ctx
 
     # -- the loop -----------------------------------------------------------------------
@@ -149,8 +152,15 @@ class Trainer:
         train, test = as_dataset(train), (as_dataset(test, "test") if test is not None else None)
         strategy, self.strategy_choice = self.strategy.resolve(self, train)  # auto measures and picks one
         self.strategy = strategy
+        if self.checkpoint_every_steps and strategy.no_step_checkpoints:
+            raise UserError(f"checkpoint_every_steps does not apply to strategy {strategy.name}: "
+                            f"{strategy.no_step_checkpoints}; it checkpoints at epoch ends (checkpoint_every)")
         plan = strategy.epoch_plan(ctx, len(train), lambda: labels_of(train, self.recorder.log), self.batch_size,
                                    self.seed, self.shuffle, getattr(train, "block_size", None))
+        # Checkpoints within an epoch are taken at the same step on every rank: below the fewest steps any
+        # rank takes (fedavg's partitions differ in size), so that each one is complete.
+        self._common_steps = (min(ctx.group.gather_objects("steps per epoch", plan.steps))
+                              if self.checkpoint_every_steps else 0)
         batches = PlanBatches(plan)
         reader = loader(train, batches, self.loader_workers, pin_memory=ctx.device.type == "cuda")
         scheduler = self.schedule(self.optimizer, plan.steps, epochs) if self.schedule else None
@@ -161,18 +171,22 @@ class Trainer:
         health, lr_guard = self._health_checks(train, strategy)
         if lr_guard is not None:
             parts["lr_guard"] = lr_guard
-        start_epoch, step, wall_before = self._restore(parts) if self.resume else (0, 0, 0.0)
-        if health is not None:
+        self._parts, self._health, self._lr_guard = parts, health, lr_guard
+        start_epoch, step, wall_before, position = self._restore(parts) if self.resume else (0, 0, 0.0, None)
+        if position is not None:  # within an epoch: the checks go on as they were, not from this model
+            self._resume_checks(position)
+        elif health is not None:
             start_loss = health.start(self.model)
             if lr_guard is not None:
                 lr_guard.start(self.model, start_loss)
         self.stop_signals.watch()
-        started = time.perf_counter() - wall_before
+        started = self._started = time.perf_counter() - wall_before
         evaluated = False  # whether the last epoch evaluated the global model
         for epoch in range(start_epoch, epochs):
-            epoch_start = time.perf_counter()
-            batches.set_epoch(epoch)
-            samples, loss_sum, step = self._train_epoch(train_model, reader, epoch, epochs, step, scheduler)
+            epoch_start = time.perf_counter() - (position["seconds"] if position else 0.0)
+            batches.set_epoch(epoch, position["steps"] if position else 0)
+            samples, loss_sum, step = self._train_epoch(train_model, reader, epoch, epochs, step, scheduler, position)
+            position = None
             train_loss = float(loss_sum) / max(samples, 1)
             recovered = self._recover_or_check(train_model, epoch, train_loss, lr_guard, scheduler)
             trained, averages = strategy.trains_in_epoch(epoch), strategy.averaging_events()
@@ -212,13 +226,21 @@ class Trainer:
         return self._summarise(final, epochs, wall, final_metrics)
 
     def _train_epoch(self, model: nn.Module, reader: DataLoader, epoch: int, epochs: int, step: int,
-                     scheduler) -> tuple[int, Union[float, torch.Tensor], int]:
-        """One epoch of steps with the strategy's per-step hooks: (samples, loss sum, step count)."""
+                     scheduler, position: Optional[dict] = None) -> tuple[int, Union[float, torch.Tensor], int]:
+        """One epoch of steps with the strategy's per-step hooks: (samples, loss sum, step count).
+
+        `position`: the checkpoint within this epoch the run resumes from (the reader starts after it)."""
         training = self.strategy.trains_in_epoch(epoch)
         model.train()
-        loss_sum, seen = 0.0, 0
+        loss_sum, seen, done = 0.0, 0, 0  # done: steps of this epoch so far
+        if position is not None:
+            loss_sum, seen, done = position["loss_sum"].to(self.ctx.device), position["samples"], position["steps"]
+        epoch_start = time.perf_counter() - (position["seconds"] if position else 0.0)
         bar = self.recorder.progress_bar(len(reader) if training else 0, epoch, epochs)
-        for x, y in (reader if training else []):
+        batches = iter(reader) if training else iter(())
+        if position is not None:  # starting the reader drew a seed from torch's RNG: back to the saved state
+            checkpoint_files.set_rng_state(position["rng"])
+        for x, y in batches:
             step_start = time.perf_counter()
             loss = self._train_step(model, x, y)
             if self._slowdown > 1:  # straggler emulation: this rank computes `slowdown` times slower
@@ -229,11 +251,44 @@ class Trainer:
             self.ctx.group.bounded("after_step", lambda: self.strategy.after_step(step))
             loss_sum = loss_sum + loss * len(y)  # a tensor: no device sync per step
             seen += len(y)
+            done += 1
             if self.recorder.show_progress:
                 bar.update(1)
                 bar.set_postfix(loss=f"{loss.item():.4f}", refresh=False)
+            faults.step(self.ctx.rank, step)
+            self._checkpoint_within(epoch, done, step, seen, loss_sum, epoch_start)
+        if not training:  # a worker that sits the epoch out still takes its part in the epoch's checkpoints
+            for steps in range(done + 1, self._common_steps):
+                self._checkpoint_within(epoch, steps, step, seen, loss_sum, epoch_start)
         bar.close()
         return seen, loss_sum, step
+
+    def _checkpoint_within(self, epoch: int, done: int, step: int, seen: int, loss_sum: Union[float, torch.Tensor],
+                           epoch_start: float) -> None:
+        """The checkpoint `done` steps into epoch `epoch` (from 0) when one is due there; a stop signal is obeyed
+        here (every rank passes the same points, even one that sits the epoch out)."""
+        if not self.checkpointer.due_within(done, self._common_steps):
+            return
+        stop = self.strategy.agree_stop(self.stop_signals.requested)
+        now = time.perf_counter()
+        position = {"steps": done, "samples": seen, "loss_sum": torch.as_tensor(loss_sum).detach().cpu(),
+                    "seconds": now - epoch_start,
+                    "health": self._health.state_dict() if self._health is not None else {},
+                    "lr_guard": ({"best_loss": self._lr_guard.best_loss, "good": self._lr_guard.good_state()}
+                                 if self._lr_guard is not None else {})}
+        self.checkpointer.save(epoch, step, now - self._started, self._parts, self.recorder.history, position)
+        if stop:
+            where = checkpoint_files.describe(checkpoint_files.named(epoch, done))
+            self.ctx.group.bounded("checkpoint before stopping", self.strategy.stop_together)
+            raise Preempted(f"rank {self.ctx.rank}: stopped by {stop} at {where}; a checkpoint is saved "
+                            f"in {self.out}: run the same command again to continue")
+
+    def _resume_checks(self, position: dict) -> None:
+        """The check of averages and the LR guard as they stood at a checkpoint within an epoch."""
+        if self._health is not None and position["health"]:
+            self._health.load_state_dict(position["health"])
+        if self._lr_guard is not None and position["lr_guard"]:
+            self._lr_guard.resume(position["lr_guard"]["best_loss"], position["lr_guard"]["good"])
 
     def _health_checks(self, train: Dataset, strategy: Strategy) -> tuple[Optional[AverageHealth], Optional[LRGuard]]:
         """The check of every average, when the strategy averages at epoch ends on more than one worker,
@@ -359,13 +414,15 @@ class Trainer:
     def _entered_forward(self, module: nn.Module, inputs) -> None:
         self._in_user_forward = True
 
-    def _restore(self, parts: dict) -> tuple[int, int, float]:
-        """Continue from the newest complete checkpoint, if any: (epoch, step, wall seconds) to start from."""
+    def _restore(self, parts: dict) -> tuple[int, int, float, Optional[dict]]:
+        """Continue from the newest complete checkpoint, if any: (epoch, step, wall seconds) to start from, and
+        the position within that epoch (None at its start)."""
         state = self.checkpointer.restore(parts)
         if state is None:
-            return 0, 0, 0.0
+            return 0, 0, 0.0, None
         self.recorder.replace_history(state["history"])  # metrics after the checkpoint belong to the lost attempt
-        return state["epoch"], state["step"], state["wall_seconds"]
+        position = {**state["position"], "rng": state["rng"]} if state.get("position") else None
+        return state["epoch"], state["step"], state["wall_seconds"], position
 
     # -- evaluation and the summary ------------------------------------------------------------
     def _evaluate_global(self, test: Dataset) -> Optional[dict]:

@@ -16,7 +16,7 @@ A strategy class (dptrain.strategies.NAME) inherits these class-level hooks from
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar, Optional
 
 from pydantic import BaseModel, ConfigDict
 
@@ -26,6 +26,9 @@ class StrategyRules:
 
     class Options(BaseModel):
         model_config = ConfigDict(extra="forbid")
+
+    # Why this strategy cannot checkpoint within an epoch (--checkpoint-every-steps), or None when it can.
+    no_step_checkpoints: ClassVar[Optional[str]] = None
 
     @classmethod
     def option_names(cls) -> tuple[str, ...]:
@@ -55,6 +58,13 @@ class StrategyRules:
     @classmethod
     def check_before_spawn(cls, config: Any, model: Any) -> None:
         """Raise dptrain.errors.UserError when `model` or the worker count cannot train with this strategy."""
+
+
+def refuse_step_checkpoints(rules: type[StrategyRules], config: Any) -> None:
+    """The one sentence for --checkpoint-every-steps with a strategy that checkpoints only at epoch ends."""
+    if rules.no_step_checkpoints and getattr(config, "checkpoint_every_steps", 0):
+        raise ValueError(f"checkpoint_every_steps does not apply to strategy {config.strategy}: "
+                         f"{rules.no_step_checkpoints}; it checkpoints at epoch ends (checkpoint_every)")
 
 
 def trains_alone_for_epochs(config: Any) -> bool:

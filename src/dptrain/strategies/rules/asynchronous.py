@@ -6,7 +6,7 @@ from typing import Any, Literal, Optional
 
 from pydantic import Field
 
-from dptrain.strategies.rules import StrategyRules, trains_alone_for_epochs
+from dptrain.strategies.rules import StrategyRules, refuse_step_checkpoints, trains_alone_for_epochs
 
 
 class AsyncRules(StrategyRules):
@@ -18,8 +18,12 @@ class AsyncRules(StrategyRules):
         server_lr: float = Field(1.0, gt=0)
         compression: Literal["none", "fp16", "bf16", "int8"] = "none"
 
+    no_step_checkpoints = ("its workers never stand at the same step (no barrier) and merges are in flight "
+                           "between them, so files written within an epoch are no one state of the run")
+
     @classmethod
     def check(cls, config: Any) -> None:
+        refuse_step_checkpoints(cls, config)
         if config.merge == "ema" and config.compression != "none":
             raise ValueError(f"compression {config.compression} applies to async merges of deltas (delta, "
                              "delayed-nesterov), not to merge ema, which sends whole models")

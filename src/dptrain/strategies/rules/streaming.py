@@ -6,7 +6,7 @@ from typing import Any, Optional
 
 from pydantic import Field
 
-from dptrain.strategies.rules import StrategyRules, check_one_period
+from dptrain.strategies.rules import StrategyRules, check_one_period, refuse_step_checkpoints
 
 
 class StreamingRules(StrategyRules):
@@ -16,9 +16,13 @@ class StreamingRules(StrategyRules):
         overlap_steps: Optional[int] = Field(None, ge=0)
         fragments: int = Field(1, ge=1)
 
+    no_step_checkpoints = ("its fragment averages stay in flight across steps (overlap_steps), "
+                           "which no checkpoint holds")
+
     @classmethod
     def check(cls, config: Any) -> None:
         check_one_period(config)
+        refuse_step_checkpoints(cls, config)
         if (config.overlap_steps is not None and config.sync_every_steps is not None
                 and config.overlap_steps > config.sync_every_steps):
             raise ValueError(f"overlap_steps {config.overlap_steps} is more than sync_every_steps "
