@@ -8,7 +8,8 @@ again (the restarted world runs through). Without DPTRAIN_FAULT nothing here doe
 
 Points: save-begin (before any file of the checkpoint), save-fsync (the data written, not yet
 flushed to disk), save-rename (on disk under the temporary name), save-end (this rank's files
-complete, before rank 0 prunes and before the other ranks have finished theirs).
+complete, before rank 0 prunes and before the other ranks have finished theirs); train-middle
+(halfway through the steps of epoch EPOCH, counted from 1).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import re
 import signal
 from typing import Optional
 
-POINTS = ("save-begin", "save-fsync", "save-rename", "save-end")
+POINTS = ("save-begin", "save-fsync", "save-rename", "save-end", "train-middle")
 SPEC = re.compile(r"^(?P<point>[a-z-]+)@(?P<rank>\d+):(?P<epoch>\d+)$")
 
 _where: dict[str, Optional[int]] = {"rank": None, "epoch": None}

@@ -10,7 +10,7 @@ here), which is what strategies add to `comm_bytes`; `handed_over` keeps the run
 
 A Group can be closed and replaced by one with other members: `rebuild(members, generation)`
 makes a fresh process group over the same rendezvous store under a new key prefix, without
-touching the default group (what live fault tolerance needs; nothing in dptrain rebuilds yet).
+touching the default group (live membership: dptrain.runtime.membership).
 
 The waiting policy is `bounded`: a failed or timed-out wait on another rank becomes
 PeerFailure naming the silent rank (from heartbeats). Which errors count as a peer failure is
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import datetime
 import time
+import warnings
 from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
@@ -50,11 +51,12 @@ class Group:
 
     def __init__(self, rank: int, world_size: int, device: torch.device, backend: str, timeout: float, *,
                  heartbeat: Optional[Heartbeat] = None, handle: Any = None, store: Any = None,
-                 members: Optional[Sequence[int]] = None, name: str = "the job") -> None:
+                 members: Optional[Sequence[int]] = None, name: str = "the job", generation: int = 0) -> None:
         self.rank, self.world_size, self.device, self.backend = rank, world_size, device, backend
         self.timeout, self.heartbeat, self.store, self.name = timeout, heartbeat, store, name
         self.handle = handle  # the torch process group; None: the default one
         self.members = list(members) if members is not None else list(range(world_size))  # ranks of the job
+        self.generation = generation  # how many times the job's members changed before this group
         self.handed_over = 0
         self.closed = False
 
@@ -217,13 +219,27 @@ class Group:
         if me not in members:
             return None
         rank, wait = list(members).index(me), datetime.timedelta(seconds=self.timeout)
+        # torch's object collectives warn that a group built here (a backend, not a registered ProcessGroup)
+        # is deprecated as a group; it is the only kind that can be made once the default group is gone.
+        warnings.filterwarnings("ignore", message="You are using a Backend", category=UserWarning)
         prefixed = dist.PrefixStore(f"group{generation}", self.store)
         if self.backend == "nccl":
             handle = dist.ProcessGroupNCCL(prefixed, rank, len(members))
         else:
             handle = dist.ProcessGroupGloo(prefixed, rank, len(members), wait)
         return Group(rank, len(members), self.device, self.backend, self.timeout, heartbeat=self.heartbeat,
-                     handle=handle, store=self.store, members=members, name=f"generation {generation}")
+                     handle=handle, store=self.store, members=members, name=f"generation {generation}", generation=generation)
+
+    def abandon(self) -> None:
+        """Leave this group after a peer failed in it, closing its connections at once, so that every
+        member still waiting in a collective of it fails within moments instead of after the timeout
+        (dptrain.runtime.membership). The default group is destroyed; the store stays (`self.store`)."""
+        if self.handle is None:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            self.closed = True
+        else:
+            self.close()
 
     def close(self) -> None:
         """Leave this group (a group made by `rebuild`: its connections are dropped; the default
