@@ -1,10 +1,10 @@
-"""Live membership (--min-workers): a worker killed mid-epoch is left behind and the others go on.
+"""Live membership (--min-workers): a worker killed or frozen mid-epoch is left behind and the others go on.
 
 The survivors keep their processes: they leave the failed group, agree through the rendezvous store
 on who is left (dptrain.runtime.membership), return to their state from before the epoch the worker
 died in and redo that epoch over the new world. No epoch is recorded twice, every training row is
-read exactly once per epoch before and after the change, and the result is defined: the same fault
-gives the same final weights.
+read exactly once per epoch before and after the change, and the result is defined: as if the lost
+worker's part of that epoch never happened, so a kill and a freeze at the same step give the same weights.
 """
 
 from __future__ import annotations
@@ -29,11 +29,11 @@ def elastic_argv(out) -> list[str]:
 
 @pytest.fixture(scope="module")
 def killed_runs(tmp_path_factory):
-    """The same run twice, rank 2 killed in epoch 2 each time."""
+    """The same run twice: rank 2 killed in epoch 2, then frozen there (SIGSTOP)."""
     root = tmp_path_factory.mktemp("elastic")
     runs = []
-    for name in ("first", "second"):
-        result = dptrain(*elastic_argv(root / name), cwd=root, env=KILL)
+    for name, action in (("killed", "kill"), ("frozen", "freeze")):
+        result = dptrain(*elastic_argv(root / name), cwd=root, env={**KILL, "DPTRAIN_FAULT_ACTION": action})
         runs.append((root / name, result))
     return runs
 
@@ -63,7 +63,18 @@ def test_each_epoch_is_recorded_once_and_reads_every_row_once(killed_runs):
     assert all("membership" not in record for record in history[:1] + history[2:])
 
 
-def test_the_same_fault_gives_the_same_weights(killed_runs):
+def test_a_frozen_worker_is_given_up_after_its_heartbeat_stops_and_stopped_at_the_end(killed_runs):
+    run, result = killed_runs[1]
+    assert result.returncode == 0, result.stderr
+    said = result.stdout + result.stderr
+    assert "rank 0: an all-reduce waits on rank 2, quiet for 3 s (no heartbeat): frozen or gone" in said
+    assert "continuing from epoch 2 with 2 workers (ranks 0, 1 of the job; without rank 2)" in said
+    assert ("dptrain: worker rank 2 was still running after the others finished without it (frozen); stopping it"
+            in result.stderr)
+    assert [len(record["workers"]) for record in records(run)] == [3, 2, 2, 2]
+
+
+def test_a_kill_and_a_freeze_at_the_same_step_give_the_same_weights(killed_runs):
     (first, a), (second, b) = killed_runs
     assert a.returncode == 0 and b.returncode == 0, a.stderr + b.stderr
     one = torch.load(first / "model.pt", weights_only=True)

@@ -4,7 +4,8 @@
 
 kills rank 1 with SIGKILL at the point `save-rename` of its epoch-2 checkpoint, once: the file
 named by DPTRAIN_FAULT_ONCE is created first, and a point whose marker exists does not fire
-again (the restarted world runs through). Without DPTRAIN_FAULT nothing here does anything.
+again (the restarted world runs through); DPTRAIN_FAULT_ACTION=freeze sends SIGSTOP instead of SIGKILL.
+Without DPTRAIN_FAULT nothing here does anything.
 
 Points: save-begin (before any file of the checkpoint), save-fsync (the data written, not yet
 flushed to disk), save-rename (on disk under the temporary name), save-end (this rank's files
@@ -46,4 +47,5 @@ def point(name: str) -> None:
             os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
         except FileExistsError:
             return
-    os.kill(os.getpid(), signal.SIGKILL)
+    # DPTRAIN_FAULT_ACTION=freeze stops the process instead (SIGSTOP: alive, silent, holding its connections).
+    os.kill(os.getpid(), signal.SIGSTOP if os.environ.get("DPTRAIN_FAULT_ACTION") == "freeze" else signal.SIGKILL)

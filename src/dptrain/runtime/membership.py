@@ -2,8 +2,9 @@
 
 A rank that meets a PeerFailure (a collective failed or timed out) calls `regroup`:
 
-1. it leaves the failed group at once (`Group.abandon`): its connections close, so every peer
-   still waiting in that collective fails within moments instead of after --timeout;
+1. it leaves the failed group at once (`Group.abandon`), saying so in the store, so that every peer
+   still waiting in a collective of that group gives up within moments instead of after --timeout
+   (a watched collective also gives up on a member whose heartbeat stopped: a frozen rank);
 2. it says it is alive in the rendezvous store for the next generation, with the epoch it can
    return to (`ready`), and
 3. rank 0 of the job, the store's host, decides the new members: every old member that said it

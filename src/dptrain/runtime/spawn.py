@@ -29,6 +29,7 @@ from dptrain.errors import Preempted
 PREEMPTED = Preempted.exit_code
 # A scheduler's warnings (SLURM --signal, PBS and Kubernetes TERM before the kill; USR2 where a site uses it).
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+LEFT_BEHIND = 5.0  # seconds after rank 0 ended well that a rank the others went on without may still take
 # Rank 0 finds here the number of an inherited socket already listening on MASTER_PORT, to serve the store on.
 STORE_FD = "DPTRAIN_STORE_FD"
 
@@ -47,6 +48,7 @@ class RanksExit:
     stuck_ranks: tuple[int, ...] = ()
     first_done: Optional[int] = None  # the rank that finished first
     lost: tuple[int, ...] = ()  # ranks that failed while the others went on without them (--min-workers)
+    left_running: tuple[int, ...] = ()  # of those, ranks still running (frozen) when the others were done
     stop_signal: Optional[int] = None  # a stop signal (SIGTERM, SIGUSR1, SIGUSR2) we received and passed on to the ranks
 
     @property
@@ -249,8 +251,10 @@ def _wait(exits: queue.Queue, world: int, begun: float, timeout: Optional[float]
     preempted, done, first_done_at, first_finished, lost = False, [], None, None, []
     for _ in range(world):
         limits = [] if deadline is None else [deadline]
+        # Once rank 0 ended well, ranks the others went on without (frozen) have nothing left to do.
+        left_behind = may_lose and 0 in done and first_done_at is not None
         if linger is not None and first_done_at is not None:
-            limits.append(first_done_at + linger)
+            limits.append(first_done_at + (min(linger, LEFT_BEHIND) if left_behind else linger))
         try:
             remaining = max(min(limits) - time.perf_counter(), 0) if limits else None
             rank, code = exits.get(timeout=remaining)
@@ -258,6 +262,12 @@ def _wait(exits: queue.Queue, world: int, begun: float, timeout: Optional[float]
             if deadline is not None and time.perf_counter() >= deadline:
                 return RanksExit(time.perf_counter() - begun, preempted=preempted, timed_out=True)
             stuck = tuple(r for r in range(world) if r not in done)
+            if left_behind and len(lost) + len(stuck) <= may_lose:
+                for rank in stuck:
+                    print(f"dptrain: worker rank {rank} was still running after the others finished without it "
+                          "(frozen); stopping it", file=sys.stderr, flush=True)
+                return RanksExit(time.perf_counter() - begun, preempted=preempted, lost=tuple(lost) + stuck,
+                                 left_running=stuck)
             return RanksExit(time.perf_counter() - begun, preempted=preempted, stuck_ranks=stuck,
                              first_done=first_finished)
         done.append(rank)

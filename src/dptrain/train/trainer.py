@@ -27,7 +27,7 @@ from dptrain.errors import Diverged, Interrupted, Preempted, UserError
 from dptrain import faults
 from dptrain.runtime.distributed import DistContext, init_process_group
 from dptrain.runtime.group import PeerFailure
-from dptrain.runtime.membership import Membership, note, regroup
+from dptrain.runtime.membership import STALL, Membership, note, regroup
 from dptrain.runtime.env import detect, launcher_reports_interrupts
 from dptrain.strategies.base import Strategy
 from dptrain.train import checkpoint_files
@@ -153,6 +153,8 @@ class Trainer:
 
     def _fit(self, train: TrainData, test: Optional[TrainData], epochs: int) -> Summary:
         ctx = self._connect()
+        if self.min_workers is not None:
+            ctx.group.watch = STALL  # a frozen worker is given up after this long without a heartbeat
         train, test = as_dataset(train), (as_dataset(test, "test") if test is not None else None)
         strategy, self.strategy_choice = self.strategy.resolve(self, train)  # auto measures and picks one
         self.strategy = strategy
@@ -259,7 +261,7 @@ class Trainer:
         """After a peer failed in `epoch`: agree with the survivors on who is left and where to continue
         (dptrain.runtime.membership), return to this rank's state from then and take its new rank."""
         ctx = self.ctx
-        self.recorder.log(f"dptrain: {failure}; the other workers agree on who is left")
+        self.recorder.log(f"dptrain: {failure}; the workers left agree on who they are")
         # The epoch this rank failed in; the survivors continue from the earliest of theirs (one of them may
         # have passed the last collective of an epoch that another failed in: it keeps the epoch before too).
         group, membership = regroup(ctx.group, ctx.group.generation + 1, epoch, min_workers=self.min_workers,
