@@ -4,13 +4,15 @@
 
 kills rank 1 with SIGKILL at the point `save-rename` of its epoch-2 checkpoint, once: the file
 named by DPTRAIN_FAULT_ONCE is created first, and a point whose marker exists does not fire
-again (the restarted world runs through). Without DPTRAIN_FAULT nothing here does anything.
+again (the restarted world runs through); DPTRAIN_FAULT_ACTION=freeze sends SIGSTOP instead of SIGKILL.
+Without DPTRAIN_FAULT nothing here does anything.
 
 Points: save-begin (before any file of the checkpoint), save-fsync (the data written, not yet
 flushed to disk), save-rename (on disk under the temporary name), save-end (this rank's files
-complete, before rank 0 prunes and before the other ranks have finished theirs), and step, where
-the number is not an epoch but a training step (counted from 1 over the run): step@1:37 kills rank 1
-right after its 37th optimizer step, which lands between checkpoints (--checkpoint-every-steps).
+complete, before rank 0 prunes and before the other ranks have finished theirs); train-middle
+(halfway through the steps of epoch EPOCH, counted from 1); and step, where the number is not an
+epoch but a training step (counted from 1 over the run): step@1:37 kills rank 1 right after its
+37th optimizer step, which lands between checkpoints (--checkpoint-every-steps).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import re
 import signal
 from typing import Optional
 
-POINTS = ("save-begin", "save-fsync", "save-rename", "save-end")  # the points of a save
+POINTS = ("save-begin", "save-fsync", "save-rename", "save-end", "train-middle")  # a save's, and mid-epoch
 STEP = "step"  # after a training step: its number is the step's, not an epoch's
 SPEC = re.compile(r"^(?P<point>[a-z-]+)@(?P<rank>\d+):(?P<epoch>\d+)$")
 
@@ -58,4 +60,5 @@ def _fire(name: str, rank: Optional[int], number: Optional[int]) -> None:
             os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
         except FileExistsError:
             return
-    os.kill(os.getpid(), signal.SIGKILL)
+    # DPTRAIN_FAULT_ACTION=freeze stops the process instead (SIGSTOP: alive, silent, holding its connections).
+    os.kill(os.getpid(), signal.SIGSTOP if os.environ.get("DPTRAIN_FAULT_ACTION") == "freeze" else signal.SIGKILL)

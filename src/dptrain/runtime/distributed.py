@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from dptrain.errors import UserError
 from dptrain.runtime.env import DistEnv
-from dptrain.runtime.group import Group, PeerFailure
+from dptrain.runtime.group import Group, PeerFailure, abandoned
 from dptrain.runtime.heartbeat import Heartbeat, StoreUnanswered, bounded, default_store, store_abandoned
 from dptrain.runtime.spawn import STORE_FD
 
@@ -259,7 +259,7 @@ def destroy_process_group() -> None:
         # under it aborts the process. The caller is failing anyway: exit_process ends it
         # without tearing the group down.
         return
-    if dist.is_initialized():
+    if dist.is_initialized() and not abandoned():  # a group left after a failure may hold work on a frozen peer
         dist.destroy_process_group()
         # Let gloo's worker threads take the GIL and release the last collective's tensors now,
         # not during interpreter finalization (see exit_process). This makes the abort at exit

@@ -10,7 +10,7 @@ here), which is what strategies add to `comm_bytes`; `handed_over` keeps the run
 
 A Group can be closed and replaced by one with other members: `rebuild(members, generation)`
 makes a fresh process group over the same rendezvous store under a new key prefix, without
-touching the default group (what live fault tolerance needs; nothing in dptrain rebuilds yet).
+touching the default group (live membership: dptrain.runtime.membership).
 
 The waiting policy is `bounded`: a failed or timed-out wait on another rank becomes
 PeerFailure naming the silent rank (from heartbeats). Which errors count as a peer failure is
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import datetime
 import time
+import warnings
 from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
@@ -32,12 +33,25 @@ import torch.distributed as dist
 from torch import nn
 
 from dptrain.runtime.heartbeat import Heartbeat
+from dptrain.runtime.heartbeat import bounded as store_call
 
 OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+WATCH_POLL = 0.5  # seconds between looks at the heartbeats while a watched collective waits
+FAILED = "dptrain/membership/failed/"  # + generation: a member left that group after a failure (its rank)
+_DEFAULT_ABANDONED = False
+
+
+def abandoned() -> bool:
+    """Whether this process left the default group after a failure (it must not be destroyed then)."""
+    return _DEFAULT_ABANDONED
 
 
 class PeerFailure(RuntimeError):
     """A collective failed or timed out because another worker is gone or stuck."""
+
+
+class QuietPeer(PeerFailure):
+    """A watched collective gave up on members whose heartbeat stopped (its message names them already)."""
 
 
 def payload_bytes(tensor: torch.Tensor) -> int:
@@ -50,11 +64,15 @@ class Group:
 
     def __init__(self, rank: int, world_size: int, device: torch.device, backend: str, timeout: float, *,
                  heartbeat: Optional[Heartbeat] = None, handle: Any = None, store: Any = None,
-                 members: Optional[Sequence[int]] = None, name: str = "the job") -> None:
+                 members: Optional[Sequence[int]] = None, name: str = "the job", generation: int = 0) -> None:
         self.rank, self.world_size, self.device, self.backend = rank, world_size, device, backend
         self.timeout, self.heartbeat, self.store, self.name = timeout, heartbeat, store, name
         self.handle = handle  # the torch process group; None: the default one
         self.members = list(members) if members is not None else list(range(world_size))  # ranks of the job
+        self.generation = generation  # how many times the job's members changed before this group
+        # Live membership: give up a tensor collective once a member's heartbeat has been quiet this many
+        # seconds (a frozen rank holds its connections open, so the wait would last the whole --timeout).
+        self.watch: Optional[float] = None
         self.handed_over = 0
         self.closed = False
 
@@ -78,8 +96,33 @@ class Group:
     # -- tensor collectives: each returns the bytes this rank handed over ----------------------
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> int:
         """Reduce `tensor` over the group in place ("sum", "max" or "min")."""
-        dist.all_reduce(tensor, op=OPS[op], group=self.handle)
+        self._finish(dist.all_reduce(tensor, op=OPS[op], group=self.handle, async_op=self.watch is not None),
+                     "an all-reduce")
         return self._count(tensor)
+
+    def _finish(self, work: Any, what: str) -> None:
+        """Wait for `work` (None: a blocking call already done) while watching the members' heartbeats
+        (`watch`): PeerFailure naming those quiet for `watch` seconds; the work is left behind."""
+        if work is None:
+            return
+        peers = [member for member in self.members if member != self.members[self.rank]]
+        while True:
+            try:
+                work.wait(datetime.timedelta(seconds=WATCH_POLL))
+                return
+            except RuntimeError as exc:
+                if "Operation timed out" not in str(exc):
+                    raise
+            flag = f"{FAILED}{self.generation}"
+            if self.store is not None and store_call(lambda: self.store.check([flag])):
+                left = store_call(lambda: self.store.get(flag)).decode()
+                raise QuietPeer(f"rank {self.members[self.rank]}: {what} was given up: rank {left} left "
+                                f"{self.name} after a failure")
+            quiet = self.heartbeat.stalled(peers, self.watch) if self.heartbeat is not None else []
+            if quiet:
+                raise QuietPeer(f"rank {self.members[self.rank]}: {what} waits on rank"
+                                  f"{'s' if len(quiet) > 1 else ''} {', '.join(map(str, quiet))}, quiet for "
+                                  f"{self.watch:g} s (no heartbeat): frozen or gone")
 
     def all_reduce_async(self, tensor: torch.Tensor, op: str = "sum") -> tuple[Any, int]:
         """Start an all-reduce of `tensor` in place: (its work handle, bytes handed over)."""
@@ -88,7 +131,8 @@ class Group:
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> int:
         """Make every rank's `tensor` rank `src`'s (in place)."""
-        dist.broadcast(tensor, group=self.handle, **self._peer("src", src))
+        self._finish(dist.broadcast(tensor, group=self.handle, async_op=self.watch is not None,
+                                    **self._peer("src", src)), "a broadcast")
         return self._count(tensor)
 
     def all_gather(self, tensor: torch.Tensor) -> tuple[list[torch.Tensor], int]:
@@ -143,7 +187,8 @@ class Group:
         if self.world_size == 1:
             return flag
         value = torch.tensor([1 if flag else 0], device=self.collective_device)
-        self.bounded(what, lambda: dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.handle))
+        self.bounded(what, lambda: self._finish(dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.handle,
+                                                                async_op=self.watch is not None), what))
         return bool(value.item())
 
     def sum_tensor(self, what: str, values: torch.Tensor) -> torch.Tensor:
@@ -151,7 +196,8 @@ class Group:
         if self.world_size == 1:
             return values
         reduced = values.to(self.collective_device)
-        self.bounded(what, lambda: dist.all_reduce(reduced, group=self.handle))
+        self.bounded(what, lambda: self._finish(dist.all_reduce(reduced, group=self.handle,
+                                                                async_op=self.watch is not None), what))
         return reduced.cpu()
 
     def barrier(self, what: str) -> None:
@@ -217,13 +263,31 @@ class Group:
         if me not in members:
             return None
         rank, wait = list(members).index(me), datetime.timedelta(seconds=self.timeout)
+        # torch's object collectives warn that a group built here (a backend, not a registered ProcessGroup)
+        # is deprecated as a group; it is the only kind that can be made once the default group is gone.
+        warnings.filterwarnings("ignore", message="You are using a Backend", category=UserWarning)
         prefixed = dist.PrefixStore(f"group{generation}", self.store)
         if self.backend == "nccl":
             handle = dist.ProcessGroupNCCL(prefixed, rank, len(members))
         else:
             handle = dist.ProcessGroupGloo(prefixed, rank, len(members), wait)
-        return Group(rank, len(members), self.device, self.backend, self.timeout, heartbeat=self.heartbeat,
-                     handle=handle, store=self.store, members=members, name=f"generation {generation}")
+        new = Group(rank, len(members), self.device, self.backend, self.timeout, heartbeat=self.heartbeat,
+                    handle=handle, store=self.store, members=members, name=f"generation {generation}",
+                    generation=generation)
+        new.watch = self.watch
+        return new
+
+    def abandon(self) -> None:
+        """Leave this group after a peer failed in it (dptrain.runtime.membership): say so in the store, where
+        every member still waiting in a watched collective of it looks (`_finish`), and use it no more.
+        Its work still pending stays behind: destroying a group whose collective waits on a frozen peer
+        would wait for that peer, so the default group is never destroyed after this (`abandoned`)."""
+        global _DEFAULT_ABANDONED
+        if self.store is not None:
+            store_call(lambda: self.store.set(f"{FAILED}{self.generation}", str(self.members[self.rank])))
+        if self.handle is None:
+            _DEFAULT_ABANDONED = True
+        self.closed = True
 
     def close(self) -> None:
         """Leave this group (a group made by `rebuild`: its connections are dropped; the default
@@ -244,6 +308,8 @@ class Group:
         begun = time.perf_counter()
         try:
             return action()
+        except QuietPeer:
+            raise
         except (dist.DistError, RuntimeError) as exc:  # a PeerFailure inside too: named with `what`
             if self.world_size == 1:
                 raise
@@ -252,7 +318,10 @@ class Group:
                 if not failed:
                     raise
             waited = time.perf_counter() - begun
-            who = self.heartbeat.silent_peers() if self.heartbeat else "no heartbeat store to tell which peer"
+            if self.watch is not None:  # live membership finds out who is gone (dptrain.runtime.membership)
+                who = "a peer failed"
+            else:
+                who = self.heartbeat.silent_peers() if self.heartbeat else "no heartbeat store to tell which peer"
             raise PeerFailure(
                 f"rank {self.rank}: {what} failed after {waited:.1f} s (timeout {self.timeout:g} s): {who}; "
                 f"cause: {_first_line(exc)}") from None

@@ -73,6 +73,7 @@ class Heartbeat:
 
     def __init__(self, store: dist.Store, rank: int, world_size: int, interval: float = 1.0) -> None:
         self.store, self.rank, self.world_size, self.interval = store, rank, world_size, interval
+        self.peers: Optional[list[int]] = None  # the live members, once a rank left (None: every rank)
         self._stop = threading.Event()
         self._seen: dict[int, tuple[int, float]] = {}
         self._thread = threading.Thread(target=self._beat, name=f"dptrain-heartbeat-{rank}", daemon=True)
@@ -110,7 +111,7 @@ class Heartbeat:
         return silent
 
     def _counters(self) -> dict[int, int]:
-        peers = [peer for peer in range(self.world_size) if peer != self.rank]
+        peers = [peer for peer in (self.peers or range(self.world_size)) if peer != self.rank]
         # add 0: read without waiting for the key to exist (get would)
         return bounded(lambda: {peer: self.store.add(PREFIX + str(peer), 0) for peer in peers})
 

@@ -22,23 +22,25 @@ from dptrain.runtime.spawn import Ranks, RanksExit, describe_exit, spawn_ranks, 
 NOT_RESTARTED = (0, UserError.exit_code, Preempted.exit_code, Interrupted.exit_code)
 
 
-def launch_local(workers: int, argv: Sequence[str], timeout: float = 300.0, prestarted: Optional[Ranks] = None) -> int:
+def launch_local(workers: int, argv: Sequence[str], timeout: float = 300.0, prestarted: Optional[Ranks] = None,
+                 may_lose: int = 0) -> int:
     """Run `python -m dptrain ARGV` as `workers` ranks; return 0, 75 (stopped at a checkpoint) or the first failure's code.
 
     `prestarted`: ranks started by dptrain.runtime.prestart.prestart(workers), released here
     with ARGV (and closed). Once one rank has ended well, the others must end within `timeout`
     seconds (they have no one left to wait for): a rank frozen after the last collective is
-    stopped and named.
+    stopped and named. Up to `may_lose` ranks other than rank 0 may fail without stopping the others
+    (--min-workers: they go on without it); each is named in one line.
     """
     try:
         if prestarted is None:
             listener = store_listener()
             ended = spawn_ranks([sys.executable, "-m", "dptrain", *argv], workers, port=listener.getsockname()[1],
-                                linger=timeout, listener=listener)
+                                linger=timeout, listener=listener, may_lose=may_lose)
         else:
             try:
                 release(prestarted, list(argv), {})
-                ended = prestarted.wait(linger=timeout)
+                ended = prestarted.wait(linger=timeout, may_lose=may_lose)
             finally:
                 prestarted.close()
     except KeyboardInterrupt:

@@ -29,6 +29,7 @@ from dptrain.errors import Preempted
 PREEMPTED = Preempted.exit_code
 # A scheduler's warnings (SLURM --signal, PBS and Kubernetes TERM before the kill; USR2 where a site uses it).
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+LEFT_BEHIND = 5.0  # seconds after rank 0 ended well that a rank the others went on without may still take
 # Rank 0 finds here the number of an inherited socket already listening on MASTER_PORT, to serve the store on.
 STORE_FD = "DPTRAIN_STORE_FD"
 
@@ -46,6 +47,8 @@ class RanksExit:
     # last wait on each other was over when one could finish, so the rest had only local work left.
     stuck_ranks: tuple[int, ...] = ()
     first_done: Optional[int] = None  # the rank that finished first
+    lost: tuple[int, ...] = ()  # ranks that failed while the others went on without them (--min-workers)
+    left_running: tuple[int, ...] = ()  # of those, ranks still running (frozen) when the others were done
     stop_signal: Optional[int] = None  # a stop signal (SIGTERM, SIGUSR1, SIGUSR2) we received and passed on to the ranks
 
     @property
@@ -89,7 +92,7 @@ def spawn_ranks(command: Sequence[str], world: int, *, port: int, master_addr: s
                 threads: Optional[int] = None, extra_env: Optional[dict[str, str]] = None,
                 prefix: Optional[Callable[[int], list[str]]] = None, log_dir: Optional[Path] = None,
                 timeout: Optional[float] = None, linger: Optional[float] = None,
-                listener: Optional[socket.socket] = None, launcher: str = "local") -> RanksExit:
+                listener: Optional[socket.socket] = None, launcher: str = "local", may_lose: int = 0) -> RanksExit:
     """Run `command` as ranks 0..world-1 and wait until all have exited, one has failed, `timeout` passed,
     or (with `linger`) some ranks are still running that long after the first one ended well.
 
@@ -103,7 +106,7 @@ def spawn_ranks(command: Sequence[str], world: int, *, port: int, master_addr: s
     ranks = start_ranks(command, world, port=port, master_addr=master_addr, threads=threads, extra_env=extra_env,
                         prefix=prefix, log_dir=log_dir, listener=listener, launcher=launcher)
     try:
-        return ranks.wait(timeout=timeout, linger=linger)
+        return ranks.wait(timeout=timeout, linger=linger, may_lose=may_lose)
     finally:
         ranks.close()
 
@@ -207,12 +210,14 @@ class Ranks:
             except OSError:  # it died before its release (BrokenPipeError)
                 pass
 
-    def wait(self, timeout: Optional[float] = None, linger: Optional[float] = None) -> RanksExit:
-        """Until all have exited, one has failed, `timeout` passed, or one has lingered (see spawn_ranks)."""
+    def wait(self, timeout: Optional[float] = None, linger: Optional[float] = None, may_lose: int = 0) -> RanksExit:
+        """Until all have exited, one has failed, `timeout` passed, or one has lingered (see spawn_ranks).
+        Up to `may_lose` ranks other than rank 0 may fail first without ending the wait (the others go on
+        without them): each is said in one line and counted in `lost`."""
         forwarded: list[int] = []
         previous = _forward_signals(self.procs, forwarded)
         try:
-            ended = _wait(self.exits, self.world, self.begun, timeout, linger)
+            ended = _wait(self.exits, self.world, self.begun, timeout, linger, may_lose)
             return replace(ended, stop_signal=forwarded[0]) if forwarded else ended
         except KeyboardInterrupt:
             self.interrupted.set()
@@ -240,14 +245,16 @@ class Ranks:
 
 
 def _wait(exits: queue.Queue, world: int, begun: float, timeout: Optional[float],
-          linger: Optional[float] = None) -> RanksExit:
+          linger: Optional[float] = None, may_lose: int = 0) -> RanksExit:
     """Collect the ranks' exits until all are in, the first failure, the deadline, or the linger limit."""
     deadline = None if timeout is None else begun + timeout
-    preempted, done, first_done_at, first_finished = False, [], None, None
+    preempted, done, first_done_at, first_finished, lost = False, [], None, None, []
     for _ in range(world):
         limits = [] if deadline is None else [deadline]
+        # Once rank 0 ended well, ranks the others went on without (frozen) have nothing left to do.
+        left_behind = may_lose and 0 in done and first_done_at is not None
         if linger is not None and first_done_at is not None:
-            limits.append(first_done_at + linger)
+            limits.append(first_done_at + (min(linger, LEFT_BEHIND) if left_behind else linger))
         try:
             remaining = max(min(limits) - time.perf_counter(), 0) if limits else None
             rank, code = exits.get(timeout=remaining)
@@ -255,6 +262,12 @@ def _wait(exits: queue.Queue, world: int, begun: float, timeout: Optional[float]
             if deadline is not None and time.perf_counter() >= deadline:
                 return RanksExit(time.perf_counter() - begun, preempted=preempted, timed_out=True)
             stuck = tuple(r for r in range(world) if r not in done)
+            if left_behind and len(lost) + len(stuck) <= may_lose:
+                for rank in stuck:
+                    print(f"dptrain: worker rank {rank} was still running after the others finished without it "
+                          "(frozen); stopping it", file=sys.stderr, flush=True)
+                return RanksExit(time.perf_counter() - begun, preempted=preempted, lost=tuple(lost) + stuck,
+                                 left_running=stuck)
             return RanksExit(time.perf_counter() - begun, preempted=preempted, stuck_ranks=stuck,
                              first_done=first_finished)
         done.append(rank)
@@ -262,9 +275,14 @@ def _wait(exits: queue.Queue, world: int, begun: float, timeout: Optional[float]
             first_done_at, first_finished = time.perf_counter(), rank
         if code == PREEMPTED:
             preempted = True
+        elif code != 0 and rank != 0 and len(lost) < may_lose:
+            lost.append(rank)
+            print(f"dptrain: worker rank {rank} {describe_exit(code)}; the others go on without it",
+                  file=sys.stderr, flush=True)
         elif code != 0:
-            return RanksExit(time.perf_counter() - begun, failed_rank=rank, failed_code=code, preempted=preempted)
-    return RanksExit(time.perf_counter() - begun, preempted=preempted)
+            return RanksExit(time.perf_counter() - begun, failed_rank=rank, failed_code=code, preempted=preempted,
+                             lost=tuple(lost))
+    return RanksExit(time.perf_counter() - begun, preempted=preempted, lost=tuple(lost))
 
 
 def _forward_signals(procs: list[subprocess.Popen], forwarded: list[int]) -> dict[int, object]:

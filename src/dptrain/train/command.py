@@ -212,7 +212,8 @@ def spawn_workers(config: TrainConfig, model: torch.nn.Module,
         argv = ["train", "--config", str(run_dir / "config.yaml")]
         quiet_cpp_logs_of_children()
         for attempt in range(config.max_restarts + 1):
-            code = launch_local(config.workers, argv, config.timeout, prestarted if attempt == 0 else None)
+            code = launch_local(config.workers, argv, config.timeout, prestarted if attempt == 0 else None,
+                                may_lose=config.workers - config.min_workers if config.min_workers else 0)
             if code == Interrupted.exit_code:  # Ctrl-C: the workers are stopped; say where the run stands
                 print(f"dptrain: {describe_interruption(run_dir, config.workers, epochs_recorded(run_dir), config.epochs)}",
                       file=sys.stderr, flush=True)
@@ -267,6 +268,10 @@ def run_worker(config: TrainConfig, env: DistEnv) -> Summary:
 def train_in_group(config: TrainConfig, env: DistEnv, ctx, held: ExitStack) -> Summary:
     """One run on a process group already joined (`ctx`), which stays up afterwards: a process may train
     several runs in turn (benchmarks/robustness.py). `held` keeps rank 0's lock on the run directory."""
+    if config.min_workers is not None and env.launched and env.launcher != "local":
+        # srun --kill-on-bad-exit, mpirun and torchrun's agent stop every rank when one fails.
+        raise UserError(f"--min-workers needs dptrain's own launcher (dptrain train --workers N), which lets the "
+                        f"others go on when a worker fails; under {env.launcher} drop it (--max-restarts restarts all)")
     if env.launcher != "local":
         config = _join_run_dir(config, env, ctx, held)
     # validate() checked the data before spawning (or running alone); under other launchers rank 0 does.
@@ -289,7 +294,8 @@ def train_in_group(config: TrainConfig, env: DistEnv, ctx, held: ExitStack) -> S
                       checkpoint_every=config.checkpoint_every, keep_checkpoints=config.keep_checkpoints,
                       checkpoint_every_steps=config.checkpoint_every_steps,
                       resume=True, stop_on_collapse=config.stop_on_collapse,
-                      lr_scale=lr_policy.guarded_scale(config, ctx.world_size))
+                      lr_scale=lr_policy.guarded_scale(config, ctx.world_size),
+                      min_workers=config.min_workers)
     trainer.emulate_straggler(config.slow_workers().get(ctx.rank, 1.0))
     trainer.data_record = data_record(config, data)
     return trainer.fit(data.train_set(), data.test_set(), epochs=config.epochs)

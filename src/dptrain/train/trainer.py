@@ -12,6 +12,7 @@ recorder and the stop signals; each of them is tested on its own.
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import time
 from pathlib import Path
@@ -25,6 +26,8 @@ from dptrain import faults
 from dptrain.data.sampler import PlanBatches, TrainData, as_dataset, evaluation_loader, labels_of, loader
 from dptrain.errors import Diverged, Interrupted, Preempted, UserError
 from dptrain.runtime.distributed import DistContext, init_process_group
+from dptrain.runtime.group import PeerFailure
+from dptrain.runtime.membership import STALL, Membership, note, regroup
 from dptrain.runtime.env import detect, launcher_reports_interrupts
 from dptrain.strategies.base import Strategy
 from dptrain.train import checkpoint_files
@@ -81,7 +84,8 @@ class Trainer:
                  device: str = "auto", timeout: float = 300.0, out: Optional[str] = None, progress: bool = True,
                  verbose: bool = True, loader_workers: int = 0, checkpoint_every: int = 0,
                  keep_checkpoints: int = 2, resume: bool = False, check_averages: bool = True,
-                 stop_on_collapse: bool = False, lr_scale: float = 1.0, checkpoint_every_steps: int = 0) -> None:
+                 stop_on_collapse: bool = False, lr_scale: float = 1.0, checkpoint_every_steps: int = 0,
+                 min_workers: Optional[int] = None) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer over the model's parameters, "
                             f"not {type(optimizer).__name__}")
@@ -102,6 +106,9 @@ class Trainer:
         # The check of every average (dptrain.train.health); with lr_scale > 1 (the factor --lr-scaling auto
         # multiplied the optimizer's LR by) it also backs that factor off when averages go wrong.
         self.check_averages, self.stop_on_collapse, self.lr_scale = check_averages, stop_on_collapse, lr_scale
+        # Live membership: with min_workers, a failed or frozen worker is left behind at the epoch it failed in
+        # and the others redo that epoch together (dptrain.runtime.membership); None: a failure ends the run.
+        self.min_workers = min_workers
         self.scaler: Optional[torch.amp.GradScaler] = None
         self.strategy_choice: Optional[dict] = None  # how --strategy auto chose (summary.json's strategy_options.auto)
         self.data_record: Optional[dict] = None  # what the data was, for summary.json (set by `dptrain train`)
@@ -149,20 +156,16 @@ class Trainer:
 
     def _fit(self, train: TrainData, test: Optional[TrainData], epochs: int) -> Summary:
         ctx = self._connect()
+        if self.min_workers is not None:
+            ctx.group.watch = STALL  # a frozen worker is given up after this long without a heartbeat
         train, test = as_dataset(train), (as_dataset(test, "test") if test is not None else None)
         strategy, self.strategy_choice = self.strategy.resolve(self, train)  # auto measures and picks one
         self.strategy = strategy
         if self.checkpoint_every_steps and strategy.no_step_checkpoints:
             raise UserError(f"checkpoint_every_steps does not apply to strategy {strategy.name}: "
                             f"{strategy.no_step_checkpoints}; it checkpoints at epoch ends (checkpoint_every)")
-        plan = strategy.epoch_plan(ctx, len(train), lambda: labels_of(train, self.recorder.log), self.batch_size,
-                                   self.seed, self.shuffle, getattr(train, "block_size", None))
-        # Checkpoints within an epoch are taken at the same step on every rank: below the fewest steps any
-        # rank takes (fedavg's partitions differ in size), so that each one is complete.
-        self._common_steps = (min(ctx.group.gather_objects("steps per epoch", plan.steps))
-                              if self.checkpoint_every_steps else 0)
-        batches = PlanBatches(plan)
-        reader = loader(train, batches, self.loader_workers, pin_memory=ctx.device.type == "cuda")
+        labels = lambda: labels_of(train, self.recorder.log)  # noqa: E731 - asked again after a membership change
+        plan, batches, reader = self._plan(train, labels)
         scheduler = self.schedule(self.optimizer, plan.steps, epochs) if self.schedule else None
         torch.manual_seed(self.seed + ctx.rank)  # dropout and friends differ per worker, reproducibly
         train_model = ctx.group.bounded("setup", lambda: strategy.setup(self.model, self.optimizer, ctx))
@@ -182,39 +185,44 @@ class Trainer:
         self.stop_signals.watch()
         started = self._started = time.perf_counter() - wall_before
         evaluated = False  # whether the last epoch evaluated the global model
-        for epoch in range(start_epoch, epochs):
-            epoch_start = time.perf_counter() - (position["seconds"] if position else 0.0)
-            batches.set_epoch(epoch, position["steps"] if position else 0)
-            samples, loss_sum, step = self._train_epoch(train_model, reader, epoch, epochs, step, scheduler, position)
-            position = None
-            train_loss = float(loss_sum) / max(samples, 1)
-            recovered = self._recover_or_check(train_model, epoch, train_loss, lr_guard, scheduler)
-            trained, averages = strategy.trains_in_epoch(epoch), strategy.averaging_events()
-            if health is not None:
-                health.before(self.model, trained)
-            is_global = ctx.group.bounded("end_epoch", lambda: strategy.end_epoch(epoch))
-            checked = {}
-            if health is not None and strategy.averaging_events() > averages:
-                checked = self._check_average(health, lr_guard, epoch, trained, scheduler)
-            stats = EpochStats(ctx.rank, samples, train_loss,
-                               time.perf_counter() - epoch_start, strategy.comm_bytes)
-            test_metrics = self._evaluate_global(test) if (test is not None and is_global) else None
+        snapshots: dict[int, dict] = {}  # live membership: this rank's state before this epoch and the one before
+        changed: Optional[Membership] = None  # the last membership change, recorded with the next epoch
+        epoch = start_epoch
+        while epoch < epochs:
+            if self.min_workers is not None:
+                snapshots = {e: saved for e, saved in snapshots.items() if e == epoch - 1}
+                snapshots[epoch] = self._snapshot(parts, step)
+            try:
+                (samples, train_loss, recovered, checked, stats, test_metrics, stop,
+                 step) = self._epoch(train_model, reader, batches, epoch, epochs, step, scheduler, health, lr_guard,
+                                     test, position)
+            except PeerFailure as failure:
+                if self.min_workers is None:
+                    raise
+                changed = self._continue_without(failure, epoch, snapshots, parts)
+                epoch, step = changed.epoch, snapshots[changed.epoch]["step"]
+                plan, batches, reader = self._plan(train, labels)
+                continue
+            finally:
+                position = None
             evaluated = test_metrics is not None
             if recovered is not None:
                 checked = {**checked, "lr_backoff": recovered}
-            self.recorder.record(epoch, epochs, strategy.gather_stats(stats), test_metrics,
-                                 time.perf_counter() - started, self.optimizer.param_groups[0]["lr"], checked)
+            if changed is not None:
+                checked, changed = {**checked, "membership": note(changed)}, None
+            self.recorder.record(epoch, epochs, stats, test_metrics, time.perf_counter() - started,
+                                 self.optimizer.param_groups[0]["lr"], checked)
             if checked.get("collapse") and self.stop_on_collapse:
                 raise Diverged(f"rank {ctx.rank}: stopped by --stop-on-collapse: {checked['collapse']}")
             if recovered is None:
                 self._check_loss_growth(epoch)
-            stop = strategy.agree_stop(self.stop_signals.requested) if self.checkpointer.enabled else None
             if stop or self.checkpointer.due(epoch + 1):
                 self.checkpointer.save(epoch + 1, step, time.perf_counter() - started, parts, self.recorder.history)
             if stop:
                 ctx.group.bounded("checkpoint before stopping", strategy.stop_together)
                 raise Preempted(f"rank {ctx.rank}: stopped by {stop} after epoch {epoch + 1}; a checkpoint is saved "
                                 f"in {self.out}: run the same command again to continue")
+            epoch += 1
         final = ctx.group.bounded("finish", strategy.finish)
         wall = time.perf_counter() - started
         final_metrics = None
@@ -224,6 +232,72 @@ class Trainer:
             reuse = evaluated and strategy.final_model_is_last_evaluated
             final_metrics = self.recorder.last_evaluation() if reuse else self.evaluate(final, test)
         return self._summarise(final, epochs, wall, final_metrics)
+
+    def _plan(self, train: Dataset, labels: Callable) -> tuple:
+        """This rank's epoch plan, its batches and their reader, for the rank and world it has now."""
+        ctx = self.ctx
+        plan = self.strategy.epoch_plan(ctx, len(train), labels, self.batch_size, self.seed, self.shuffle,
+                                        getattr(train, "block_size", None))
+        # Checkpoints within an epoch are taken at the same step on every rank: below the fewest steps any
+        # rank takes (fedavg's partitions differ in size), so that each one is complete.
+        self._common_steps = (min(ctx.group.gather_objects("steps per epoch", plan.steps))
+                              if self.checkpoint_every_steps else 0)
+        batches = PlanBatches(plan)
+        return plan, batches, loader(train, batches, self.loader_workers, pin_memory=ctx.device.type == "cuda")
+
+    def _epoch(self, train_model: nn.Module, reader: DataLoader, batches: PlanBatches, epoch: int, epochs: int,
+               step: int, scheduler, health: Optional[AverageHealth], lr_guard: Optional[LRGuard],
+               test: Optional[Dataset], position: Optional[dict]) -> tuple:
+        """One epoch up to the ranks' last meeting in it (its stats gathered, the stop agreed); nothing written.
+        `position`: the checkpoint within this epoch the run resumes from."""
+        ctx, strategy = self.ctx, self.strategy
+        epoch_start = time.perf_counter() - (position["seconds"] if position else 0.0)
+        batches.set_epoch(epoch, position["steps"] if position else 0)
+        samples, loss_sum, step = self._train_epoch(train_model, reader, epoch, epochs, step, scheduler, position)
+        train_loss = float(loss_sum) / max(samples, 1)
+        recovered = self._recover_or_check(train_model, epoch, train_loss, lr_guard, scheduler)
+        trained, averages = strategy.trains_in_epoch(epoch), strategy.averaging_events()
+        if health is not None:
+            health.before(self.model, trained)
+        is_global = ctx.group.bounded("end_epoch", lambda: strategy.end_epoch(epoch))
+        checked = {}
+        if health is not None and strategy.averaging_events() > averages:
+            checked = self._check_average(health, lr_guard, epoch, trained, scheduler)
+        stats = EpochStats(ctx.rank, samples, train_loss, time.perf_counter() - epoch_start, strategy.comm_bytes)
+        test_metrics = self._evaluate_global(test) if (test is not None and is_global) else None
+        gathered = strategy.gather_stats(stats)
+        stop = strategy.agree_stop(self.stop_signals.requested) if self.checkpointer.enabled else None
+        return samples, train_loss, recovered, checked, gathered, test_metrics, stop, step
+
+    def _snapshot(self, parts: dict, step: int) -> dict:
+        """This rank's state now, in memory (what a checkpoint holds), to return to after a membership change."""
+        return {"step": step, "rng": checkpoint_files.rng_state(), "history": list(self.recorder.history),
+                **{name: copy.deepcopy(part.state_dict()) for name, part in parts.items() if part is not None}}
+
+    def _continue_without(self, failure: PeerFailure, epoch: int, snapshots: dict[int, dict],
+                          parts: dict) -> Membership:
+        """After a peer failed in `epoch`: agree with the survivors on who is left and where to continue
+        (dptrain.runtime.membership), return to this rank's state from then and take its new rank."""
+        ctx = self.ctx
+        self.recorder.log(f"dptrain: {failure}; the workers left agree on who they are")
+        # The epoch this rank failed in; the survivors continue from the earliest of theirs (one of them may
+        # have passed the last collective of an epoch that another failed in: it keeps the epoch before too).
+        group, membership = regroup(ctx.group, ctx.group.generation + 1, epoch, min_workers=self.min_workers,
+                                    timeout=self.timeout)
+        saved = snapshots[membership.epoch]
+        for name, part in parts.items():
+            if part is not None:
+                part.load_state_dict(copy.deepcopy(saved[name]))
+        checkpoint_files.set_rng_state(saved["rng"])
+        if len(self.recorder.history) != len(saved["history"]):
+            self.recorder.replace_history(saved["history"])
+        ctx.rank, ctx.world_size, ctx.group = group.rank, group.world_size, group
+        self.recorder.world_size = group.world_size
+        left = ", ".join(map(str, membership.left))
+        self.recorder.log(f"dptrain: continuing from epoch {membership.epoch + 1} with {group.world_size} workers "
+                          f"(ranks {', '.join(map(str, membership.members))} of the job; without rank"
+                          f"{'s' if len(membership.left) > 1 else ''} {left})")
+        return membership
 
     def _train_epoch(self, model: nn.Module, reader: DataLoader, epoch: int, epochs: int, step: int,
                      scheduler, position: Optional[dict] = None) -> tuple[int, Union[float, torch.Tensor], int]:
@@ -240,7 +314,11 @@ class Trainer:
         batches = iter(reader) if training else iter(())
         if position is not None:  # starting the reader drew a seed from torch's RNG: back to the saved state
             checkpoint_files.set_rng_state(position["rng"])
-        for x, y in batches:
+        faults.at(self.ctx.group.members[self.ctx.rank], epoch + 1)
+        middle = (len(reader) // 2 if training else -1) - done
+        for index, (x, y) in enumerate(batches):
+            if index == middle:
+                faults.point("train-middle")
             step_start = time.perf_counter()
             loss = self._train_step(model, x, y)
             if self._slowdown > 1:  # straggler emulation: this rank computes `slowdown` times slower

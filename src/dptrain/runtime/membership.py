@@ -1,0 +1,108 @@
+"""Live membership: after a worker fails or freezes, the survivors agree on who is left and go on together.
+
+A rank that meets a PeerFailure (a collective failed or timed out) calls `regroup`:
+
+1. it leaves the failed group at once (`Group.abandon`), saying so in the store, so that every peer
+   still waiting in a collective of that group gives up within moments instead of after --timeout
+   (a watched collective also gives up on a member whose heartbeat stopped: a frozen rank);
+2. it says it is alive in the rendezvous store for the next generation, with the epoch it can
+   return to (`ready`), and
+3. rank 0 of the job, the store's host, decides the new members: every old member that said it
+   is alive, none whose heartbeat stopped for `stall` seconds (dead or frozen), waiting at most
+   `timeout` seconds for the others; it writes the members and the epoch to continue from;
+4. every member builds a fresh process group of the members (`Group.rebuild`, generation N);
+   a rank left out (evicted while frozen) gets Evicted.
+
+The epoch to continue from is the earliest any survivor is ready to redo: a rank may have passed
+the epoch's last collective while another failed inside it (the dead rank contributed, then
+died), so each rank keeps its state from before this epoch and the previous one.
+
+Rank 0 hosts the store, so losing rank 0 still ends the run (restart with --max-restarts);
+the other ranks may come and go.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+from dptrain.runtime.group import Group, PeerFailure
+from dptrain.runtime.heartbeat import bounded
+
+PREFIX = "dptrain/membership/"
+STALL = 3.0  # seconds without a heartbeat after which a member that did not answer is left out
+
+
+class Evicted(PeerFailure):
+    """This rank was left out of the next generation (it froze or came too late); it must stop."""
+
+
+@dataclass(frozen=True)
+class Membership:
+    generation: int
+    members: tuple[int, ...]  # ranks of the job, in their order in the new group
+    epoch: int  # the epoch (from 0) every member continues from
+    left: tuple[int, ...]  # the old members that are gone
+
+
+def regroup(group: Group, generation: int, epoch: int, *, min_workers: int, timeout: float,
+            stall: float = STALL) -> tuple[Group, Membership]:
+    """Leave the failed `group` and make generation `generation` of the survivors (see the module's
+    docstring): (the new group, the membership). `epoch` is the epoch this rank failed in (it can also
+    redo the one before)."""
+    store, me, old = group.store, group.members[group.rank], list(group.members)
+    if store is None:
+        raise PeerFailure(f"rank {me}: no rendezvous store to agree on new members with")
+    group.abandon()
+    key = f"{PREFIX}{generation}/"
+    bounded(lambda: store.set(f"{key}alive/{me}", str(epoch)))
+    if me == 0:
+        decided = _decide(group, store, key, old, timeout, stall)
+        bounded(lambda: store.set(f"{key}members", decided))
+    else:
+        try:
+            bounded(lambda: store.wait([f"{key}members"]), timeout + stall + 10)
+        except Exception as exc:  # noqa: BLE001 - the store's host (rank 0) is gone or frozen
+            raise PeerFailure(f"rank {me}: rank 0 did not say who is left after a worker failed "
+                              f"({type(exc).__name__}); rank 0 holds the rendezvous store") from None
+        decided = bounded(lambda: store.get(f"{key}members")).decode()
+    names, resume = decided.split(";")
+    members = tuple(int(rank) for rank in names.split(","))
+    membership = Membership(generation, members, int(resume), tuple(r for r in old if r not in members))
+    if me not in members:
+        raise Evicted(f"rank {me}: the other workers went on without this one (generation {generation}: "
+                      f"ranks {', '.join(map(str, members))}); it stopped responding in time")
+    if len(members) < min_workers:
+        raise PeerFailure(f"rank {me}: only {len(members)} worker{'s' if len(members) > 1 else ''} left "
+                          f"(ranks {', '.join(map(str, members))}), fewer than --min-workers {min_workers}; "
+                          f"lost rank{'s' if len(membership.left) > 1 else ''} "
+                          f"{', '.join(map(str, membership.left))}")
+    new = group.rebuild(members, generation)
+    assert new is not None
+    if group.heartbeat is not None:
+        group.heartbeat.peers = list(members)
+    return new, membership
+
+
+def _decide(group: Group, store, key: str, old: list[int], timeout: float, stall: float) -> str:
+    """Rank 0: "RANKS;EPOCH" once every old member has answered or gone quiet (or `timeout` passed)."""
+    deadline = time.monotonic() + timeout
+    heartbeat = group.heartbeat
+    while True:
+        answered = {rank: int(bounded(lambda: store.get(f"{key}alive/{rank}")).decode())
+                    for rank in old if bounded(lambda: store.check([f"{key}alive/{rank}"]))}
+        waiting = [rank for rank in old if rank not in answered]
+        quiet = set(heartbeat.stalled(waiting, stall)) if heartbeat is not None and waiting else set()
+        if all(rank in quiet for rank in waiting) or time.monotonic() >= deadline:
+            members = sorted(answered)
+            return f"{','.join(map(str, members))};{min(answered.values())}"
+        time.sleep(0.1)
+
+
+def note(membership: Optional[Membership]) -> Optional[dict]:
+    """What metrics.jsonl records about a membership change."""
+    if membership is None:
+        return None
+    return {"generation": membership.generation, "members": list(membership.members),
+            "left": list(membership.left), "continued_from_epoch": membership.epoch + 1}

@@ -1,0 +1,93 @@
+"""Live membership (--min-workers): a worker killed or frozen mid-epoch is left behind and the others go on.
+
+The survivors keep their processes: they leave the failed group, agree through the rendezvous store
+on who is left (dptrain.runtime.membership), return to their state from before the epoch the worker
+died in and redo that epoch over the new world. No epoch is recorded twice, every training row is
+read exactly once per epoch before and after the change, and the result is defined: as if the lost
+worker's part of that epoch never happened, so a kill and a freeze at the same step give the same weights.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from dptrain.config import build_config
+from dptrain.errors import UserError
+from test_train_cli import dptrain
+
+TRAIN_ROWS = 1437  # digits: 1797 rows, 20 % held out
+KILL = {"DPTRAIN_FAULT": "train-middle@2:2"}  # rank 2, halfway through epoch 2
+
+
+def elastic_argv(out) -> list[str]:
+    return ["train", "--dataset", "digits", "--strategy", "sync", "--workers", "3", "--min-workers", "2",
+            "--epochs", "4", "--lr", "0.05", "--no-progress", "--out", str(out)]
+
+
+@pytest.fixture(scope="module")
+def killed_runs(tmp_path_factory):
+    """The same run twice: rank 2 killed in epoch 2, then frozen there (SIGSTOP)."""
+    root = tmp_path_factory.mktemp("elastic")
+    runs = []
+    for name, action in (("killed", "kill"), ("frozen", "freeze")):
+        result = dptrain(*elastic_argv(root / name), cwd=root, env={**KILL, "DPTRAIN_FAULT_ACTION": action})
+        runs.append((root / name, result))
+    return runs
+
+
+def records(run) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_the_survivors_finish_the_run_without_the_killed_worker(killed_runs):
+    run, result = killed_runs[0]
+    assert result.returncode == 0, result.stderr
+    assert "dptrain: worker rank 2 was killed by SIGKILL; the others go on without it" in result.stderr
+    said = result.stdout + result.stderr
+    assert "continuing from epoch 2 with 2 workers (ranks 0, 1 of the job; without rank 2)" in said
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["workers"] == 2 and summary["epochs"] == 4
+    assert summary["test_accuracy"] > 0.8
+
+
+def test_each_epoch_is_recorded_once_and_reads_every_row_once(killed_runs):
+    history = records(killed_runs[0][0])
+    assert [record["epoch"] for record in history] == [1, 2, 3, 4]
+    assert [len(record["workers"]) for record in history] == [3, 2, 2, 2]
+    for record in history:
+        assert sum(worker["samples"] for worker in record["workers"]) == TRAIN_ROWS
+    assert history[1]["membership"] == {"generation": 1, "members": [0, 1], "left": [2], "continued_from_epoch": 2}
+    assert all("membership" not in record for record in history[:1] + history[2:])
+
+
+def test_a_frozen_worker_is_given_up_after_its_heartbeat_stops_and_stopped_at_the_end(killed_runs):
+    run, result = killed_runs[1]
+    assert result.returncode == 0, result.stderr
+    said = result.stdout + result.stderr
+    assert "rank 0: an all-reduce waits on rank 2, quiet for 3 s (no heartbeat): frozen or gone" in said
+    assert "continuing from epoch 2 with 2 workers (ranks 0, 1 of the job; without rank 2)" in said
+    assert ("dptrain: worker rank 2 was still running after the others finished without it (frozen); stopping it"
+            in result.stderr)
+    assert [len(record["workers"]) for record in records(run)] == [3, 2, 2, 2]
+
+
+def test_a_kill_and_a_freeze_at_the_same_step_give_the_same_weights(killed_runs):
+    (first, a), (second, b) = killed_runs
+    assert a.returncode == 0 and b.returncode == 0, a.stderr + b.stderr
+    one = torch.load(first / "model.pt", weights_only=True)
+    two = torch.load(second / "model.pt", weights_only=True)
+    assert one.keys() == two.keys() and all(torch.equal(one[name], two[name]) for name in one)
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"strategy": "sync", "workers": 3, "min_workers": 4}, "--min-workers 4 is more than --workers 3; use 1 to 3"),
+    ({"strategy": "sync", "workers": 3, "min_workers": 2, "allreduce_epochs": 1},
+     "--min-workers cannot go on without a worker during --allreduce-epochs"),
+    ({"strategy": "allreduce", "workers": 3, "min_workers": 2}, "min_workers applies to strategy sync, not allreduce"),
+])
+def test_min_workers_is_refused_where_it_cannot_hold(values, message):
+    with pytest.raises(UserError, match=message):
+        build_config(values)
