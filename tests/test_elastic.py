@@ -86,7 +86,10 @@ def test_a_kill_and_a_freeze_at_the_same_step_give_the_same_weights(killed_runs)
     ({"strategy": "sync", "workers": 3, "min_workers": 4}, "--min-workers 4 is more than --workers 3; use 1 to 3"),
     ({"strategy": "sync", "workers": 3, "min_workers": 2, "allreduce_epochs": 1},
      "--min-workers cannot go on without a worker during --allreduce-epochs"),
-    ({"strategy": "allreduce", "workers": 3, "min_workers": 2}, "min_workers applies to strategy sync, not allreduce"),
+    ({"strategy": "sync", "workers": 3, "min_workers": 2, "checkpoint_every_steps": 5},
+     "--min-workers goes back to the start of an epoch when a worker is lost"),
+    ({"strategy": "allreduce", "workers": 3, "min_workers": 2},
+     "'min_workers' in the settings applies to strategy sync, not allreduce"),
 ])
 def test_min_workers_is_refused_where_it_cannot_hold(values, message):
     with pytest.raises(UserError, match=message):
