@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -22,6 +23,11 @@ import dptrain  # noqa: E402
 from dptrain.troubleshooting import render_markdown  # noqa: E402
 
 RECORD = "benchmarks/record.md"
+# The members the API page shows of an export, where not all of its public ones: the strategies' hooks
+# (after_backward, gather_stats, ...) are for writing a strategy, documented under Strategy itself.
+MEMBERS = {"Trainer": ["fit", "evaluate", "history"], "Summary": ["to_dict", "from_dict"], "AllReduce": False,
+           "Sync": False, "Streaming": False, "Async": False, "FedAvg": False, "Hierarchical": False, "Auto": False,
+           "TrainConfig": False}
 
 
 def on_files(files: Files, config) -> Files:
@@ -36,7 +42,10 @@ def api_blocks() -> str:
     that defines it (some exports pass through a package's lazy __getattr__, which mkdocstrings cannot follow)."""
     blocks = []
     for name in dptrain._EXPORTS:
-        blocks.append(f"::: {getattr(dptrain, name).__module__}.{name}")
+        block = f"::: {getattr(dptrain, name).__module__}.{name}"
+        if name in MEMBERS:
+            block += f"\n    options:\n      members: {json.dumps(MEMBERS[name])}"
+        blocks.append(block)
     return "\n\n".join(blocks)
 
 
