@@ -68,3 +68,4 @@ def test_the_page_has_every_area_and_every_entry_once():
         assert page.count(f"\n## {heading}\n") + page.startswith(f"## {heading}\n") == 1
     for problem in PROBLEMS:
         assert page.count(f"### {problem.title}\n") == 1
+    assert "{" not in page and "`dptrain: error: --data 'PATH' does not exist…`" in page

@@ -44,6 +44,11 @@ class Problem:
     source: tuple[str, ...] = ()
     symptom: bool = False
 
+    def shown(self) -> str:
+        """`message` as the page shows it: {rest} as "…", other placeholders in capitals ({path} as PATH)."""
+        return PLACEHOLDER.sub(lambda m: "…" if m.group(0) == "{rest}" else m.group(0)[1:-1].upper().replace(" ", "_"),
+                               self.message)
+
     def pattern(self) -> re.Pattern[str]:
         """A regular expression matching every line `message` stands for (braces match anything)."""
         parts = PLACEHOLDER.split(self.message)
@@ -238,7 +243,7 @@ def render_markdown(problems: tuple[Problem, ...] = PROBLEMS) -> str:
     for area, heading in AREAS.items():
         lines += [f"## {heading}", ""]
         for problem in (p for p in problems if p.area == area):
-            seen = problem.message if problem.symptom else f"`{problem.message}`"
+            seen = problem.shown() if problem.symptom else f"`{problem.shown()}`"
             lines += [f"### {problem.title}", "", f"**You see:** {seen}", "",
                       f"**Why:** {problem.cause}.", "", f"**What to do:** {problem.fix}.", ""]
     return "\n".join(lines)
