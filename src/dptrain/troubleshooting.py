@@ -191,7 +191,7 @@ PROBLEMS: tuple[Problem, ...] = (
             "not all ranks started, or they wait at different addresses",
             "run `srun dptrain info` (or `mpirun ... dptrain info`) with the same layout: every rank must show the "
             "same `rendezvous` and `world_size`; lower --timeout while testing",
-            symptom=True, source=("rendezvous",)),
+            symptom=True, source=('"rendezvous": f"{env.master_addr}:{env.master_port}"', '"world_size": env.world_size')),
     Problem("launch", "The rendezvous fails",
             "rank {rank}: rendezvous at {host}:{port} failed: {why}",
             "MASTER_ADDR is a name the nodes cannot resolve or reach (e.g. a login-node alias), or a firewall "
@@ -207,7 +207,7 @@ PROBLEMS: tuple[Problem, ...] = (
             "only the first node works (`launcher: local` in summary.json)",
             "`dptrain train` ran in the batch script itself, not under srun/mpirun, and spawned --workers "
             "processes there", "start it with `srun` or `mpirun`, as the script from `dptrain launch` does",
-            symptom=True, source=('"local"',)),
+            symptom=True, source=('OWN_LAUNCHERS = ("local", "dptrain-run")',)),
     Problem("launch", "A bad --time", "dptrain: error: --time '{value}'{rest}",
             "the scheduler's time limit is written HH:MM:SS (or D-HH:MM:SS)", "write it as 02:00:00",
             case="launch-bad-time"),
@@ -220,20 +220,20 @@ PROBLEMS: tuple[Problem, ...] = (
             "MPI errors inside the container (version mismatch, PMI)",
             "an MPI library in the image does not match the host's",
             "nothing in dptrain needs MPI inside the container; start ranks with the host's srun/mpirun and keep "
-            "MPI out of the image", symptom=True, source=("mpirun",)),
+            "MPI out of the image", symptom=True, source=("started by the host's Open MPI",)),
     Problem("container", "No GPU driver in the container",
             "`CUDA driver ... insufficient` or `libcuda.so` not found in the container",
             "the host's driver libraries are not inside",
             "udocker: run `dptrain container setup --nvidia` on a GPU node; Apptainer: the script adds `--nv` when "
-            "--gpus-per-node is set", symptom=True, source=("--nv",)),
+            "--gpus-per-node is set", symptom=True, source=("`--nv` binds the",)),
     Problem("container", "udocker tries to download its engine",
             "udocker tries to download its engine and fails",
             "its configuration is missing or says `autoinstall = False` (read as true)",
             "rerun `dptrain container setup`, which writes an empty `autoinstall =`",
-            symptom=True, source=("autoinstall",)),
+            symptom=True, source=('"autoinstall =",',)),
     Problem("container", "proot fails with a kernel release error",
             "`proot` fails with a kernel release error", "Debian's proot 5.1 and udocker's `-k` option",
-            "`dptrain container setup` installs a wrapper that drops `-k`", symptom=True, source=("-k",)),
+            "`dptrain container setup` installs a wrapper that drops `-k`", symptom=True, source=("runs {real_proot} without udocker's -k (kernel release)",)),
 )
 
 
