@@ -4,7 +4,8 @@ Every fenced block of README.md and docs/**/*.md is one of:
 
 - a command (```bash) or a program (```python): run, in order, in an empty directory per page, so that
   a later block can use what an earlier one made (a run directory, a data file);
-- a file (an HTML comment `<!-- file: NAME -->` just above it): written to NAME there for a later command;
+- a file (an HTML comment `<!-- file: NAME -->` just above it): written to NAME there for a later command
+  (a YAML file is a config of `dptrain train --config`, and is validated as one);
 - text (```text, the ```layers block of docs/architecture.md): output or an illustration, not code;
 - not run (`<!-- not-run: REASON -->` just above it): it needs what this machine lacks (a SLURM cluster,
   a GPU, the network) or is this suite itself. These are listed, one skipped test each with its reason,
@@ -146,6 +147,15 @@ def test_the_examples_of_a_page_run_in_order(page: Path, tmp_path):
             (tmp_path / block.file).write_text(block.code)
         elif block.kind == "run":
             run_block(block, tmp_path, env)
+
+
+@pytest.mark.parametrize("block", [b for b in ALL_BLOCKS if b.kind == "file" and b.language == "yaml"],
+                         ids=lambda block: block.where)
+def test_a_yaml_file_block_is_a_valid_train_config(block: Block):
+    from dptrain.config import build_config
+
+    config = build_config(yaml.safe_load(block.code))
+    assert config.epochs >= 1
 
 
 @pytest.mark.slow
