@@ -9,14 +9,14 @@ STAMP  := $(VENV)/.installed-stamp
 TORCH  ?= torch==2.13.0
 TORCH_INDEX ?=
 
-.PHONY: setup demo test clean horovod gpu-check
+.PHONY: setup demo test docs clean horovod gpu-check
 
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet $(TORCH_INDEX) "$(TORCH)"
-	$(BIN)/python -m pip install --quiet -e ".[test]"
+	$(BIN)/python -m pip install --quiet -e ".[test,docs]"
 	touch $(STAMP)
 
 demo: setup
@@ -25,6 +25,11 @@ demo: setup
 test: setup
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
+# The documentation site (MkDocs, docs/ and mkdocs.yml) into site/, warnings as errors; open site/index.html,
+# or serve it while editing with .venv/bin/mkdocs serve. tests/test_docs.py builds it too and runs its examples.
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
 # On one CUDA GPU, in under 8 minutes: every strategy with NCCL, AMP bf16/fp16, dptrain against a plain loop
 # (images/s, peak memory); writes benchmarks/results/gpu_check.json (GPU_CHECK_ARGS="--out FILE" to change).
 # Without a GPU it says so in one line and succeeds.
@@ -32,7 +37,7 @@ gpu-check: setup
 	$(BIN)/python benchmarks/gpu_check.py $(GPU_CHECK_ARGS)
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) runs site .pytest_cache
 
 # Optional, not part of setup: Horovod 0.28.1 (its last release) as a baseline for `dptrain bench`.
 # It builds against torch 2.x only as C++17, so the sdist is patched first (about 2 minutes;

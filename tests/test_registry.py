@@ -1,4 +1,4 @@
-"""Every registered name works everywhere it is offered: config, --help, the cost model, builders, backends, README.
+"""Every registered name works everywhere it is offered: config, --help, the cost model, builders, backends, the documentation.
 
 Adding a strategy (scheduler, container runtime, model, data set) is its own file plus one
 line in dptrain.registry; these tests enumerate the registry, so a new line is checked at once.
@@ -26,7 +26,8 @@ from dptrain.cluster.base import ContainerRuntime, Environment, Scheduler
 from dptrain.models import build_model
 from dptrain.strategies import Strategy, build_strategy
 
-README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+DOCS = Path(__file__).resolve().parents[1] / "docs"
+STRATEGY_PAGE = (DOCS / "how-to" / "strategies.md").read_text()
 CALIBRATION = costmodel.Calibration(seconds_per_sample=1e-4, model_bytes=4_000_000, bandwidth=1e8, latency=1e-4,
                                     samples=10_000, batch_size=32)
 
@@ -73,9 +74,12 @@ def test_every_strategy_is_timed_by_the_cost_model(name):
 
 
 @pytest.mark.parametrize("name", registry.names("strategy"))
-def test_every_strategy_has_a_row_in_the_readme_strategy_table(name):
-    table = re.search(r"^## Strategies\n(.*?)(?=^## |\Z)", README, re.M | re.S).group(1)
-    assert re.search(rf"^\| `{re.escape(name)}` \|", table, re.M), f"README's strategy table has no row for {name}"
+def test_every_strategy_has_a_row_in_the_strategy_table_and_a_page_of_its_own(name):
+    table = re.search(r"^## The strategies\n(.*?)(?=^## |\Z)", STRATEGY_PAGE, re.M | re.S).group(1)
+    assert re.search(rf"^\| `{re.escape(name)}` \|", table, re.M), f"docs/how-to/strategies.md has no row for {name}"
+    page = DOCS / "how-to" / f"{name}.md"
+    assert page.is_file() and page.read_text().startswith(f"# {name}\n"), f"no page docs/how-to/{name}.md"
+    assert f"how-to/{name}.md" in (DOCS.parent / "mkdocs.yml").read_text()
 
 
 def protocol_members(protocol: type) -> tuple[list[str], dict[str, inspect.Signature]]:
