@@ -191,7 +191,7 @@ FLAG = re.compile(r"(?<![\w-])--[a-z][a-z-]*")  # not the ------ of a table's se
 FOREIGN_FLAGS = {"--nproc-per-node": "torchrun", "--ntasks": "srun", "--nodes": "srun", "--nv": "apptainer",
                  "--allow-root": "udocker", "--signal": "sbatch", "--requeue": "sbatch", "--fault-runs": "pytest",
                  "--fault-report": "pytest", "--save-faults": "pytest", "--logdir": "tensorboard",
-                 "--index-url": "pip", "--strict": "mkdocs", "--site-dir": "mkdocs"}
+                 "--index-url": "pip", "--strict": "mkdocs", "--site-dir": "mkdocs", "--kill-on-bad-exit": "srun"}
 TEXT = {page: page.read_text() for page in PAGES}
 
 

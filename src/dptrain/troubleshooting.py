@@ -121,9 +121,12 @@ PROBLEMS: tuple[Problem, ...] = (
             "the file of `--model path/to/file.py:factory` is not where the path says",
             "give the path from the current directory", case="model-file-missing"),
     Problem("model", "A model whose output does not fit the data",
-            "dptrain: error: model output shape {shape} does not match the data: expected {expected} for {n} outputs",
-            "the model returns another number of outputs than the data has classes (or targets)",
-            "take `num_outputs` in your factory's signature and size the last layer with it",
+            "dptrain: error: model output shape {shape} does not match the data: expected {expected} for {n} outputs; "
+            "the data was read as {task}; if its labels are {other}, give --task {choice}",
+            "the model returns another number of outputs than the data has classes (or targets), or the labels "
+            "were read as the other task (float labels: regression; integer labels: classes)",
+            "take `num_outputs` in your factory's signature and size the last layer with it, or give `--task` "
+            "as the line says",
             case="model-output-shape-mismatch"),
     Problem("model", "An image model on flat samples",
             "dptrain: error: model 'cnn' {rest}",
