@@ -10,6 +10,7 @@ worker's part of that epoch never happened, so a kill and a freeze at the same s
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -67,7 +68,9 @@ def test_a_frozen_worker_is_given_up_after_its_heartbeat_stops_and_stopped_at_th
     run, result = killed_runs[1]
     assert result.returncode == 0, result.stderr
     said = result.stdout + result.stderr
-    assert "rank 0: an all-reduce waits on rank 2, quiet for 3 s (no heartbeat): frozen or gone" in said
+    # Rank 0 sees the quiet heartbeat itself, or rank 1 saw it first and left the group (rank 0 follows).
+    assert re.search(r"rank 0: an all-reduce (waits on rank 2, quiet for 3 s \(no heartbeat\): frozen or gone|"
+                     r"was given up: rank 1 left the job after a failure)", said), said
     assert "continuing from epoch 2 with 2 workers (ranks 0, 1 of the job; without rank 2)" in said
     assert ("dptrain: worker rank 2 was still running after the others finished without it (frozen); stopping it"
             in result.stderr)

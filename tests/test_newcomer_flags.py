@@ -122,9 +122,9 @@ def test_the_summary_records_the_data_as_loaded(in_tmp):
 def test_launch_submit_without_the_submit_tool_writes_nothing(in_tmp, capsys, monkeypatch):
     monkeypatch.setenv("PATH", str(in_tmp / "empty"))
     code = main(["launch", "--scheduler", "slurm", "--submit", "--out", "run", "--", "--dataset", "digits"])
-    assert (code, _error(capsys)) == (2, ["dptrain: error: sbatch is not on the PATH; --submit needs it (run on "
-                                          "the cluster's login node, or leave --submit out to only write the job "
-                                          "script)"])
+    assert (code, _error(capsys)) == (2, ["dptrain: error: sbatch is not on the PATH; --submit needs it to submit "
+                                          "the job: run this where sbatch works, or leave --submit out to only "
+                                          "write the job script"])
     assert not (in_tmp / "run").exists()
 
 

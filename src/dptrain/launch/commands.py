@@ -207,9 +207,6 @@ def main(args: argparse.Namespace) -> int:
         raise UserError("--wait follows a submitted job; add --submit")
     spec = build_spec(args, Path(os.getcwd()).resolve())
     scheduler = registry.load("scheduler", spec.scheduler)
-    if args.submit and shutil.which(scheduler.SUBMIT_COMMAND) is None:  # before anything is written
-        raise UserError(f"{scheduler.SUBMIT_COMMAND} is not on the PATH; --submit needs it (run on the cluster's "
-                        "login node, or leave --submit out to only write the job script)")
     text = scheduler.render(spec)
     if args.dry_run:
         sys.stdout.write(text)
