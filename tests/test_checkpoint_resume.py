@@ -9,14 +9,13 @@ import subprocess
 import sys
 import textwrap
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
 from dptrain.errors import UserError
 from dptrain.train import checkpoint_files
-from test_train_cli import DIGITS, dptrain
+from test_train_cli import DIGITS, dptrain, same_model
 
 
 def _state(value: float) -> dict:
@@ -116,9 +115,7 @@ def test_a_restart_after_a_killed_worker_ends_bitwise_equal_to_an_uninterrupted_
     assert "worker rank 1 was killed by SIGKILL" in restarted.stderr
     assert "restarting the 2 workers from the last checkpoint (restart 1 of 2)" in restarted.stderr
     assert "resuming after epoch 2" in restarted.stdout
-    first = torch.load(tmp_path / "clean" / "model.pt", weights_only=True)
-    second = torch.load(tmp_path / "restarted" / "model.pt", weights_only=True)
-    assert all(torch.equal(first[key], second[key]) for key in first)
+    assert same_model(tmp_path / "clean", tmp_path / "restarted")
     records = [json.loads(line) for line in (tmp_path / "restarted" / "metrics.jsonl").read_text().splitlines()]
     assert [r["epoch"] for r in records] == [1, 2, 3, 4, 5]  # the lost attempt's epoch 3 is not recorded twice
 

@@ -49,6 +49,8 @@ def test_the_survivors_finish_the_run_without_the_killed_worker(killed_runs):
     assert "dptrain: worker rank 2 was killed by SIGKILL; the others go on without it" in result.stderr
     said = result.stdout + result.stderr
     assert "continuing from epoch 2 with 2 workers (ranks 0, 1 of the job; without rank 2)" in said
+    epoch_lines = [line for line in result.stdout.splitlines() if re.search(r"\bepoch \d/4  train_loss", line)]
+    assert [line.endswith("  2 of 3 workers (ranks 0, 1)") for line in epoch_lines] == [False, True, True, True]
     summary = json.loads((run / "summary.json").read_text())
     assert summary["workers"] == 2 and summary["epochs"] == 4
     assert summary["test_accuracy"] > 0.8

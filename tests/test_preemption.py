@@ -29,7 +29,7 @@ def _records(run) -> list[dict]:
 
 
 # Each strategy with another of the stop signals a scheduler may send (SLURM --signal, PBS, Kubernetes).
-@pytest.mark.parametrize("strategy, stop", zip(STRATEGIES, ("SIGUSR1", "SIGUSR2", "SIGTERM", "SIGUSR2")))
+@pytest.mark.parametrize("strategy, stop", list(zip(STRATEGIES, ("SIGUSR1", "SIGUSR2", "SIGTERM", "SIGUSR2"))))
 def test_a_stop_signal_while_the_workers_start_up_ends_the_run_after_epoch_1(tmp_path, strategy, stop):
     args = [sys.executable, "-m", "dptrain", "train", *DIGITS, "--epochs", "3", "--strategy", strategy,
             "--out", "run"]

@@ -28,6 +28,13 @@ def dptrain(*args: str, cwd: Path, env: dict | None = None, timeout: float = 240
                           timeout=timeout, env={**os.environ, **(env or {})})
 
 
+def same_model(first_run: Path, second_run: Path) -> bool:
+    """Whether two run directories' model.pt hold bitwise equal weights."""
+    first = torch.load(first_run / "model.pt", weights_only=True)
+    second = torch.load(second_run / "model.pt", weights_only=True)
+    return first.keys() == second.keys() and all(torch.equal(first[key], second[key]) for key in first)
+
+
 @pytest.fixture(scope="module")
 def digits_runs(tmp_path_factory):
     """One allreduce and one sync run with 2 workers, shared by the tests that read them."""
@@ -141,9 +148,7 @@ def test_config_yaml_reproduces_the_run_bitwise(digits_runs, tmp_path):
     run_dir, _ = digits_runs["sync"]
     result = dptrain("train", "--config", str(run_dir / "config.yaml"), "--out", str(tmp_path / "again"), cwd=tmp_path)
     assert result.returncode == 0, result.stderr
-    first = torch.load(run_dir / "model.pt", weights_only=True)
-    second = torch.load(tmp_path / "again" / "model.pt", weights_only=True)
-    assert all(torch.equal(first[key], second[key]) for key in first)
+    assert same_model(run_dir, tmp_path / "again")
 
 
 def test_config_yaml_records_absolute_paths_and_repeats_the_run_from_another_directory(tmp_path):

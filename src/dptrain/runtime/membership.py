@@ -5,8 +5,8 @@ A rank that meets a PeerFailure (a collective failed or timed out) calls `regrou
 1. it leaves the failed group at once (`Group.abandon`), saying so in the store, so that every peer
    still waiting in a collective of that group gives up within moments instead of after --timeout
    (a watched collective also gives up on a member whose heartbeat stopped: a frozen rank);
-2. it says it is alive in the rendezvous store for the next generation, with the epoch it can
-   return to (`ready`), and
+2. it says it is alive in the rendezvous store for the next generation (key `alive/RANK`), with
+   the epoch it failed in, and
 3. rank 0 of the job, the store's host, decides the new members: every old member that said it
    is alive, none whose heartbeat stopped for `stall` seconds (dead or frozen), waiting at most
    `timeout` seconds for the others; it writes the members and the epoch to continue from;
@@ -72,7 +72,8 @@ def regroup(group: Group, generation: int, epoch: int, *, min_workers: int, time
     membership = Membership(generation, members, int(resume), tuple(r for r in old if r not in members))
     if me not in members:
         raise Evicted(f"rank {me}: the other workers went on without this one (generation {generation}: "
-                      f"ranks {', '.join(map(str, members))}); it stopped responding in time")
+                      f"ranks {', '.join(map(str, members))}); it did not answer while they agreed who is left "
+                      f"(frozen or too slow)")
     if len(members) < min_workers:
         raise PeerFailure(f"rank {me}: only {len(members)} worker{'s' if len(members) > 1 else ''} left "
                           f"(ranks {', '.join(map(str, members))}), fewer than --min-workers {min_workers}; "

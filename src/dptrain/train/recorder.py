@@ -83,6 +83,8 @@ class Recorder:
     def __init__(self, out: Optional[Path], is_main: bool, verbose: bool = True, progress: bool = True,
                  world_size: int = 1) -> None:
         self.out, self.is_main, self.world_size = out, is_main, world_size
+        self.job_world = world_size  # the workers the job started with; world_size follows the live membership
+        self.members: Optional[tuple[int, ...]] = None  # ranks of the job still training, after a membership change
         self.verbose = verbose and is_main
         self.show_progress = progress and is_main and (sys.stderr.isatty() or os.environ.get("DPTRAIN_TTY") == "1")
         self.history: list[dict] = []
@@ -92,8 +94,18 @@ class Recorder:
             print(message, flush=True)
 
     def progress_bar(self, total: int, epoch: int, epochs: int) -> tqdm:
-        return tqdm(total=total, desc=f"epoch {epoch + 1}/{epochs}", leave=False, disable=not self.show_progress,
-                    dynamic_ncols=True)
+        return tqdm(total=total, desc=f"epoch {epoch + 1}/{epochs}{self._live(' · ')}", leave=False,
+                    disable=not self.show_progress, dynamic_ncols=True)
+
+    def follow(self, members: tuple[int, ...]) -> None:
+        """The live membership changed: `members`, the ranks of the job that train on (dptrain.runtime.membership)."""
+        self.members, self.world_size = tuple(members), len(members)
+
+    def _live(self, before: str) -> str:
+        """The live membership where it differs from the job's start: "2 of 3 workers (ranks 0, 1)"."""
+        if self.members is None or len(self.members) == self.job_world:
+            return ""
+        return f"{before}{len(self.members)} of {self.job_world} workers (ranks {', '.join(map(str, self.members))})"
 
     def _file(self, name: str) -> Optional[Path]:
         if not (self.is_main and self.out):
@@ -124,7 +136,7 @@ class Recorder:
         whose = "" if len(per_worker) == self.world_size else f"  (rank {per_worker[0].rank} alone)"
         self.log(f"epoch {epoch + 1}/{epochs}  train_loss {record['train_loss']:.4f}{test_loss}{accuracy}  "
                  f"{record['epoch_seconds']:.2f} s  {record['samples_per_second']:,.0f} samples/s  "
-                 f"comm {record['comm_bytes'] / 1e6:,.3f} MB so far{whose}")
+                 f"comm {record['comm_bytes'] / 1e6:,.3f} MB so far{whose}{self._live('  ')}")
         return record
 
     def replace_history(self, history: list[dict]) -> None:

@@ -30,6 +30,7 @@ from dptrain.runtime.group import PeerFailure
 from dptrain.runtime.membership import STALL, Membership, note, regroup
 from dptrain.runtime.env import detect, launcher_reports_interrupts
 from dptrain.strategies.base import Strategy
+from dptrain.strategies.rules import step_checkpoints_refused
 from dptrain.train import checkpoint_files
 from dptrain.train.checkpointer import Checkpointer, describe_interruption
 from dptrain.train.health import AverageHealth, LRGuard
@@ -162,8 +163,7 @@ class Trainer:
         strategy, self.strategy_choice = self.strategy.resolve(self, train)  # auto measures and picks one
         self.strategy = strategy
         if self.checkpoint_every_steps and strategy.no_step_checkpoints:
-            raise UserError(f"checkpoint_every_steps does not apply to strategy {strategy.name}: "
-                            f"{strategy.no_step_checkpoints}; it checkpoints at epoch ends (checkpoint_every)")
+            raise UserError(step_checkpoints_refused(strategy.name, strategy.no_step_checkpoints))
         labels = lambda: labels_of(train, self.recorder.log)  # noqa: E731 - asked again after a membership change
         plan, batches, reader = self._plan(train, labels)
         scheduler = self.schedule(self.optimizer, plan.steps, epochs) if self.schedule else None
@@ -292,7 +292,7 @@ class Trainer:
         if len(self.recorder.history) != len(saved["history"]):
             self.recorder.replace_history(saved["history"])
         ctx.rank, ctx.world_size, ctx.group = group.rank, group.world_size, group
-        self.recorder.world_size = group.world_size
+        self.recorder.follow(membership.members)
         left = ", ".join(map(str, membership.left))
         self.recorder.log(f"dptrain: continuing from epoch {membership.epoch + 1} with {group.world_size} workers "
                           f"(ranks {', '.join(map(str, membership.members))} of the job; without rank"

@@ -61,10 +61,17 @@ class StrategyRules:
 
 
 def refuse_step_checkpoints(rules: type[StrategyRules], config: Any) -> None:
-    """The one sentence for --checkpoint-every-steps with a strategy that checkpoints only at epoch ends."""
+    """--checkpoint-every-steps with a strategy that checkpoints only at epoch ends: ValueError."""
     if rules.no_step_checkpoints and getattr(config, "checkpoint_every_steps", 0):
-        raise ValueError(f"checkpoint_every_steps does not apply to strategy {config.strategy}: "
-                         f"{rules.no_step_checkpoints}; it checkpoints at epoch ends (checkpoint_every)")
+        raise ValueError(step_checkpoints_refused(config.strategy, rules.no_step_checkpoints, "--checkpoint-every-steps",
+                                                  "--checkpoint-every"))
+
+
+def step_checkpoints_refused(strategy: str, why: str, setting: str = "checkpoint_every_steps",
+                             epoch_setting: str = "checkpoint_every") -> str:
+    """The one sentence refusing checkpoints within an epoch to `strategy` (named as a flag on the command line,
+    as a keyword in Python)."""
+    return f"{setting} does not apply to strategy {strategy}: {why}; it checkpoints at epoch ends ({epoch_setting})"
 
 
 def trains_alone_for_epochs(config: Any) -> bool:
