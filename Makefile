@@ -22,8 +22,9 @@ $(STAMP): pyproject.toml Makefile
 demo: setup
 	$(BIN)/dptrain demo
 
+# The 30 slowest tests are listed at the end: where the suite's time goes (CI keeps it under 30 minutes).
 test: setup
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q --durations=30 $(PYTEST_ARGS)
 
 # The documentation site (MkDocs, docs/ and mkdocs.yml) into site/, warnings as errors; open site/index.html,
 # or serve it while editing with .venv/bin/mkdocs serve. tests/test_docs.py builds it too and runs its examples.

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -128,3 +129,16 @@ def test_a_read_only_out_directory_gives_one_line(tmp_path, mounts, subdirectory
     assert_one_clean_line(result, str(out), "read-only file system")
     assert len(error_lines(result.stderr)) == 1
     assert list(source.iterdir()) == []
+
+
+def test_under_torchrun_a_full_disk_is_one_line_not_one_per_rank(tmp_path, mounts):
+    # The rank that cannot write says why; its peer, whose collective then fails, ends with the same code and
+    # no line of its own (under dptrain's launcher, srun or mpirun too: each rank writes to the same terminal).
+    disk = mounts(tmp_path / "disk", "-t", "tmpfs", "-o", "size=2m", "tmpfs")
+    torchrun = Path(sys.executable).with_name("torchrun")
+    argv = [arg for arg in train_argv(disk / "run", 3, *BIG_MODEL) if arg not in ("--workers", "2")]  # torchrun's 2
+    result = subprocess.run([str(torchrun), "--nproc-per-node", "2", "-m", "dptrain", *argv], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=240)
+    ours = [line for line in result.stderr.splitlines() if line.startswith("dptrain: ")]
+    assert len(ours) == 1 and "no space left on device" in ours[0], result.stderr
+    assert "exitcode: 2" in result.stderr and "stopped responding" not in result.stderr, result.stderr

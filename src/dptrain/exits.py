@@ -52,7 +52,10 @@ def report_errors(main: Callable[[], Any]) -> int:
     except UserError as exc:
         if debugging():
             traceback.print_exc()
-        print(f"dptrain: error: {exc}", file=sys.stderr)
+        print(f"dptrain: error: {exc}", file=sys.stderr, flush=True)
+        distributed = sys.modules.get("dptrain.runtime.distributed")
+        if distributed is not None:  # a script's own group: the peers end with this code, without a line
+            distributed.report_error(exc.exit_code)
         return exc.exit_code
     except Preempted as exc:
         print(f"dptrain: {exc}", file=sys.stderr)
@@ -68,6 +71,9 @@ def report_errors(main: Callable[[], Any]) -> int:
         return Interrupted.exit_code
     except Exception as exc:  # noqa: BLE001 - peer failures get one line; bugs keep their traceback
         from dptrain.runtime.distributed import PeerFailure
+        from dptrain.runtime.group import PeerReported
+        if isinstance(exc, PeerReported) and not debugging():  # the peer's own line said why
+            return exc.code
         if isinstance(exc, PeerFailure) and not debugging():
             print(f"dptrain: error: {exc}", file=sys.stderr)
             return 1

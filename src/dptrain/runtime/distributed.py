@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from dptrain.errors import UserError
 from dptrain.runtime.env import DistEnv
-from dptrain.runtime.group import Group, PeerFailure, abandoned
+from dptrain.runtime.group import REPORTED, REPORTED_SEEN, Group, PeerFailure, abandoned
 from dptrain.runtime.heartbeat import Heartbeat, StoreUnanswered, bounded, default_store, store_abandoned
 from dptrain.runtime.spawn import STORE_FD
 
@@ -268,6 +268,42 @@ def destroy_process_group() -> None:
         time.sleep(0.05)
 
 
+LINGER = 3.0  # seconds the store's host waits, after an error of its own, for its peers to read it
+_TOLD: list = []  # (store, world size) once this rank told its peers of its error and hosts the store
+
+
+def report_error(code: int) -> None:
+    """This rank ends with an error it says in its own line: tell its peers, through the store, so that each
+    ends with the same code and no line of its own (dptrain.runtime.group.PeerReported) instead of a second
+    line about a peer that stopped; then leave the group at once, so that no peer waits on this rank until
+    --timeout. The store's host (rank 0, unless torchrun's agent serves it) stays at exit until its peers
+    have read it, at most LINGER seconds (exit_process)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1 or store_abandoned():
+        return
+    store, rank, world = default_store(), dist.get_rank(), dist.get_world_size()
+    try:
+        first = bounded(lambda: store.compare_set(REPORTED, "", f"{rank} {code}"), 1.0).decode()
+    except Exception:  # noqa: BLE001 - no store to tell: the peers diagnose the failure themselves
+        return
+    if first == f"{rank} {code}" and rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        _TOLD.append((store, world))
+    destroy_process_group()
+
+
+def _wait_until_told() -> None:
+    """At exit: the store's host waits (at most LINGER s) until its peers have read its error."""
+    for store, world in _TOLD:
+        deadline = time.monotonic() + LINGER
+        while time.monotonic() < deadline:
+            try:
+                if bounded(lambda: store.add(REPORTED_SEEN, 0), 1.0) >= world - 1:
+                    break
+            except Exception:  # noqa: BLE001 - a store call that fails: nobody left to wait for
+                break
+            time.sleep(0.05)
+    _TOLD.clear()
+
+
 _JOINED = False  # whether this process ever joined a process group
 _JOINED_AS: Optional[DistEnv] = None  # what the environment said when this process joined it
 
@@ -287,6 +323,7 @@ def exit_process(code: int, finalize: Optional[bool] = None) -> None:
     """
     if not _JOINED and finalize is not False:
         sys.exit(code)
+    _wait_until_told()
     try:
         atexit._run_exitfuncs()
     finally:

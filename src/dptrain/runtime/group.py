@@ -50,6 +50,32 @@ class PeerFailure(RuntimeError):
     """A collective failed or timed out because another worker is gone or stuck."""
 
 
+class PeerReported(PeerFailure):
+    """A peer ended with an error it said in its own line (`report_error`): this rank ends with its code, silently."""
+
+    def __init__(self, message: str, code: int) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+REPORTED = "dptrain/error"  # "RANK CODE" of the first rank that ended with an error it said itself
+REPORTED_SEEN = "dptrain/error/seen"  # how many peers read it (the store's host waits for them before it exits)
+
+
+def reported_error(store: Any) -> Optional[tuple[int, int]]:
+    """(rank, exit code) of a peer that ended with an error it said itself, or None; counts this rank as told."""
+    if store is None:
+        return None
+    try:
+        if not store_call(lambda: store.check([REPORTED]), 1.0):
+            return None
+        rank, code = store_call(lambda: store.get(REPORTED), 1.0).decode().split()
+        store_call(lambda: store.add(REPORTED_SEEN, 1), 1.0)
+    except Exception:  # noqa: BLE001 - the store's host is gone too: diagnose the failure as before
+        return None
+    return int(rank), int(code)
+
+
 class QuietPeer(PeerFailure):
     """A watched collective gave up on members whose heartbeat stopped (its message names them already)."""
 
@@ -318,6 +344,10 @@ class Group:
                 if not failed:
                     raise
             waited = time.perf_counter() - begun
+            told = reported_error(self.store)
+            if told is not None:  # its line says why; a second line about it would only hide the first
+                raise PeerReported(f"rank {self.rank}: {what} failed: rank {told[0]} ended with an error "
+                                   f"(exit code {told[1]})", told[1]) from None
             if self.watch is not None:  # live membership finds out who is gone (dptrain.runtime.membership)
                 who = "a peer failed"
             else:

@@ -27,7 +27,8 @@ from dptrain.errors import Interrupted, Preempted, UserError
 from dptrain.io import write_text
 from dptrain.models import build_model, check_output_shape
 from dptrain.models import check_name as check_model_name
-from dptrain.runtime.distributed import choose_device, destroy_process_group, init_process_group, set_cpu_threads
+from dptrain.runtime.distributed import (choose_device, destroy_process_group, init_process_group, report_error,
+                                         set_cpu_threads)
 from dptrain.runtime.env import DistEnv, detect
 from dptrain.runtime.launcher import NOT_RESTARTED, launch_local
 from dptrain.runtime.prestart import prestart, quiet_cpp_logs_of_children
@@ -260,6 +261,9 @@ def run_worker(config: TrainConfig, env: DistEnv) -> Summary:
     held = ExitStack()  # the run directory's lock, when this rank holds it
     try:
         return train_in_group(config, env, ctx, held)
+    except UserError as exc:  # the peers end with its code and without a line of their own
+        report_error(exc.exit_code)
+        raise
     finally:
         destroy_process_group()
         held.close()

@@ -26,7 +26,7 @@ from dptrain import faults
 from dptrain.data.sampler import PlanBatches, TrainData, as_dataset, evaluation_loader, labels_of, loader
 from dptrain.errors import Diverged, Interrupted, Preempted, UserError
 from dptrain.runtime.distributed import DistContext, init_process_group
-from dptrain.runtime.group import PeerFailure
+from dptrain.runtime.group import PeerFailure, PeerReported
 from dptrain.runtime.membership import STALL, Membership, note, regroup
 from dptrain.runtime.env import detect, launcher_reports_interrupts
 from dptrain.strategies.base import Strategy
@@ -197,7 +197,7 @@ class Trainer:
                  step) = self._epoch(train_model, reader, batches, epoch, epochs, step, scheduler, health, lr_guard,
                                      test, position)
             except PeerFailure as failure:
-                if self.min_workers is None:
+                if self.min_workers is None or isinstance(failure, PeerReported):  # an error the job shares
                     raise
                 changed = self._continue_without(failure, epoch, snapshots, parts)
                 epoch, step = changed.epoch, snapshots[changed.epoch]["step"]
