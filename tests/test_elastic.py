@@ -30,10 +30,10 @@ def elastic_argv(out) -> list[str]:
 
 @pytest.fixture(scope="module")
 def killed_runs(tmp_path_factory):
-    """The same run twice: rank 2 killed in epoch 2, then frozen there (SIGSTOP)."""
+    """The same run three times: rank 2 killed in epoch 2, frozen there (SIGSTOP), or warned there (SIGUSR1)."""
     root = tmp_path_factory.mktemp("elastic")
     runs = []
-    for name, action in (("killed", "kill"), ("frozen", "freeze")):
+    for name, action in (("killed", "kill"), ("frozen", "freeze"), ("left", "stop")):
         result = dptrain(*elastic_argv(root / name), cwd=root, env={**KILL, "DPTRAIN_FAULT_ACTION": action})
         runs.append((root / name, result))
     return runs
@@ -80,11 +80,27 @@ def test_a_frozen_worker_is_given_up_after_its_heartbeat_stops_and_stopped_at_th
 
 
 def test_a_kill_and_a_freeze_at_the_same_step_give_the_same_weights(killed_runs):
-    (first, a), (second, b) = killed_runs
+    (first, a), (second, b), _ = killed_runs
     assert a.returncode == 0 and b.returncode == 0, a.stderr + b.stderr
     one = torch.load(first / "model.pt", weights_only=True)
     two = torch.load(second / "model.pt", weights_only=True)
     assert one.keys() == two.keys() and all(torch.equal(one[name], two[name]) for name in one)
+
+
+def test_a_worker_warned_alone_leaves_at_the_epoch_end_and_the_others_go_on_without_redoing_it(killed_runs):
+    (killed, _), _, (run, result) = killed_runs
+    assert result.returncode == 0, result.stderr
+    said = result.stdout + result.stderr
+    assert "rank 2: left the run after epoch 2 on SIGUSR1; the other 2 workers go on without it" in said
+    assert "rank 2 left after epoch 2 on request (SIGUSR1); continuing with 2 workers (ranks 0, 1 of the job)" in said
+    assert "was killed" not in said and "stopping the other" not in said
+    history = records(run)
+    assert [len(record["workers"]) for record in history] == [3, 3, 2, 2]  # epoch 2 is not done again
+    for record in history:
+        assert sum(worker["samples"] for worker in record["workers"]) == TRAIN_ROWS
+    assert history[2]["membership"] == {"generation": 1, "members": [0, 1], "left": [2], "continued_from_epoch": 3}
+    assert history[0]["train_loss"] == records(killed)[0]["train_loss"]  # the same run until it left
+    assert json.loads((run / "summary.json").read_text())["workers"] == 2
 
 
 @pytest.mark.parametrize("values, message", [

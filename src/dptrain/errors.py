@@ -17,6 +17,10 @@ class Preempted(Exception):
     exit_code = 75  # EX_TEMPFAIL: try again later
 
 
+class Left(Preempted):
+    """This rank alone was asked to stop (--min-workers): it left at an epoch end and the others go on without it."""
+
+
 class Diverged(UserError):
     """The model's weights became NaN or infinite: the settings (learning rate, clipping) do not hold training."""
 

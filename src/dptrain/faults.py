@@ -4,7 +4,8 @@
 
 kills rank 1 with SIGKILL at the point `save-rename` of its epoch-2 checkpoint, once: the file
 named by DPTRAIN_FAULT_ONCE is created first, and a point whose marker exists does not fire
-again (the restarted world runs through); DPTRAIN_FAULT_ACTION=freeze sends SIGSTOP instead of SIGKILL.
+again (the restarted world runs through); DPTRAIN_FAULT_ACTION=freeze sends SIGSTOP instead of SIGKILL,
+DPTRAIN_FAULT_ACTION=stop SIGUSR1 (a scheduler's warning to that rank alone).
 Without DPTRAIN_FAULT nothing here does anything.
 
 Points: save-begin (before any file of the checkpoint), save-fsync (the data written, not yet
@@ -60,5 +61,7 @@ def _fire(name: str, rank: Optional[int], number: Optional[int]) -> None:
             os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
         except FileExistsError:
             return
-    # DPTRAIN_FAULT_ACTION=freeze stops the process instead (SIGSTOP: alive, silent, holding its connections).
-    os.kill(os.getpid(), signal.SIGSTOP if os.environ.get("DPTRAIN_FAULT_ACTION") == "freeze" else signal.SIGKILL)
+    # DPTRAIN_FAULT_ACTION=freeze stops the process instead (SIGSTOP: alive, silent, holding its connections);
+    # =stop sends it SIGUSR1, a scheduler's warning to this rank alone.
+    action = os.environ.get("DPTRAIN_FAULT_ACTION")
+    os.kill(os.getpid(), {"freeze": signal.SIGSTOP, "stop": signal.SIGUSR1}.get(action or "", signal.SIGKILL))

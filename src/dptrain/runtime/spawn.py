@@ -273,7 +273,10 @@ def _wait(exits: queue.Queue, world: int, begun: float, timeout: Optional[float]
         done.append(rank)
         if code == 0 and first_done_at is None:  # finished: after a stop (75) an async peer may still be in its epoch
             first_done_at, first_finished = time.perf_counter(), rank
-        if code == PREEMPTED:
+        if code == PREEMPTED and rank != 0 and len(lost) < may_lose:
+            lost.append(rank)  # asked to stop alone, it left and the others go on (it said so itself); when the
+            # whole job stops, rank 0 stops too: its 75 makes the job's
+        elif code == PREEMPTED:
             preempted = True
         elif code != 0 and rank != 0 and len(lost) < may_lose:
             lost.append(rank)

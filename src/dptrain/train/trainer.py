@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from dptrain import faults
 from dptrain.data.sampler import PlanBatches, TrainData, as_dataset, evaluation_loader, labels_of, loader
-from dptrain.errors import Diverged, Interrupted, Preempted, UserError
+from dptrain.errors import Diverged, Interrupted, Left, Preempted, UserError
 from dptrain.runtime.distributed import DistContext, init_process_group
 from dptrain.runtime.group import PeerFailure, PeerReported
 from dptrain.runtime.membership import STALL, Membership, note, regroup
@@ -114,6 +114,7 @@ class Trainer:
         self.strategy_choice: Optional[dict] = None  # how --strategy auto chose (summary.json's strategy_options.auto)
         self.data_record: Optional[dict] = None  # what the data was, for summary.json (set by `dptrain train`)
         self.stop_signals = StopSignals()
+        self._leaving: Optional[tuple] = None  # (ranks that stay, ranks that leave, their signals) at this epoch end
         self._slowdown = 1.0
         self._evaluation: Optional[tuple] = None  # (test set, (rank, world), its DataLoader)
         self._forward_mark: Optional[tuple] = None  # (the DDP model, its forward pre-hook) for _forward
@@ -222,6 +223,9 @@ class Trainer:
                 ctx.group.bounded("checkpoint before stopping", strategy.stop_together)
                 raise Preempted(f"rank {ctx.rank}: stopped by {stop} after epoch {epoch + 1}; a checkpoint is saved "
                                 f"in {self.out}: run the same command again to continue")
+            if self._leaving is not None:
+                changed = self._let_leave(epoch, parts)
+                plan, batches, reader = self._plan(train, labels)
             epoch += 1
         final = ctx.group.bounded("finish", strategy.finish)
         wall = time.perf_counter() - started
@@ -266,8 +270,48 @@ class Trainer:
         stats = EpochStats(ctx.rank, samples, train_loss, time.perf_counter() - epoch_start, strategy.comm_bytes)
         test_metrics = self._evaluate_global(test) if (test is not None and is_global) else None
         gathered = strategy.gather_stats(stats)
-        stop = strategy.agree_stop(self.stop_signals.requested) if self.checkpointer.enabled else None
+        stop = self._agree_stop() if self.checkpointer.enabled else None
         return samples, train_loss, recovered, checked, gathered, test_metrics, stop, step
+
+    def _agree_stop(self) -> Optional[str]:
+        """The stop signal the whole run obeys at this epoch end, or None. With min_workers, ranks asked to stop
+        while others were not (a scheduler warned one node) leave instead, at this epoch end (`_leaving`), when
+        at least min_workers stay and rank 0 (the store's host) is not among them."""
+        ctx, requested = self.ctx, self.stop_signals.requested
+        if self.min_workers is None or ctx.world_size == 1:
+            return self.strategy.agree_stop(requested)
+        asked = ctx.group.gather_objects("stop check", requested)
+        leave = tuple(member for member, signal in zip(ctx.group.members, asked) if signal)
+        stay = tuple(member for member in ctx.group.members if member not in leave)
+        if not leave:
+            return None
+        if 0 in leave or len(stay) < self.min_workers:  # the job stops: checkpoint and exit 75, as without it
+            return requested or "a signal to another rank"
+        self._leaving = (stay, leave, tuple(signal for signal in asked if signal))
+        return None
+
+    def _let_leave(self, epoch: int, parts: dict) -> Membership:
+        """After `epoch` (from 0) ended: the ranks asked to stop alone leave (Left, exit 75) and the others go
+        on without them from the next epoch, in a group of their own (no state to return to: nothing failed)."""
+        ctx = self.ctx
+        stay, leave, signals = self._leaving
+        self._leaving = None
+        me, names = ctx.group.members[ctx.rank], ", ".join(map(str, leave))
+        generation = ctx.group.generation + 1
+        ctx.group.abandon()  # nobody waits in it: its last collective (the stop check) is over
+        if me in leave:
+            raise Left(f"rank {me}: left the run after epoch {epoch + 1} on {signals[0]}; the other "
+                       f"{len(stay)} worker{'s' if len(stay) > 1 else ''} go on without it")
+        group = ctx.group.rebuild(stay, generation)
+        assert group is not None
+        if group.heartbeat is not None:
+            group.heartbeat.peers = list(stay)
+        ctx.rank, ctx.world_size, ctx.group = group.rank, group.world_size, group
+        self.recorder.follow(stay)
+        self.recorder.log(f"dptrain: rank{'s' if len(leave) > 1 else ''} {names} left after epoch {epoch + 1} "
+                          f"on request ({signals[0]}); continuing with {group.world_size} workers (ranks "
+                          f"{', '.join(map(str, stay))} of the job)")
+        return Membership(generation, stay, epoch + 1, leave)
 
     def _snapshot(self, parts: dict, step: int) -> dict:
         """This rank's state now, in memory (what a checkpoint holds), to return to after a membership change."""
