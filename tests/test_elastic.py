@@ -103,6 +103,20 @@ def test_a_worker_warned_alone_leaves_at_the_epoch_end_and_the_others_go_on_with
     assert json.loads((run / "summary.json").read_text())["workers"] == 2
 
 
+def test_fedavg_goes_on_without_a_killed_client_partitioned_again_over_the_others(tmp_path):
+    argv = elastic_argv(tmp_path / "fedavg")
+    argv[argv.index("sync")] = "fedavg"
+    result = dptrain(*argv, cwd=tmp_path, env={**KILL, "DPTRAIN_FAULT_ACTION": "kill"})
+    assert result.returncode == 0, result.stderr
+    assert "continuing from epoch 2 with 2 workers (ranks 0, 1 of the job; without rank 2)" in result.stdout
+    history = records(tmp_path / "fedavg")
+    assert [len(record["workers"]) for record in history] == [3, 2, 2, 2]
+    for record in history:  # the lost client's rows are read by the others: none lost, none twice
+        assert sum(worker["samples"] for worker in record["workers"]) == TRAIN_ROWS
+    summary = json.loads((tmp_path / "fedavg" / "summary.json").read_text())
+    assert summary["workers"] == 2 and summary["test_accuracy"] > 0.8
+
+
 @pytest.mark.parametrize("values, message", [
     ({"strategy": "sync", "workers": 3, "min_workers": 4}, "--min-workers 4 is more than --workers 3; use 1 to 3"),
     ({"strategy": "sync", "workers": 3, "min_workers": 2, "allreduce_epochs": 1},
@@ -110,7 +124,7 @@ def test_a_worker_warned_alone_leaves_at_the_epoch_end_and_the_others_go_on_with
     ({"strategy": "sync", "workers": 3, "min_workers": 2, "checkpoint_every_steps": 5},
      "--min-workers goes back to the start of an epoch when a worker is lost"),
     ({"strategy": "allreduce", "workers": 3, "min_workers": 2},
-     "'min_workers' in the settings applies to strategy sync, not allreduce"),
+     "'min_workers' in the settings applies to strategies sync and fedavg, not allreduce"),
 ])
 def test_min_workers_is_refused_where_it_cannot_hold(values, message):
     with pytest.raises(UserError, match=message):

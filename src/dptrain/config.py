@@ -146,9 +146,10 @@ class TrainConfig(BaseModel):
     resume: bool = Field(False, description="continue the run in --out from its last checkpoint (also automatic when "
                                             "--out holds an unfinished run with the same settings)")
     max_restarts: int = Field(0, ge=0, description="local launcher: restart the workers from the last checkpoint up to N times")
-    min_workers: Optional[int] = Field(None, ge=1, description="sync, local launcher: when a worker other than rank 0 "
-                                       "fails or freezes, the others go on without it from the start of that epoch, "
-                                       "as long as N remain (default: a failure ends the run)")
+    min_workers: Optional[int] = Field(None, ge=1, description="sync or fedavg, local launcher: when a worker other than "
+                                       "rank 0 fails or freezes, the others go on without it from the start of that "
+                                       "epoch, as long as N remain; one warned alone leaves at the epoch end "
+                                       "(default: a failure ends the run)")
 
     # Outputs
     out: Optional[str] = Field(None, description="run directory (default runs/STRATEGY-TIMESTAMP); must not hold a run already")

@@ -60,6 +60,18 @@ class StrategyRules:
         """Raise dptrain.errors.UserError when `model` or the worker count cannot train with this strategy."""
 
 
+def check_min_workers(config: Any) -> None:
+    """--min-workers (sync, fedavg): ValueError where it cannot hold."""
+    if config.min_workers is None:
+        return
+    if config.min_workers > config.workers:
+        raise ValueError(f"--min-workers {config.min_workers} is more than --workers {config.workers}; "
+                         f"use 1 to {config.workers}")
+    if config.checkpoint_every_steps:
+        raise ValueError("--min-workers goes back to the start of an epoch when a worker is lost, which "
+                         "--checkpoint-every-steps does not keep yet; drop one of them")
+
+
 def refuse_step_checkpoints(rules: type[StrategyRules], config: Any) -> None:
     """--checkpoint-every-steps with a strategy that checkpoints only at epoch ends: ValueError."""
     if rules.no_step_checkpoints and getattr(config, "checkpoint_every_steps", 0):

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, Optional
 
 from pydantic import Field
 
-from dptrain.strategies.rules import StrategyRules, trains_alone_for_epochs
+from dptrain.strategies.rules import StrategyRules, check_min_workers, trains_alone_for_epochs
 from dptrain.strategies.rules.outer import OuterOptions
 
 
@@ -17,9 +17,12 @@ class FedAvgRules(StrategyRules):
         alpha: float = Field(0.5, gt=0)
         clients_per_round: float = Field(1.0, gt=0, le=1)
         proximal_mu: float = Field(0.0, ge=0)
+        # A lost client's share of the round is dropped; the others are partitioned again over the live world.
+        min_workers: Optional[int] = Field(None, ge=1)
 
     @classmethod
     def check(cls, config: Any) -> None:
+        check_min_workers(config)
         if config.proximal_mu and config.amp == "fp16":
             raise ValueError("proximal_mu does not work with amp fp16 (the term would join loss-scaled gradients); "
                              "use amp bf16 or none")

@@ -6,7 +6,7 @@ from typing import Any, Optional
 
 from pydantic import Field
 
-from dptrain.strategies.rules import StrategyRules, check_one_period, trains_alone_for_epochs
+from dptrain.strategies.rules import StrategyRules, check_min_workers, check_one_period, trains_alone_for_epochs
 from dptrain.strategies.rules.outer import OuterOptions
 
 
@@ -20,17 +20,10 @@ class SyncRules(StrategyRules):
     @classmethod
     def check(cls, config: Any) -> None:
         check_one_period(config)
-        if config.min_workers is None:
-            return
-        if config.min_workers > config.workers:
-            raise ValueError(f"--min-workers {config.min_workers} is more than --workers {config.workers}; "
-                             f"use 1 to {config.workers}")
-        if config.allreduce_epochs:
+        check_min_workers(config)
+        if config.min_workers is not None and config.allreduce_epochs:
             raise ValueError("--min-workers cannot go on without a worker during --allreduce-epochs (their "
                              "DistributedDataParallel is bound to the first workers); drop one of them")
-        if config.checkpoint_every_steps:
-            raise ValueError("--min-workers goes back to the start of an epoch when a worker is lost, which "
-                             "--checkpoint-every-steps does not keep yet; drop one of them")
 
     @classmethod
     def scales_lr(cls, config: Any) -> bool:
