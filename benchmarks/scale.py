@@ -209,6 +209,7 @@ def plot(results: list[dict], path: Path) -> None:
     figure, axes = plt.subplots(1, 3, figsize=(13, 3.8))
     axes[0].plot(worlds, [r["startup_s"] for r in done], "o-", label="launch to first step")
     axes[0].plot(worlds, [r["wall_s"] for r in done], "s-", label="whole run (4 strategies)")
+    axes[0].plot(worlds, [r["cpu_s_total"] / 2 for r in done], "^--", label="all ranks' CPU seconds / 2 cores")
     axes[0].set_ylabel("seconds")
     axes[1].plot(worlds, [r["peak_rss_mb_per_rank"]["max"] for r in done], "o-", label="peak RSS per rank (max)")
     axes[1].plot(worlds, [r["pss_mb_per_rank_at_end"]["mean"] for r in done], "s-", label="PSS per rank (mean)")
@@ -235,7 +236,11 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds a world may take")
     parser.add_argument("--headroom-mb", type=float, default=2048.0,
                         help="memory to leave free for the machine's other users when deciding to run a world")
+    parser.add_argument("--replot", action="store_true", help="only draw OUT/scale.png again from OUT/scale.json")
     args = parser.parse_args()
+    if args.replot:
+        plot(json.loads((args.out / "scale.json").read_text())["results"], args.out / "scale.png")
+        return
     args.out.mkdir(parents=True, exist_ok=True)
     results: list[dict] = []
     per_rank_mb = shared_mb = None
