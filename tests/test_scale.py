@@ -34,7 +34,6 @@ def test_sixteen_ranks_keep_every_strategys_exact_properties():
     records = run_distributed(_rank, WORLD, timeout=240)
     distances = scale.check(records, WORLD)
     assert set(distances) == {"allreduce", "sync", "async", "fedavg"}
-    print(f"CPU seconds of the ranks: {sum(r['cpu_s'] for r in records):.1f}")
     for record in records:
         assert [name for name in record["python_threads"] if name.startswith("dptrain-")] == \
                [f"dptrain-heartbeat-{record['rank']}"]
