@@ -40,7 +40,10 @@ def run_distributed(fn, world: int = 2, *args, timeout: float = 120.0) -> list:
     # A fork server that has imported torch once starts each worker in milliseconds rather
     # than seconds, and forks from a clean process (no threads, no process group).
     context = mp.get_context("forkserver")
-    context.set_forkserver_preload(["torch", "torch.distributed", "dptrain", "distributed"])
+    # torch._dynamo too: a torch.optim optimizer imports it (and sympy) when the first one is built, about
+    # two CPU seconds in every worker otherwise.
+    context.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "dptrain", "dptrain.train.trainer",
+                                    "dptrain.strategies", "distributed"])
     results = context.Queue()
     port = free_port()
     procs = [context.Process(target=_child, args=(fn, rank, world, port, results, args)) for rank in range(world)]

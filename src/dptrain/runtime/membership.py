@@ -82,7 +82,7 @@ def regroup(group: Group, generation: int, epoch: int, *, min_workers: int, time
     new = group.rebuild(members, generation)
     assert new is not None
     if group.heartbeat is not None:
-        group.heartbeat.peers = list(members)
+        group.heartbeat.follow(members)
     return new, membership
 
 
