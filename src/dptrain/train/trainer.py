@@ -305,7 +305,7 @@ class Trainer:
         group = ctx.group.rebuild(stay, generation)
         assert group is not None
         if group.heartbeat is not None:
-            group.heartbeat.peers = list(stay)
+            group.heartbeat.follow(stay)
         ctx.rank, ctx.world_size, ctx.group = group.rank, group.world_size, group
         self.recorder.follow(stay)
         self.recorder.log(f"dptrain: rank{'s' if len(leave) > 1 else ''} {names} left after epoch {epoch + 1} "
