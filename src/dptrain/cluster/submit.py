@@ -72,7 +72,13 @@ def follow(scheduler, job_id: str, output: Path, *, timeout: Optional[float]) ->
         if status.finished:
             time.sleep(0.5)  # the last lines may reach the shared file system just after the state
             follower.pump()
-            return status
+            # (a scheduler whose jobs requeue themselves as a new job, PBS, says which)
+            successor = scheduler.requeued_as(output.parent, job_id) if hasattr(scheduler, "requeued_as") else None
+            if successor is None:
+                return status
+            print(f"dptrain: job {job_id} was requeued as job {successor}; following it until it finishes", flush=True)
+            job_id, last_state = successor, None
+            continue
         if deadline is not None and time.monotonic() > deadline:
             raise UserError(f"job {job_id} is still {status.state} after --wait-timeout {timeout:g} s; "
                             f"it keeps running, its output goes to {output}")
