@@ -20,6 +20,7 @@ import pytest
 
 from dptrain.cluster import local, pbs
 from dptrain.cluster.spec import JobSpec
+from dptrain.cluster.submit import follow
 from dptrain.runtime.env import detect
 from test_train_cli import DIGITS
 
@@ -242,3 +243,18 @@ def test_a_command_rank_given_rank_by_its_job_script_records_the_launcher_undern
     env = detect({"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2",
                   "MASTER_ADDR": "node1", "MASTER_PORT": "29400", **variables})
     assert (env.launcher, env.rank, env.world_size, env.local_rank) == (launcher, 3, 4, 1)
+
+
+def test_launch_wait_follows_a_pbs_job_into_the_job_it_requeued_itself_as(tmp_path, monkeypatch, capsys):
+    # A stand-in qstat: every job has finished; 77 resubmitted itself as 78 (as its script records it).
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "qstat").write_text('#!/bin/bash\necho "Job Id: $4"; echo "    job_state = F"; echo "    Exit_status = 0"\n')
+    (bin_dir / "qstat").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    (tmp_path / "pbs-requeued-77.server").write_text("78.server\n")
+    (tmp_path / pbs.OUTPUT_NAME).write_text("first job\n")
+    status = follow(pbs, "77.server", tmp_path / pbs.OUTPUT_NAME, timeout=30)
+    assert status.finished and status.exit_code == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "first job", "dptrain: job 77.server was requeued as job 78.server; following it until it finishes"]
