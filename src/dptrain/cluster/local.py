@@ -25,7 +25,7 @@ from typing import Mapping, Optional
 
 from dptrain.cluster.base import Job, Placement
 from dptrain.cluster.containers import rank_command
-from dptrain.cluster.spec import JobSpec, header, process_environment, quote, train_command
+from dptrain.cluster.spec import JobSpec, header, ignoring, process_environment, quote, train_command
 from dptrain.cluster.submit import JobStatus
 from dptrain.cluster.torchrun import torchrun_ranks
 
@@ -35,6 +35,9 @@ OUTPUT_NAME = "job.out"
 # First: a rank dptrain's launcher started (DPTRAIN_LAUNCHER) is that launcher's, whatever launcher
 # started dptrain itself (its variables, e.g. mpirun's, pass on to the ranks).
 PRIORITY = 0
+
+# What the script passes on to the ranks: the stop signals and Ctrl-C.
+TRAPPED = ("TERM", "USR1", "USR2", "INT")
 
 # Jobs this process started, by job id (the script's PID), so that poll() can read their exit codes.
 _started: dict[str, subprocess.Popen] = {}
@@ -55,6 +58,10 @@ def render(spec: JobSpec) -> str:
                  "}"]
     else:
         setup, command = rank_command(spec)
+        if spec.container:
+            # A signal reaches the rank's whole process group: the container runtime must not die of it; the
+            # rank inside handles it.
+            command = ignoring(" ".join(TRAPPED)) + command
         run_dir = f" DPTRAIN_RUN_DIR={quote([spec.run_dir])}" if spec.command else ""
         start = [
             *([*setup, ""] if setup else []),
@@ -64,7 +71,8 @@ def render(spec: JobSpec) -> str:
             f"export MASTER_ADDR=127.0.0.1 MASTER_PORT=$((20000 + $$ % 20000)) WORLD_SIZE={spec.world_size} "
             f"LOCAL_WORLD_SIZE={spec.world_size}{run_dir}",
             "",
-            "# One container per rank." if spec.container else "# One process per rank.",
+            "# One container per rank" if spec.container else "# One process per rank",
+            "# (each in its own process group, which a signal reaches whole: a program's children too).",
             "start_ranks() {",
             "    pids=()",
             f"    for rank in $(seq 0 {spec.world_size - 1}); do",
@@ -72,6 +80,8 @@ def render(spec: JobSpec) -> str:
             "        pids+=($!)",
             "    done",
             "}"]
+    # Signals reach dptrain's launcher (which passes them on to its workers), or each rank's process group.
+    group = "" if own_launcher else "/#/-"
     if own_launcher or not spec.stop_before:
         graced = []
     else:
@@ -80,21 +90,23 @@ def render(spec: JobSpec) -> str:
             "    local waited=0 rank",
             f"    while [ \"$waited\" -lt {spec.stop_before} ] && alive; do sleep 1; waited=$((waited + 1)); done",
             "    for rank in \"${!pids[@]}\"; do",
-            "        if kill -0 \"${pids[rank]}\" 2>/dev/null; then",
+            "        if kill -0 -- \"-${pids[rank]}\" 2>/dev/null; then",
             f"            echo \"dptrain: rank $rank had not exited {spec.stop_before} s (--grace) after SIG$stopping; killing it\" >&2",
-            "            kill -KILL \"${pids[rank]}\" 2>/dev/null || true",
+            "            kill -KILL -- \"-${pids[rank]}\" 2>/dev/null || true",
             "        fi",
             "    done"]
     lines += [
         *start,
         "",
-        "# A stop signal (TERM, USR1, USR2) sent to this script reaches every rank; the job then ends.",
+        "# A stop signal (TERM, USR1, USR2) or Ctrl-C (INT) sent to this script reaches every rank; the job then",
+        "# ends. (With job control on, `set -m`, the ranks do not ignore INT as background commands otherwise do.)",
+        "set -m",
         'pids=() stopping="" trapped=""',
-        "for signal in TERM USR1 USR2; do",
-        '    trap "stopping=$signal trapped=1; kill -s $signal \\${pids[*]} 2>/dev/null || true" "$signal"',
+        f"for signal in {' '.join(TRAPPED)}; do",
+        f'    trap "stopping=$signal trapped=1; kill -s $signal -- \\${{pids[*]{group}}} 2>/dev/null || true" "$signal"',
         "done",
         *(["alive() {",
-           '    local pid; for pid in "${pids[@]}"; do kill -0 "$pid" 2>/dev/null && return 0; done; return 1',
+           '    local pid; for pid in "${pids[@]}"; do kill -0 -- "-$pid" 2>/dev/null && return 0; done; return 1',
            "}"] if graced else []),
         "# The job's exit code: the first failure's (the others are stopped, as srun --kill-on-bad-exit does), else",
         "# 75 when a rank stopped to be resumed, else 0.",
@@ -108,7 +120,7 @@ def render(spec: JobSpec) -> str:
         '        if [ "$status" -eq 75 ]; then',
         "            code=75",
         '        elif [ "$status" -ne 0 ]; then',
-        '            kill "${pids[@]}" 2>/dev/null || true',
+        f'            kill -- "${{pids[@]{group}}}" 2>/dev/null || true',
         "            wait || true",
         '            echo "dptrain: a rank exited with code $status; stopped the others" >&2',
         '            return "$status"',

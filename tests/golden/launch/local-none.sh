@@ -13,10 +13,12 @@ start_ranks() {
     pids=($!)
 }
 
-# A stop signal (TERM, USR1, USR2) sent to this script reaches every rank; the job then ends.
+# A stop signal (TERM, USR1, USR2) or Ctrl-C (INT) sent to this script reaches every rank; the job then
+# ends. (With job control on, `set -m`, the ranks do not ignore INT as background commands otherwise do.)
+set -m
 pids=() stopping="" trapped=""
-for signal in TERM USR1 USR2; do
-    trap "stopping=$signal trapped=1; kill -s $signal \${pids[*]} 2>/dev/null || true" "$signal"
+for signal in TERM USR1 USR2 INT; do
+    trap "stopping=$signal trapped=1; kill -s $signal -- \${pids[*]} 2>/dev/null || true" "$signal"
 done
 # The job's exit code: the first failure's (the others are stopped, as srun --kill-on-bad-exit does), else
 # 75 when a rank stopped to be resumed, else 0.
@@ -30,7 +32,7 @@ wait_ranks() {
         if [ "$status" -eq 75 ]; then
             code=75
         elif [ "$status" -ne 0 ]; then
-            kill "${pids[@]}" 2>/dev/null || true
+            kill -- "${pids[@]}" 2>/dev/null || true
             wait || true
             echo "dptrain: a rank exited with code $status; stopped the others" >&2
             return "$status"

@@ -17,22 +17,25 @@ if [ "$(id -u)" = 0 ]; then udocker+=(--allow-root); fi
 # MASTER_PORT, WORLD_SIZE and RANK (each rank's own; LOCAL_RANK too).
 export MASTER_ADDR=127.0.0.1 MASTER_PORT=$((20000 + $$ % 20000)) WORLD_SIZE=2 LOCAL_WORLD_SIZE=2 DPTRAIN_RUN_DIR=/home/ada/project/runs/mine
 
-# One container per rank.
+# One container per rank
+# (each in its own process group, which a signal reaches whole: a program's children too).
 start_ranks() {
     pids=()
     for rank in $(seq 0 1); do
-        RANK=$rank LOCAL_RANK=$rank "${udocker[@]}" run --nobanner --hostenv -v /etc/hosts -v /home/ada/project -v /scratch/ada/data -w /home/ada/project dptrain python train.py --epochs 3 &
+        RANK=$rank LOCAL_RANK=$rank bash -c 'trap "" TERM USR1 USR2 INT; exec "$@"' rank "${udocker[@]}" run --nobanner --hostenv -v /etc/hosts -v /home/ada/project -v /scratch/ada/data -w /home/ada/project dptrain python train.py --epochs 3 &
         pids+=($!)
     done
 }
 
-# A stop signal (TERM, USR1, USR2) sent to this script reaches every rank; the job then ends.
+# A stop signal (TERM, USR1, USR2) or Ctrl-C (INT) sent to this script reaches every rank; the job then
+# ends. (With job control on, `set -m`, the ranks do not ignore INT as background commands otherwise do.)
+set -m
 pids=() stopping="" trapped=""
-for signal in TERM USR1 USR2; do
-    trap "stopping=$signal trapped=1; kill -s $signal \${pids[*]} 2>/dev/null || true" "$signal"
+for signal in TERM USR1 USR2 INT; do
+    trap "stopping=$signal trapped=1; kill -s $signal -- \${pids[*]/#/-} 2>/dev/null || true" "$signal"
 done
 alive() {
-    local pid; for pid in "${pids[@]}"; do kill -0 "$pid" 2>/dev/null && return 0; done; return 1
+    local pid; for pid in "${pids[@]}"; do kill -0 -- "-$pid" 2>/dev/null && return 0; done; return 1
 }
 # The job's exit code: the first failure's (the others are stopped, as srun --kill-on-bad-exit does), else
 # 75 when a rank stopped to be resumed, else 0.
@@ -46,7 +49,7 @@ wait_ranks() {
         if [ "$status" -eq 75 ]; then
             code=75
         elif [ "$status" -ne 0 ]; then
-            kill "${pids[@]}" 2>/dev/null || true
+            kill -- "${pids[@]/#/-}" 2>/dev/null || true
             wait || true
             echo "dptrain: a rank exited with code $status; stopped the others" >&2
             return "$status"
@@ -57,9 +60,9 @@ wait_ranks() {
     local waited=0 rank
     while [ "$waited" -lt 300 ] && alive; do sleep 1; waited=$((waited + 1)); done
     for rank in "${!pids[@]}"; do
-        if kill -0 "${pids[rank]}" 2>/dev/null; then
+        if kill -0 -- "-${pids[rank]}" 2>/dev/null; then
             echo "dptrain: rank $rank had not exited 300 s (--grace) after SIG$stopping; killing it" >&2
-            kill -KILL "${pids[rank]}" 2>/dev/null || true
+            kill -KILL -- "-${pids[rank]}" 2>/dev/null || true
         fi
     done
     for pid in "${pids[@]}"; do  # how each rank ended after the stop signal (127: counted above)
