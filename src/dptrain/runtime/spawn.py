@@ -4,8 +4,8 @@ Each rank gets the torchrun-style variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTE
 MASTER_PORT) plus DPTRAIN_LAUNCHER (`local` for `dptrain train`'s workers, `dptrain-run` for
 the ranks of a user's script) and its share of the CPU threads. Its output is
 either pumped to ours with a `[rankN] ` prefix or written to `rankN.log` in a directory. A
-scheduler's warning (SIGTERM, SIGUSR1, SIGUSR2) is passed on to every rank; the first rank to fail is
-reported and the others are stopped. `spawn_ranks` starts and waits; `start_ranks` only starts,
+scheduler's warning (SIGTERM, SIGUSR1, SIGUSR2) is passed on to every rank (with a grace, those still
+running that long after it are killed); the first rank to fail is reported and the others are stopped. `spawn_ranks` starts and waits; `start_ranks` only starts,
 optionally holding the ranks until they are given one line on stdin (dptrain.runtime.prestart).
 """
 
