@@ -255,6 +255,6 @@ def test_launch_wait_follows_a_pbs_job_into_the_job_it_requeued_itself_as(tmp_pa
     (tmp_path / "pbs-requeued-77.server").write_text("78.server\n")
     (tmp_path / pbs.OUTPUT_NAME).write_text("first job\n")
     status = follow(pbs, "77.server", tmp_path / pbs.OUTPUT_NAME, timeout=30)
-    assert status.finished and status.exit_code == 0
+    assert status.finished and status.exit_code == 0 and status.requeued_as == "78.server"
     assert capsys.readouterr().out.splitlines() == [
         "first job", "dptrain: job 77.server was requeued as job 78.server; following it until it finishes"]

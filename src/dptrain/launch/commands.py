@@ -244,5 +244,5 @@ def main(args: argparse.Namespace) -> int:
     if not args.wait:
         return 0
     status = follow(scheduler, job_id, output, timeout=args.wait_timeout)
-    print(f"dptrain: job {job_id} {status.state} with exit code {status.exit_code}", flush=True)
+    print(f"dptrain: job {status.requeued_as or job_id} {status.state} with exit code {status.exit_code}", flush=True)
     return status.exit_code
