@@ -105,6 +105,17 @@ def test_a_stop_signal_sent_to_a_local_command_job_reaches_every_rank_and_ends_t
         assert state["stops"] == ["SIG" + stop] and state["starts"] == 1 and len(state["epochs"]) < EPOCHS
 
 
+def test_ctrl_c_sent_to_a_local_command_job_reaches_every_rank(tmp_path):
+    proc, run = local_command_job(tmp_path)
+    pids = wait_for([run / "pid-0-1", run / "pid-1-1"], proc)
+    proc.send_signal(signal.SIGINT)  # ranks started in the background would ignore it, but for the script
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert err.count("KeyboardInterrupt") == 2, err
+    for pid in pids:
+        assert not Path(f"/proc/{pid}").exists()
+
+
 def test_ranks_still_running_grace_seconds_after_the_stop_signal_are_killed_and_named(tmp_path):
     proc, run = local_command_job(tmp_path, grace=3, IGNORE="1", EPOCH_1="30")
     wait_for([run / "pid-0-1", run / "pid-1-1"], proc)
