@@ -97,6 +97,7 @@ def test_binds_skip_paths_inside_bound_directories_but_keep_renames():
     ("gpus_per_node", -1, "--gpus-per-node -1 must be 0 or more"),
     ("stop_before", -5, "--stop-before -5 must be 0"),
     ("stop_signal", "KILL", "--stop-signal 'KILL' is not a signal dptrain's ranks stop on; use one of USR1, USR2, TERM"),
+    ("max_requeues", -1, "--max-requeues -1 must be 0 \\(never\\) or more"),
 ])
 def test_bad_job_settings_are_one_sentence_naming_the_value(field, value, message):
     with pytest.raises(UserError, match=message):

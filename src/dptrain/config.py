@@ -146,6 +146,9 @@ class TrainConfig(BaseModel):
     resume: bool = Field(False, description="continue the run in --out from its last checkpoint (also automatic when "
                                             "--out holds an unfinished run with the same settings)")
     max_restarts: int = Field(0, ge=0, description="local launcher: restart the workers from the last checkpoint up to N times")
+    grace: Optional[float] = Field(None, gt=0, description="local launcher: seconds the workers have, after a stop "
+                                   "signal passed on to them, to save and exit; those still running then are killed "
+                                   "and named (default: no limit)")
     min_workers: Optional[int] = Field(None, ge=1, description="sync or fedavg, local launcher: when a worker other than "
                                        "rank 0 fails or freezes, the others go on without it from the start of that "
                                        "epoch, as long as N remain; one warned alone leaves at the epoch end "

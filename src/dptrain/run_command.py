@@ -33,7 +33,7 @@ from dptrain.runtime.spawn import spawn_ranks
 
 # The ranks' DPTRAIN_LAUNCHER, which a Trainer records in summary.json (see runtime/env.py's OWN_LAUNCHERS).
 LAUNCHER = "dptrain-run"
-USAGE = "dptrain run [-h] [--workers N] [--max-restarts R] [--timeout S] (SCRIPT | -m MODULE) [ARGS ...]"
+USAGE = "dptrain run [-h] [--workers N] [--max-restarts R] [--timeout S] [--grace S] (SCRIPT | -m MODULE) [ARGS ...]"
 EXAMPLE = "dptrain run --workers 2 train.py --epochs 10"
 MODULE_NAME = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
 
@@ -52,6 +52,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=300.0, metavar="S",
                         help="once one rank has ended well, seconds the others may take before they are named as "
                              "frozen and stopped (default: 300)")
+    parser.add_argument("--grace", type=float, default=None, metavar="S",
+                        help="after passing a stop signal (TERM, USR1, USR2) on to the ranks, seconds they have to "
+                             "exit; those still running then are named and killed (default: no limit)")
     parser.add_argument("-m", dest="module", metavar="MODULE", help="run a module, as python -m MODULE does")
 
 
@@ -140,18 +143,20 @@ def main(args: argparse.Namespace) -> int:
     for flag, value, least in (("--workers", args.workers, 1), ("--max-restarts", args.max_restarts, 0)):
         if value < least:
             raise UserError(f"{flag} must be at least {least} (got {value})")
-    if not args.timeout > 0:
-        raise UserError(f"--timeout must be a positive number of seconds (got {args.timeout:g})")
+    for flag, value in (("--timeout", args.timeout), ("--grace", args.grace)):
+        if value is not None and not value > 0:
+            raise UserError(f"{flag} must be a positive number of seconds (got {value:g})")
     command, shown = user_command(args.module, getattr(args, "passthrough", None) or [])
     outer = detect()
     if outer.launched:  # each copy would start its own world on 127.0.0.1, none of them the job's
         raise UserError(f"dptrain run starts the ranks itself, but was started as rank {outer.rank} of "
                         f"{outer.world_size} (launcher {outer.launcher}); start `{shown}` under that launcher "
                         "directly, or dptrain run outside it")
-    return run_ranks(command, shown, args.workers, args.max_restarts, args.timeout)
+    return run_ranks(command, shown, args.workers, args.max_restarts, args.timeout, args.grace)
 
 
-def run_ranks(command: list[str], shown: str, workers: int, max_restarts: int, timeout: float) -> int:
+def run_ranks(command: list[str], shown: str, workers: int, max_restarts: int, timeout: float,
+              grace: float | None = None) -> int:
     """Run `command` as `workers` ranks, restarting a failed world up to `max_restarts` times; the exit code."""
     ranks = f"the {workers} rank{'s' if workers > 1 else ''} of `{shown}`"
     try:
@@ -159,10 +164,10 @@ def run_ranks(command: list[str], shown: str, workers: int, max_restarts: int, t
             restart = {"DPTRAIN_RESTART": str(attempt), "TORCHELASTIC_RESTART_COUNT": str(attempt),
                        "TORCHELASTIC_MAX_RESTARTS": str(max_restarts)}
             ended = spawn_ranks(command, workers, port=free_port(), threads=ranks_threads(),
-                                extra_env=restart, linger=timeout, launcher=LAUNCHER)
+                                extra_env=restart, linger=timeout, launcher=LAUNCHER, grace=grace)
             if ended.failed_code in (Interrupted.exit_code, -signal.SIGINT):  # a rank saw the Ctrl-C first
                 raise KeyboardInterrupt
-            say_how_ranks_ended(ended, timeout, noun="rank", of=f" of `{shown}`", others="the other ranks")
+            say_how_ranks_ended(ended, timeout, noun="rank", of=f" of `{shown}`", others="the other ranks", grace=grace)
             code = ended.code
             if code in NOT_RESTARTED or ended.stop_signal is not None or attempt == max_restarts:
                 return code

@@ -68,7 +68,9 @@ class Scheduler(Protocol):
     tells from the environment whether a process runs inside one of its jobs.
 
     A scheduler whose jobs write no output file into the run directory (Kubernetes: the pods' logs) may
-    also define `describe_output(job_id) -> str`, where `dptrain launch --submit` says the output goes.
+    also define `describe_output(job_id) -> str`, where `dptrain launch --submit` says the output goes. One
+    whose jobs requeue themselves as a new job (PBS) defines `requeued_as(run_dir, job_id) -> Optional[str]`,
+    the id `dptrain launch --wait` follows next.
     """
 
     SCRIPT_NAME: str  # the job script's file name in the run directory, e.g. job.slurm

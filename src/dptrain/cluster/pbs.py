@@ -3,8 +3,16 @@ container, per MPI slot), submission with qsub, the job's state from `qstat -f -
 id and its hosts (PBS_NODEFILE).
 
 PBS has no launcher of its own: an MPI's mpirun or mpiexec starts the ranks (dptrain.cluster.mpirun,
-dptrain.cluster.pmi). The script does not requeue the job: a rank that stops to be resumed (exit 75)
-ends it.
+dptrain.cluster.pmi).
+
+PBS has no --signal: with --time, the script itself sends --stop-signal (USR1 or USR2) to mpirun
+--grace seconds before the walltime, and Open MPI's mpirun passes it on to every rank. (It ends the job
+on TERM instead, so TERM is not offered.) A job whose ranks stop to be resumed (exit 75) is requeued by
+submitting the same script again, to start once this job has ended (qsub -W depend=afterany), up to
+--max-requeues times: `qrerun`, which would keep the job id, needs PBS manager or operator privilege,
+and a job array runs its subjobs whatever the last one's exit code. The script appends its output to
+pbs.out itself, which PBS's -o would overwrite with each job, and writes the next job's id beside it for
+`dptrain launch --wait` to follow.
 """
 
 from __future__ import annotations
@@ -16,12 +24,15 @@ from typing import Mapping, Optional
 
 from dptrain.cluster.base import Job, Placement
 from dptrain.cluster.containers import rank_command
-from dptrain.cluster.spec import JobSpec, command_environment, header, process_environment, quote, rank_environment
+from dptrain.cluster.spec import (JobSpec, command_environment, header, ignoring, process_environment, quote,
+                                  rank_environment)
 from dptrain.cluster.submit import JobStatus, run_tool
 
 SCRIPT_NAME = "job.pbs"
 SUBMIT_COMMAND = "qsub"  # what submits (or, locally, runs) the script
-OUTPUT_NAME = "pbs.out"
+OUTPUT_NAME = "pbs.out"  # every job's output, appended by the script
+OWN_OUTPUT_NAME = "pbs-last.out"  # what PBS itself keeps (-o) of the last job: what came before the script ran
+REQUEUED_AS = "pbs-requeued-{job_id}"  # a job that was requeued leaves the id of its successor here
 FINAL_STATES = {"F", "C"}  # PBS Pro/OpenPBS: F (finished, needs qstat -x); Torque: C (completed)
 PRIORITY = 50  # after SLURM: inside a SLURM job, that job's id and nodes are the ones asked for
 
@@ -39,17 +50,24 @@ def render(spec: JobSpec) -> str:
         directives.append(f"-q {spec.partition}")
     if spec.account:
         directives.append(f"-A {spec.account}")
-    directives += ["-j oe", f"-o {spec.run_dir}/{OUTPUT_NAME}"]
+    directives += ["-j oe", f"-o {spec.run_dir}/{OWN_OUTPUT_NAME}"]
     setup, command = rank_command(spec)
     forwarded = "MASTER_ADDR PBS_JOBID OMP_NUM_THREADS TORCH_CPP_LOG_LEVEL"
+    ignore = spec.stop_signal if warning(spec) else ""
     if spec.command:
         forwarded += " MASTER_PORT WORLD_SIZE LOCAL_WORLD_SIZE DPTRAIN_RUN_DIR"
-        # A command's ranks get RANK and LOCAL_RANK from Open MPI's own variables.
-        command = rank_environment("$OMPI_COMM_WORLD_RANK", "$OMPI_COMM_WORLD_LOCAL_RANK") + command
+        # A command's ranks get RANK and LOCAL_RANK from Open MPI's own variables. The warning signal starts
+        # ignored, as under SLURM (a program that does not handle it keeps running).
+        command = rank_environment("$OMPI_COMM_WORLD_RANK", "$OMPI_COMM_WORLD_LOCAL_RANK", ignore=ignore) + command
+    elif ignore and spec.container:
+        # mpirun signals each rank's whole process group: the container runtime must not die of it; the
+        # rank inside handles it.
+        command = ignoring(ignore) + command
     lines = [
         *header(spec, "PBS job"),
         *(f"#PBS {d}" for d in directives),
         "set -euo pipefail",
+        f"exec >>{quote([spec.run_dir + '/' + OUTPUT_NAME])} 2>&1  # after the output of the jobs before it",
         f"cd {quote([spec.workdir])}",
         "",
         "# Rendezvous: rank 0 runs on the first host of PBS_NODEFILE; every rank derives the same port",
@@ -70,13 +88,53 @@ def render(spec: JobSpec) -> str:
         "",
         "# One process per rank (one container each), started by the host's Open MPI.",
         f'mpirun -np {spec.world_size} --hostfile "$PBS_NODEFILE" --map-by ppr:{spec.tasks_per_node}:node '
-        f'--bind-to none "${{forward[@]}}" {command}',
+        f'--bind-to none "${{forward[@]}}" {command} &',
+        "launcher=$!",
+        *warning(spec),
+        "status=0",
+        'wait "$launcher" || status=$?',
+        *(['kill "$timer" 2>/dev/null || true'] if warning(spec) else []),
+        "",
+        "# Ranks that saved their state and exited with 75 are resumed by the same script, submitted again to",
+        f"# start after this job (qrerun needs PBS operator privilege); at most {spec.max_requeues} times (--max-requeues).",
+        'requeues=${DPTRAIN_REQUEUES:-0}',
+        f'if [ "$status" -eq 75 ] && [ "$requeues" -lt {spec.max_requeues} ]; then',
+        f'    next=$(DPTRAIN_REQUEUES=$((requeues + 1)) qsub -W depend=afterany:"$PBS_JOBID" '
+        f'{quote([spec.run_dir + "/" + SCRIPT_NAME])})',
+        f'    echo "$next" > {quote([spec.run_dir])}/{REQUEUED_AS.format(job_id="$PBS_JOBID")}',
+        f'    echo "dptrain: job $PBS_JOBID stopped to be resumed (exit code 75); requeued as job $next '
+        f'(requeue $((requeues + 1)) of {spec.max_requeues})"',
+        "    exit 0",
+        "fi",
+        'exit "$status"',
     ]
     return "\n".join(lines) + "\n"
 
 
+def warning(spec: JobSpec) -> list[str]:
+    """Script lines that send --stop-signal to mpirun --grace seconds before --time runs out (none without
+    both); the timer's pid is $timer."""
+    if not spec.time or not spec.stop_before:
+        return []
+    days, _, clock = spec.time.rpartition("-")
+    hours, minutes, seconds = (int(part) for part in clock.split(":"))
+    limit = int(days or 0) * 86400 + hours * 3600 + minutes * 60 + seconds
+    after = max(limit - spec.stop_before, 0)
+    return [f"# SIG{spec.stop_signal} {spec.stop_before} s before the walltime (PBS has no --signal): mpirun passes it on to",
+            "# every rank, which saves a checkpoint and exits with 75.",
+            f"(sleep {after} </dev/null >/dev/null 2>&1; echo \"dptrain: job $PBS_JOBID is {spec.stop_before} s from its "
+            f"walltime; sending SIG{spec.stop_signal} to the ranks\"; kill -s {spec.stop_signal} \"$launcher\") &",
+            "timer=$!"]
+
+
 def output_path(run_dir: Path, job_id: str) -> Path:
     return run_dir / OUTPUT_NAME
+
+
+def requeued_as(run_dir: Path, job_id: str) -> Optional[str]:
+    """The id of the job that `job_id` requeued itself as (its script submitted it again), or None."""
+    path = run_dir / REQUEUED_AS.format(job_id=job_id)
+    return path.read_text().strip() or None if path.is_file() else None
 
 
 def parse_job_id(qsub_output: str) -> str:

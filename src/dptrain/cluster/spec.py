@@ -53,6 +53,7 @@ class JobSpec:
     dptrain: str = "dptrain"
     stop_before: int = 300  # seconds before the time limit that the ranks are told to checkpoint and stop
     stop_signal: str = "USR1"  # which signal tells them (one of STOP_SIGNALS)
+    max_requeues: int = 10  # local and PBS: how often a job whose ranks exit with 75 starts again
 
     def __post_init__(self):
         if self.scheduler not in registry.names("scheduler"):
@@ -63,9 +64,14 @@ class JobSpec:
                 raise UserError(f"--{name.replace('_', '-')} {getattr(self, name)} must be at least 1")
         if self.stop_before < 0:
             raise UserError(f"--stop-before {self.stop_before} must be 0 (no warning) or a number of seconds")
+        if self.max_requeues < 0:
+            raise UserError(f"--max-requeues {self.max_requeues} must be 0 (never) or more")
         if self.stop_signal not in STOP_SIGNALS:
             raise UserError(f"--stop-signal {self.stop_signal!r} is not a signal dptrain's ranks stop on; "
                             f"use one of {', '.join(STOP_SIGNALS)}")
+        if self.scheduler == "pbs" and self.stop_signal == "TERM":
+            raise UserError("--stop-signal TERM: under PBS, Open MPI's mpirun ends the job on TERM rather than "
+                            "passing it on; use USR1 or USR2")
         if self.gpus_per_node < 0:
             raise UserError(f"--gpus-per-node {self.gpus_per_node} must be 0 or more")
         if self.time is not None and not TIME_PATTERN.fullmatch(self.time):
@@ -130,6 +136,11 @@ def rank_environment(rank: str, local_rank: str, *, ignore: str = "") -> str:
     (e.g. $SLURM_PROCID), and with `ignore` starts it with that signal ignored."""
     trap = f'trap "" {ignore}; ' if ignore else ""
     return f"bash -c 'export RANK={rank} LOCAL_RANK={local_rank}; {trap}exec \"$@\"' rank "
+
+
+def ignoring(signal: str) -> str:
+    """A prefix for a rank's command that starts it with `signal` ignored (a handler it installs replaces that)."""
+    return f"bash -c 'trap \"\" {signal}; exec \"$@\"' rank "
 
 
 def bind_paths(spec: JobSpec) -> list[str]:

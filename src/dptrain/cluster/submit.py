@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -21,6 +21,7 @@ class JobStatus:
     state: str
     finished: bool
     exit_code: int = 0
+    requeued_as: Optional[str] = None  # (from follow) the job this one ended as, having requeued itself as it
 
 
 def run_tool(argv: Sequence[str], *, what: str, timeout: float = 60, cwd: Optional[Path] = None) -> str:
@@ -58,8 +59,10 @@ class OutputFollower:
 
 
 def follow(scheduler, job_id: str, output: Path, *, timeout: Optional[float]) -> JobStatus:
-    """Poll `scheduler.poll(job_id)` until the job is finished (or `timeout` seconds pass), echoing its output."""
+    """Poll `scheduler.poll(job_id)` until the job is finished (or `timeout` seconds pass), echoing its output;
+    a job that requeued itself as another (PBS) is followed into that one."""
     deadline = None if timeout is None else time.monotonic() + timeout
+    first = job_id
     follower = OutputFollower(output)
     last_state = None
     while True:
@@ -72,7 +75,13 @@ def follow(scheduler, job_id: str, output: Path, *, timeout: Optional[float]) ->
         if status.finished:
             time.sleep(0.5)  # the last lines may reach the shared file system just after the state
             follower.pump()
-            return status
+            # (a scheduler whose jobs requeue themselves as a new job, PBS, says which)
+            successor = scheduler.requeued_as(output.parent, job_id) if hasattr(scheduler, "requeued_as") else None
+            if successor is None:
+                return status if job_id == first else replace(status, requeued_as=job_id)
+            print(f"dptrain: job {job_id} was requeued as job {successor}; following it until it finishes", flush=True)
+            job_id, last_state = successor, None
+            continue
         if deadline is not None and time.monotonic() > deadline:
             raise UserError(f"job {job_id} is still {status.state} after --wait-timeout {timeout:g} s; "
                             f"it keeps running, its output goes to {output}")

@@ -52,7 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                           "--submit. After '--' put the train arguments (they start with an option), or a command "
                           "such as 'python train.py --epochs 3': every rank runs it with MASTER_ADDR, MASTER_PORT, "
                           "WORLD_SIZE, RANK and LOCAL_RANK set, so init_process_group('env://') joins the job; a "
-                          "SLURM job whose ranks exit with 75 is requeued (a Kubernetes job's pods are recreated).")
+                          "job whose ranks exit with 75 is requeued (SLURM: scontrol requeue; PBS: the script is "
+                          "submitted again; local: the ranks start again; Kubernetes: the pods are recreated).")
     parser.add_argument("--scheduler", choices=registry.names("scheduler"), required=True,
                         help=registry.help_text("scheduler"))
     parser.add_argument("--nodes", type=int, default=1, help="nodes (default: 1)")
@@ -76,14 +77,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="how a rank runs dptrain train (default: dptrain from the PATH; e.g. "
                              "'/opt/venv/bin/python -m dptrain')")
     parser.add_argument("--stop-before", "--grace", type=int, default=300, metavar="SECONDS", dest="stop_before",
-                        help="SLURM: signal the ranks this long before --time runs out; they save a checkpoint "
-                             "after the current epoch and the job requeues itself to resume (0: no signal; "
-                             "default: 300; --grace is the same); Kubernetes: the seconds a pod has after SIGTERM "
-                             "to do so")
+                        help="SLURM and PBS (with --time): signal the ranks this long before --time runs out; they "
+                             "save a checkpoint after the current epoch and the job requeues itself to resume (0: no "
+                             "signal; default: 300; --grace is the same); Kubernetes: the seconds a pod has after "
+                             "SIGTERM to do so; local: the seconds the ranks have after a stop signal sent to the job "
+                             "before those still running are killed")
     parser.add_argument("--stop-signal", default="USR1", metavar="SIGNAL",
-                        help="SLURM: the signal sent --stop-before seconds ahead: USR1, USR2 or TERM; dptrain train's "
-                             "ranks save a checkpoint and exit with 75 on any of them (default: USR1; Kubernetes "
-                             "always sends TERM)")
+                        help="SLURM and PBS: the signal sent --stop-before seconds ahead: USR1, USR2 or TERM (not under "
+                             "PBS, whose mpirun ends the job on TERM); dptrain train's ranks save a checkpoint and exit "
+                             "with 75 on any of them (default: USR1; Kubernetes always sends TERM)")
+    parser.add_argument("--max-requeues", type=int, default=10, metavar="N",
+                        help="local and PBS: how many times a job whose ranks exit with 75 (stopped to be resumed) "
+                             "starts again from its checkpoint (default: 10; SLURM: the site's MaxBatchRequeue; "
+                             "Kubernetes: the pods are recreated)")
     parser.add_argument("--out", metavar="DIR",
                         help="run directory for the job script and its output (default: a command's "
                              "runs/command-TIMESTAMP; for dptrain train the same as its own --out)")
@@ -198,7 +204,8 @@ def build_spec(args: argparse.Namespace, workdir: Path) -> JobSpec:
                    tasks_per_node=args.tasks_per_node, gpus_per_node=args.gpus_per_node,
                    cpus_per_task=args.cpus_per_task, time=args.time, partition=args.partition, account=args.account,
                    job_name=args.job_name, container=container, binds=tuple(binds), dptrain=args.dptrain or "dptrain",
-                   stop_before=args.stop_before, stop_signal=args.stop_signal, image=args.image,
+                   stop_before=args.stop_before, stop_signal=args.stop_signal, max_requeues=args.max_requeues,
+                   image=args.image,
                    volumes=tuple(args.volume))
 
 
@@ -237,5 +244,5 @@ def main(args: argparse.Namespace) -> int:
     if not args.wait:
         return 0
     status = follow(scheduler, job_id, output, timeout=args.wait_timeout)
-    print(f"dptrain: job {job_id} {status.state} with exit code {status.exit_code}", flush=True)
+    print(f"dptrain: job {status.requeued_as or job_id} {status.state} with exit code {status.exit_code}", flush=True)
     return status.exit_code

@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import re
 import socket
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import ModuleType
 from typing import Iterable, Mapping, Optional, TypeVar
 
@@ -36,6 +36,8 @@ PORT_BASE, PORT_SPAN = 20000, 20000
 # line) and the ranks of a user's script under `dptrain run` ("dptrain-run": nothing prepared).
 # Both launchers stop every rank on Ctrl-C and say so once, themselves.
 OWN_LAUNCHERS = ("local", "dptrain-run")
+# What dptrain.cluster.torchrun calls ranks that only RANK and WORLD_SIZE describe.
+GENERIC_LAUNCHER = "env"
 
 
 @dataclass(frozen=True)
@@ -94,7 +96,16 @@ def detect(env: Optional[Mapping[str, str]] = None) -> DistEnv:
     modules = environments()
     job: Optional[Job] = _first(module.job(env) for module in modules if hasattr(module, "job"))
     scheduler, job_id, nodes = (job.scheduler, job.job_id, job.nodes) if job else ("none", None, ())
-    place: Optional[Placement] = _first(module.ranks(env) for module in modules)
+    answers = ((at, module.ranks(env)) for at, module in enumerate(modules))
+    found: tuple[int, Optional[Placement]] = next(((at, answer) for at, answer in answers if answer is not None),
+                                                  (len(modules), None))
+    at, place = found
+    if place is not None and place.launcher == GENERIC_LAUNCHER:
+        # RANK exported by a job script over a launcher's own variables (srun's, mpirun's): the rank given
+        # is kept, and the launcher recorded is the one underneath that started the process.
+        below = _first(module.ranks(env) for module in modules[at + 1:])
+        if below is not None:
+            place = replace(place, launcher=below.launcher)
     if place is None:
         return DistEnv(launcher="single", scheduler=scheduler, job_id=job_id, nodes=nodes)
     launcher, rank, world = place.launcher, place.rank, place.world_size

@@ -10,6 +10,7 @@ still running long after another one ended well.
 
 from __future__ import annotations
 
+import signal
 import sys
 from typing import Optional, Sequence
 
@@ -23,35 +24,37 @@ NOT_RESTARTED = (0, UserError.exit_code, Preempted.exit_code, Interrupted.exit_c
 
 
 def launch_local(workers: int, argv: Sequence[str], timeout: float = 300.0, prestarted: Optional[Ranks] = None,
-                 may_lose: int = 0) -> int:
+                 may_lose: int = 0, grace: Optional[float] = None) -> int:
     """Run `python -m dptrain ARGV` as `workers` ranks; return 0, 75 (stopped at a checkpoint) or the first failure's code.
 
     `prestarted`: ranks started by dptrain.runtime.prestart.prestart(workers), released here
     with ARGV (and closed). Once one rank has ended well, the others must end within `timeout`
     seconds (they have no one left to wait for): a rank frozen after the last collective is
     stopped and named. Up to `may_lose` ranks other than rank 0 may fail without stopping the others
-    (--min-workers: they go on without it); each is named in one line.
+    (--min-workers: they go on without it); each is named in one line. With `grace`, ranks still running
+    that long after a stop signal was passed on to them are killed and named (--grace).
     """
     try:
         if prestarted is None:
             listener = store_listener()
             ended = spawn_ranks([sys.executable, "-m", "dptrain", *argv], workers, port=listener.getsockname()[1],
-                                linger=timeout, listener=listener, may_lose=may_lose)
+                                linger=timeout, listener=listener, may_lose=may_lose, grace=grace)
         else:
             try:
                 release(prestarted, list(argv), {})
-                ended = prestarted.wait(linger=timeout, may_lose=may_lose)
+                ended = prestarted.wait(linger=timeout, may_lose=may_lose, grace=grace)
             finally:
                 prestarted.close()
     except KeyboardInterrupt:
         return Interrupted.exit_code
-    say_how_ranks_ended(ended, timeout)
+    say_how_ranks_ended(ended, timeout, grace=grace)
     return ended.code
 
 
 def say_how_ranks_ended(ended: RanksExit, linger: float, *, noun: str = "worker rank", of: str = "",
-                        others: str = "the other workers") -> None:
-    """One line on stderr for a failed rank or for ranks still running `linger` s after one ended well; else nothing.
+                        others: str = "the other workers", grace: Optional[float] = None) -> None:
+    """One line on stderr for a failed rank, for ranks still running `linger` s after one ended well, or for
+    ranks still running `grace` s after a stop signal; else nothing.
 
     The ranks are named "`noun` N`of`" ("worker rank 1", "rank 1 of `python train.py`").
     """
@@ -63,4 +66,10 @@ def say_how_ranks_ended(ended: RanksExit, linger: float, *, noun: str = "worker 
         names = ", ".join(map(str, ended.stuck_ranks))
         print(f"dptrain: {noun}{'s' if many else ''} {names}{of} had not ended {linger:g} s after rank "
               f"{ended.first_done} did (frozen or stuck); stopping {'them' if many else 'it'}",
+              file=sys.stderr, flush=True)
+    if ended.unstopped and ended.stop_signal is not None:
+        many = len(ended.unstopped) > 1
+        names = ", ".join(map(str, ended.unstopped))
+        print(f"dptrain: {noun}{'s' if many else ''} {names}{of} had not exited {grace:g} s (--grace) after "
+              f"{signal.Signals(ended.stop_signal).name}; killing {'them' if many else 'it'}",
               file=sys.stderr, flush=True)

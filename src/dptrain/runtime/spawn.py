@@ -4,8 +4,8 @@ Each rank gets the torchrun-style variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTE
 MASTER_PORT) plus DPTRAIN_LAUNCHER (`local` for `dptrain train`'s workers, `dptrain-run` for
 the ranks of a user's script) and its share of the CPU threads. Its output is
 either pumped to ours with a `[rankN] ` prefix or written to `rankN.log` in a directory. A
-scheduler's warning (SIGTERM, SIGUSR1, SIGUSR2) is passed on to every rank; the first rank to fail is
-reported and the others are stopped. `spawn_ranks` starts and waits; `start_ranks` only starts,
+scheduler's warning (SIGTERM, SIGUSR1, SIGUSR2) is passed on to every rank (with a grace, those still
+running that long after it are killed); the first rank to fail is reported and the others are stopped. `spawn_ranks` starts and waits; `start_ranks` only starts,
 optionally holding the ranks until they are given one line on stdin (dptrain.runtime.prestart).
 """
 
@@ -29,6 +29,7 @@ from dptrain.errors import Preempted
 PREEMPTED = Preempted.exit_code
 # A scheduler's warnings (SLURM --signal, PBS and Kubernetes TERM before the kill; USR2 where a site uses it).
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+STOP_LOOK = 0.5  # seconds between looks for a stop signal while a grace after it is to be kept
 LEFT_BEHIND = 5.0  # seconds after rank 0 ended well that a rank the others went on without may still take
 # Rank 0 finds here the number of an inherited socket already listening on MASTER_PORT, to serve the store on.
 STORE_FD = "DPTRAIN_STORE_FD"
@@ -50,6 +51,8 @@ class RanksExit:
     lost: tuple[int, ...] = ()  # ranks that failed while the others went on without them (--min-workers)
     left_running: tuple[int, ...] = ()  # of those, ranks still running (frozen) when the others were done
     stop_signal: Optional[int] = None  # a stop signal (SIGTERM, SIGUSR1, SIGUSR2) we received and passed on to the ranks
+    # Ranks still running `grace` seconds after that signal, killed then (the others had saved and exited).
+    unstopped: tuple[int, ...] = ()
 
     @property
     def code(self) -> int:
@@ -57,6 +60,8 @@ class RanksExit:
         if self.failed_rank is not None:
             return self.failed_code if 0 < self.failed_code < 256 else 1
         if self.timed_out or self.stuck_ranks:
+            return 1
+        if self.unstopped and not self.preempted:  # none of them saved its state to be resumed
             return 1
         return PREEMPTED if self.preempted else 0
 
@@ -92,9 +97,11 @@ def spawn_ranks(command: Sequence[str], world: int, *, port: int, master_addr: s
                 threads: Optional[int] = None, extra_env: Optional[dict[str, str]] = None,
                 prefix: Optional[Callable[[int], list[str]]] = None, log_dir: Optional[Path] = None,
                 timeout: Optional[float] = None, linger: Optional[float] = None,
-                listener: Optional[socket.socket] = None, launcher: str = "local", may_lose: int = 0) -> RanksExit:
+                listener: Optional[socket.socket] = None, launcher: str = "local", may_lose: int = 0,
+                grace: Optional[float] = None) -> RanksExit:
     """Run `command` as ranks 0..world-1 and wait until all have exited, one has failed, `timeout` passed,
-    or (with `linger`) some ranks are still running that long after the first one ended well.
+    (with `linger`) some ranks are still running that long after the first one ended well, or (with
+    `grace`) some are still running that long after a stop signal was passed on to them.
 
     `prefix(rank)` is put before the command (e.g. `ip netns exec HOST`). Output goes to
     `log_dir/rankN.log` when a directory is given, else to our stdout/stderr prefixed with the
@@ -106,7 +113,7 @@ def spawn_ranks(command: Sequence[str], world: int, *, port: int, master_addr: s
     ranks = start_ranks(command, world, port=port, master_addr=master_addr, threads=threads, extra_env=extra_env,
                         prefix=prefix, log_dir=log_dir, listener=listener, launcher=launcher)
     try:
-        return ranks.wait(timeout=timeout, linger=linger, may_lose=may_lose)
+        return ranks.wait(timeout=timeout, linger=linger, may_lose=may_lose, grace=grace)
     finally:
         ranks.close()
 
@@ -210,15 +217,17 @@ class Ranks:
             except OSError:  # it died before its release (BrokenPipeError)
                 pass
 
-    def wait(self, timeout: Optional[float] = None, linger: Optional[float] = None, may_lose: int = 0) -> RanksExit:
-        """Until all have exited, one has failed, `timeout` passed, or one has lingered (see spawn_ranks).
-        Up to `may_lose` ranks other than rank 0 may fail first without ending the wait (the others go on
-        without them): each is said in one line and counted in `lost`."""
-        forwarded: list[int] = []
+    def wait(self, timeout: Optional[float] = None, linger: Optional[float] = None, may_lose: int = 0,
+             grace: Optional[float] = None) -> RanksExit:
+        """Until all have exited, one has failed, `timeout` passed, one has lingered, or the `grace` after a
+        stop signal is over (see spawn_ranks). Up to `may_lose` ranks other than rank 0 may fail first without
+        ending the wait (the others go on without them): each is said in one line and counted in `lost`."""
+        forwarded: list[tuple[int, float]] = []  # (signal, when) of each stop signal passed on
         previous = _forward_signals(self.procs, forwarded)
         try:
-            ended = _wait(self.exits, self.world, self.begun, timeout, linger, may_lose)
-            return replace(ended, stop_signal=forwarded[0]) if forwarded else ended
+            ended = _wait(self.exits, self.world, self.begun, timeout, linger, may_lose,
+                          stopped=forwarded if grace is not None else None, grace=grace)
+            return replace(ended, stop_signal=forwarded[0][0]) if forwarded else ended
         except KeyboardInterrupt:
             self.interrupted.set()
             raise
@@ -245,31 +254,41 @@ class Ranks:
 
 
 def _wait(exits: queue.Queue, world: int, begun: float, timeout: Optional[float],
-          linger: Optional[float] = None, may_lose: int = 0) -> RanksExit:
-    """Collect the ranks' exits until all are in, the first failure, the deadline, or the linger limit."""
+          linger: Optional[float] = None, may_lose: int = 0, *, stopped: Optional[list[tuple[int, float]]] = None,
+          grace: Optional[float] = None) -> RanksExit:
+    """Collect the ranks' exits until all are in, the first failure, the deadline, the linger limit, or
+    `grace` seconds after the first stop signal noted in `stopped` (filled in as signals come)."""
     deadline = None if timeout is None else begun + timeout
     preempted, done, first_done_at, first_finished, lost = False, [], None, None, []
-    for _ in range(world):
-        limits = [] if deadline is None else [deadline]
+    while len(done) < world:
         # Once rank 0 ended well, ranks the others went on without (frozen) have nothing left to do.
         left_behind = may_lose and 0 in done and first_done_at is not None
+        lingered = None
         if linger is not None and first_done_at is not None:
-            limits.append(first_done_at + (min(linger, LEFT_BEHIND) if left_behind else linger))
+            lingered = first_done_at + (min(linger, LEFT_BEHIND) if left_behind else linger)
+        graced = stopped[0][1] + grace if stopped and grace is not None else None
+        # Until a stop signal has come, look again now and then: its grace starts when it comes.
+        look = time.perf_counter() + STOP_LOOK if stopped is not None and graced is None else None
+        limits = [limit for limit in (deadline, lingered, graced, look) if limit is not None]
         try:
             remaining = max(min(limits) - time.perf_counter(), 0) if limits else None
             rank, code = exits.get(timeout=remaining)
         except queue.Empty:
-            if deadline is not None and time.perf_counter() >= deadline:
-                return RanksExit(time.perf_counter() - begun, preempted=preempted, timed_out=True)
+            now = time.perf_counter()
+            if graced is not None and now >= graced:
+                return RanksExit(now - begun, preempted=preempted, lost=tuple(lost),
+                                 unstopped=tuple(r for r in range(world) if r not in done))
+            if deadline is not None and now >= deadline:
+                return RanksExit(now - begun, preempted=preempted, timed_out=True)
+            if lingered is None or now < lingered:
+                continue
             stuck = tuple(r for r in range(world) if r not in done)
             if left_behind and len(lost) + len(stuck) <= may_lose:
                 for rank in stuck:
                     print(f"dptrain: worker rank {rank} was still running after the others finished without it "
                           "(frozen); stopping it", file=sys.stderr, flush=True)
-                return RanksExit(time.perf_counter() - begun, preempted=preempted, lost=tuple(lost) + stuck,
-                                 left_running=stuck)
-            return RanksExit(time.perf_counter() - begun, preempted=preempted, stuck_ranks=stuck,
-                             first_done=first_finished)
+                return RanksExit(now - begun, preempted=preempted, lost=tuple(lost) + stuck, left_running=stuck)
+            return RanksExit(now - begun, preempted=preempted, stuck_ranks=stuck, first_done=first_finished)
         done.append(rank)
         if code == 0 and first_done_at is None:  # finished: after a stop (75) an async peer may still be in its epoch
             first_done_at, first_finished = time.perf_counter(), rank
@@ -288,9 +307,9 @@ def _wait(exits: queue.Queue, world: int, begun: float, timeout: Optional[float]
     return RanksExit(time.perf_counter() - begun, preempted=preempted, lost=tuple(lost))
 
 
-def _forward_signals(procs: list[subprocess.Popen], forwarded: list[int]) -> dict[int, object]:
-    """Pass a scheduler's warning on to the ranks (they checkpoint and stop), noting it in `forwarded`;
-    returns the previous handlers.
+def _forward_signals(procs: list[subprocess.Popen], forwarded: list[tuple[int, float]]) -> dict[int, object]:
+    """Pass a scheduler's warning on to the ranks (they checkpoint and stop), noting it and when in
+    `forwarded`; returns the previous handlers.
 
     Only the main thread may install handlers; elsewhere the warning reaches whoever handles it there.
     """
@@ -298,7 +317,7 @@ def _forward_signals(procs: list[subprocess.Popen], forwarded: list[int]) -> dic
         return {}
 
     def forward(signum, frame):
-        forwarded.append(signum)
+        forwarded.append((signum, time.perf_counter()))
         for proc in procs:
             if proc.poll() is None:
                 proc.send_signal(signum)

@@ -214,7 +214,8 @@ def spawn_workers(config: TrainConfig, model: torch.nn.Module,
         quiet_cpp_logs_of_children()
         for attempt in range(config.max_restarts + 1):
             code = launch_local(config.workers, argv, config.timeout, prestarted if attempt == 0 else None,
-                                may_lose=config.workers - config.min_workers if config.min_workers else 0)
+                                may_lose=config.workers - config.min_workers if config.min_workers else 0,
+                                grace=config.grace)
             if code == Interrupted.exit_code:  # Ctrl-C: the workers are stopped; say where the run stands
                 print(f"dptrain: {describe_interruption(run_dir, config.workers, epochs_recorded(run_dir), config.epochs)}",
                       file=sys.stderr, flush=True)

@@ -6,5 +6,62 @@ cd /home/ada/project
 export OMP_NUM_THREADS=1
 export TORCH_CPP_LOG_LEVEL="${TORCH_CPP_LOG_LEVEL:-ERROR}"
 
-# dptrain's own launcher starts the ranks and stops them all if one fails.
-exec dptrain train --dataset digits --strategy sync --epochs 10 --out /home/ada/project/runs/digits-sync --workers 2
+# dptrain's own launcher starts the ranks, stops them all if one fails and passes a stop signal on
+# to them, killing (and naming) those still running 300 s later (--grace).
+start_ranks() {
+    dptrain train --dataset digits --strategy sync --epochs 10 --out /home/ada/project/runs/digits-sync --workers 2 --grace 300 &
+    pids=($!)
+}
+
+# A stop signal (TERM, USR1, USR2) or Ctrl-C (INT) sent to this script reaches every rank; the job then
+# ends. (With job control on, `set -m`, the ranks do not ignore INT as background commands otherwise do.)
+set -m
+pids=() stopping="" trapped=""
+for signal in TERM USR1 USR2 INT; do
+    trap "stopping=$signal trapped=1; kill -s $signal -- \${pids[*]} 2>/dev/null || true" "$signal"
+done
+# The job's exit code: the first failure's (the others are stopped, as srun --kill-on-bad-exit does), else
+# 75 when a rank stopped to be resumed, else 0.
+wait_ranks() {
+    local left=${#pids[@]} code=0 status pid
+    while [ "$left" -gt 0 ] && [ -z "$stopping" ]; do
+        trapped="" status=0
+        wait -n || status=$?
+        if [ -n "$trapped" ] && [ "$status" -gt 128 ]; then continue; fi  # a stop signal, not a rank, ended it
+        left=$((left - 1))
+        if [ "$status" -eq 75 ]; then
+            code=75
+        elif [ "$status" -ne 0 ]; then
+            kill -- "${pids[@]}" 2>/dev/null || true
+            wait || true
+            echo "dptrain: a rank exited with code $status; stopped the others" >&2
+            return "$status"
+        fi
+    done
+    if [ -z "$stopping" ]; then return "$code"; fi
+    for pid in "${pids[@]}"; do  # how each rank ended after the stop signal (127: counted above)
+        while :; do
+            trapped="" status=0
+            wait "$pid" 2>/dev/null || status=$?
+            if [ -z "$trapped" ] || [ "$status" -le 128 ]; then break; fi
+        done
+        if [ "$status" -eq 75 ]; then code=75; elif [ "$status" -ne 0 ] && [ "$status" -ne 127 ] && [ "$code" -eq 0 ]; then code=$status; fi
+    done
+    return "$code"
+}
+
+# Ranks that stop to be resumed (exit code 75) while this script was sent no stop signal (a rank was
+# stopped on its own) start again, resuming from the checkpoint in the run directory, as a SLURM job
+# is requeued; at most 10 times (--max-requeues).
+requeues=0
+while :; do
+    start_ranks
+    status=0
+    wait_ranks || status=$?
+    if [ "$status" -eq 75 ] && [ -z "$stopping" ] && [ "$requeues" -lt 10 ]; then
+        requeues=$((requeues + 1))
+        echo "dptrain: the ranks stopped to be resumed (exit code 75); starting them again from the run directory's checkpoint (requeue $requeues of 10)"
+        continue
+    fi
+    exit "$status"
+done

@@ -10,8 +10,9 @@
 #PBS -q gpu
 #PBS -A proj42
 #PBS -j oe
-#PBS -o /home/ada/project/runs/mine/pbs.out
+#PBS -o /home/ada/project/runs/mine/pbs-last.out
 set -euo pipefail
+exec >>/home/ada/project/runs/mine/pbs.out 2>&1  # after the output of the jobs before it
 cd /home/ada/project
 
 # Rendezvous: rank 0 runs on the first host of PBS_NODEFILE; every rank derives the same port
@@ -39,4 +40,23 @@ for name in PATH PYTHONPATH VIRTUAL_ENV LD_LIBRARY_PATH; do
 done
 
 # One process per rank (one container each), started by the host's Open MPI.
-mpirun -np 4 --hostfile "$PBS_NODEFILE" --map-by ppr:2:node --bind-to none "${forward[@]}" bash -c 'export RANK=$OMPI_COMM_WORLD_RANK LOCAL_RANK=$OMPI_COMM_WORLD_LOCAL_RANK; exec "$@"' rank "${udocker[@]}" run --nobanner --hostenv -v /etc/hosts -v /home/ada/project -v /scratch/ada/data -w /home/ada/project dptrain python train.py --epochs 3
+mpirun -np 4 --hostfile "$PBS_NODEFILE" --map-by ppr:2:node --bind-to none "${forward[@]}" bash -c 'export RANK=$OMPI_COMM_WORLD_RANK LOCAL_RANK=$OMPI_COMM_WORLD_LOCAL_RANK; trap "" USR1; exec "$@"' rank "${udocker[@]}" run --nobanner --hostenv -v /etc/hosts -v /home/ada/project -v /scratch/ada/data -w /home/ada/project dptrain python train.py --epochs 3 &
+launcher=$!
+# SIGUSR1 300 s before the walltime (PBS has no --signal): mpirun passes it on to
+# every rank, which saves a checkpoint and exits with 75.
+(sleep 5100 </dev/null >/dev/null 2>&1; echo "dptrain: job $PBS_JOBID is 300 s from its walltime; sending SIGUSR1 to the ranks"; kill -s USR1 "$launcher") &
+timer=$!
+status=0
+wait "$launcher" || status=$?
+kill "$timer" 2>/dev/null || true
+
+# Ranks that saved their state and exited with 75 are resumed by the same script, submitted again to
+# start after this job (qrerun needs PBS operator privilege); at most 10 times (--max-requeues).
+requeues=${DPTRAIN_REQUEUES:-0}
+if [ "$status" -eq 75 ] && [ "$requeues" -lt 10 ]; then
+    next=$(DPTRAIN_REQUEUES=$((requeues + 1)) qsub -W depend=afterany:"$PBS_JOBID" /home/ada/project/runs/mine/job.pbs)
+    echo "$next" > /home/ada/project/runs/mine/pbs-requeued-$PBS_JOBID
+    echo "dptrain: job $PBS_JOBID stopped to be resumed (exit code 75); requeued as job $next (requeue $((requeues + 1)) of 10)"
+    exit 0
+fi
+exit "$status"
