@@ -103,6 +103,21 @@ def test_a_worker_warned_alone_leaves_at_the_epoch_end_and_the_others_go_on_with
     assert json.loads((run / "summary.json").read_text())["workers"] == 2
 
 
+def test_losing_rank_0_is_survived_too_the_launcher_serves_the_store_and_rank_1_writes_the_results(tmp_path):
+    result = dptrain(*elastic_argv(tmp_path / "run"), cwd=tmp_path, env={"DPTRAIN_FAULT": "train-middle@0:2"})
+    assert result.returncode == 0, result.stderr
+    assert "dptrain: worker rank 0 was killed by SIGKILL; the others go on without it" in result.stderr
+    assert "[rank1] dptrain: continuing from epoch 2 with 2 workers (ranks 1, 2 of the job; without rank 0)" in (
+        result.stdout)
+    history = records(tmp_path / "run")  # rank 0 wrote epoch 1, rank 1 the rest
+    assert [len(record["workers"]) for record in history] == [3, 2, 2, 2]
+    for record in history:
+        assert sum(worker["samples"] for worker in record["workers"]) == TRAIN_ROWS
+    assert history[1]["membership"] == {"generation": 1, "members": [1, 2], "left": [0], "continued_from_epoch": 2}
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["workers"] == 2 and summary["test_accuracy"] > 0.8 and (tmp_path / "run" / "model.pt").is_file()
+
+
 def test_fedavg_goes_on_without_a_killed_client_partitioned_again_over_the_others(tmp_path):
     argv = elastic_argv(tmp_path / "fedavg")
     argv[argv.index("sync")] = "fedavg"

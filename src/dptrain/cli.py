@@ -138,7 +138,7 @@ def _train(config) -> int:
     if config.workers > 1 and not detect().launched:
         from dptrain.exits import skip_finalization
         from dptrain.runtime.prestart import prestart
-        prestarted = prestart(config.workers)
+        prestarted = prestart(config.workers, serve_store=config.min_workers is not None)
         skip_finalization()  # this launcher ends when its workers have: nothing needs tearing down
     try:
         from dptrain.train.command import train

@@ -25,7 +25,7 @@ from dptrain.errors import UserError
 from dptrain.runtime.env import DistEnv
 from dptrain.runtime.group import REPORTED, REPORTED_SEEN, Group, PeerFailure, abandoned
 from dptrain.runtime.heartbeat import Heartbeat, StoreUnanswered, bounded, default_store, store_abandoned
-from dptrain.runtime.spawn import STORE_FD
+from dptrain.runtime.spawn import STORE_FD, STORE_SERVED
 
 
 @dataclass
@@ -115,8 +115,14 @@ def init_process_group(env: DistEnv, *, device: str = "auto", timeout: float = 3
                        heartbeat=heartbeat, group=group)
 
 
+def store_served() -> bool:
+    """Whether dptrain's launcher serves the store (--min-workers): it outlives every rank, rank 0 included."""
+    return os.environ.get(STORE_SERVED) == "1"
+
+
 def rendezvous_store(env: DistEnv, timeout: float, where: str) -> dist.TCPStore:
-    """Rank 0 serves the TCPStore on the address `listen_address` picks; the others join it.
+    """Rank 0 serves the TCPStore on the address `listen_address` picks (unless the launcher serves it:
+    `store_served`); the others join it.
 
     Joining is bounded by `timeout`: torch retries a refused connection until then, but once
     connected it waits for the store's handshake with no deadline at all, so a program that is
@@ -125,7 +131,7 @@ def rendezvous_store(env: DistEnv, timeout: float, where: str) -> dist.TCPStore:
     in one line, so the log is kept out of sight unless debugging.
     """
     wait = datetime.timedelta(seconds=timeout)
-    if env.rank == 0:
+    if env.rank == 0 and not store_served():  # else the launcher serves it (--min-workers)
         handed = os.environ.pop(STORE_FD, None)  # dptrain's launcher listens on MASTER_PORT for us already
         if handed:
             listener_fd = int(handed)

@@ -30,17 +30,20 @@ def launch_local(workers: int, argv: Sequence[str], timeout: float = 300.0, pres
     `prestarted`: ranks started by dptrain.runtime.prestart.prestart(workers), released here
     with ARGV (and closed). Once one rank has ended well, the others must end within `timeout`
     seconds (they have no one left to wait for): a rank frozen after the last collective is
-    stopped and named. Up to `may_lose` ranks other than rank 0 may fail without stopping the others
-    (--min-workers: they go on without it); each is named in one line. With `grace`, ranks still running
+    stopped and named. Up to `may_lose` ranks may fail without stopping the others (--min-workers: they
+    go on without it); each is named in one line. This process then serves the ranks' store, so that
+    rank 0 may be one of them. With `grace`, ranks still running
     that long after a stop signal was passed on to them are killed and named (--grace).
     """
     try:
         if prestarted is None:
             listener = store_listener()
             ended = spawn_ranks([sys.executable, "-m", "dptrain", *argv], workers, port=listener.getsockname()[1],
-                                linger=timeout, listener=listener, may_lose=may_lose, grace=grace)
+                                linger=timeout, listener=listener, may_lose=may_lose, grace=grace,
+                                serve_store=may_lose > 0)
         else:
             try:
+                prestarted.serve_store(timeout)  # when started to join a store served here (prestart)
                 release(prestarted, list(argv), {})
                 ended = prestarted.wait(linger=timeout, may_lose=may_lose, grace=grace)
             finally:

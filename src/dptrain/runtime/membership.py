@@ -7,9 +7,10 @@ A rank that meets a PeerFailure (a collective failed or timed out) calls `regrou
    (a watched collective also gives up on a member whose heartbeat stopped: a frozen rank);
 2. it says it is alive in the rendezvous store for the next generation (key `alive/RANK`), with
    the epoch it failed in, and
-3. rank 0 of the job, the store's host, decides the new members: every old member that said it
-   is alive, none whose heartbeat stopped for `stall` seconds (dead or frozen), waiting at most
-   `timeout` seconds for the others; it writes the members and the epoch to continue from;
+3. the first member to get there (a compare-and-set in the store) decides the new members: every
+   old member that said it is alive, none whose heartbeat stopped for `stall` seconds (dead or
+   frozen), waiting at most `timeout` seconds for the others; it writes the members and the epoch
+   to continue from;
 4. every member builds a fresh process group of the members (`Group.rebuild`, generation N);
    a rank left out (evicted while frozen) gets Evicted.
 
@@ -17,8 +18,9 @@ The epoch to continue from is the earliest any survivor is ready to redo: a rank
 the epoch's last collective while another failed inside it (the dead rank contributed, then
 died), so each rank keeps its state from before this epoch and the previous one.
 
-Rank 0 hosts the store, so losing rank 0 still ends the run (restart with --max-restarts);
-the other ranks may come and go.
+Under dptrain's launcher with --min-workers the launcher serves the store (dptrain.runtime.spawn,
+STORE_SERVED), so any rank may be lost, rank 0 included: the lowest rank left becomes rank 0 of the
+new group and writes the results from then on. Where rank 0 hosts the store, losing it ends the run.
 """
 
 from __future__ import annotations
@@ -57,15 +59,17 @@ def regroup(group: Group, generation: int, epoch: int, *, min_workers: int, time
     group.abandon()
     key = f"{PREFIX}{generation}/"
     bounded(lambda: store.set(f"{key}alive/{me}", str(epoch)))
-    if me == 0:
+    # The first survivor here decides; the store's compare-and-set makes it one rank for all.
+    decider = int(bounded(lambda: store.compare_set(f"{key}decider", "", str(me))).decode())
+    if decider == me:
         decided = _decide(group, store, key, old, timeout, stall)
         bounded(lambda: store.set(f"{key}members", decided))
     else:
         try:
             bounded(lambda: store.wait([f"{key}members"]), timeout + stall + 10)
-        except Exception as exc:  # noqa: BLE001 - the store's host (rank 0) is gone or frozen
-            raise PeerFailure(f"rank {me}: rank 0 did not say who is left after a worker failed "
-                              f"({type(exc).__name__}); rank 0 holds the rendezvous store") from None
+        except Exception as exc:  # noqa: BLE001 - the decider, or the store's host, is gone or frozen
+            raise PeerFailure(f"rank {me}: rank {decider}, which was to say who is left after a worker failed, "
+                              f"did not ({type(exc).__name__})") from None
         decided = bounded(lambda: store.get(f"{key}members")).decode()
     names, resume = decided.split(";")
     members = tuple(int(rank) for rank in names.split(","))

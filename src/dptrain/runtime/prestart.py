@@ -38,12 +38,13 @@ def quiet_cpp_logs_of_children() -> None:
         os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
 
-def prestart(workers: int) -> Ranks:
-    """Start `workers` local ranks of `python -m dptrain` that import the runtime and wait for `release`."""
+def prestart(workers: int, serve_store: bool = False) -> Ranks:
+    """Start `workers` local ranks of `python -m dptrain` that import the runtime and wait for `release`.
+    `serve_store`: the launcher is to serve their store (Ranks.serve_store, before `release`), not rank 0."""
     quiet_cpp_logs_of_children()
-    listener = store_listener()  # rank 0 serves the store on it: the port stays taken from now on
+    listener = store_listener()  # the store listens on it: the port stays taken from now on
     return start_ranks([sys.executable, "-m", "dptrain"], workers, port=listener.getsockname()[1],
-                       extra_env={PRESTARTED: "1"}, held=True, listener=listener)
+                       extra_env={PRESTARTED: "1"}, held=True, listener=listener, serve_store=serve_store)
 
 
 def release(ranks: Ranks, argv: list[str], env: dict[str, str]) -> None:

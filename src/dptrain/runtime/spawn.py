@@ -33,6 +33,9 @@ STOP_LOOK = 0.5  # seconds between looks for a stop signal while a grace after i
 LEFT_BEHIND = 5.0  # seconds after rank 0 ended well that a rank the others went on without may still take
 # Rank 0 finds here the number of an inherited socket already listening on MASTER_PORT, to serve the store on.
 STORE_FD = "DPTRAIN_STORE_FD"
+# Set for every rank when the launcher serves the store itself (--min-workers): rank 0 joins it as the others
+# do, so that losing rank 0 does not take the store with it.
+STORE_SERVED = "DPTRAIN_STORE_SERVED"
 
 
 @dataclass(frozen=True)
@@ -98,7 +101,7 @@ def spawn_ranks(command: Sequence[str], world: int, *, port: int, master_addr: s
                 prefix: Optional[Callable[[int], list[str]]] = None, log_dir: Optional[Path] = None,
                 timeout: Optional[float] = None, linger: Optional[float] = None,
                 listener: Optional[socket.socket] = None, launcher: str = "local", may_lose: int = 0,
-                grace: Optional[float] = None) -> RanksExit:
+                grace: Optional[float] = None, serve_store: bool = False) -> RanksExit:
     """Run `command` as ranks 0..world-1 and wait until all have exited, one has failed, `timeout` passed,
     (with `linger`) some ranks are still running that long after the first one ended well, or (with
     `grace`) some are still running that long after a stop signal was passed on to them.
@@ -111,8 +114,10 @@ def spawn_ranks(command: Sequence[str], world: int, *, port: int, master_addr: s
     resume from). `launcher` is the ranks' DPTRAIN_LAUNCHER.
     """
     ranks = start_ranks(command, world, port=port, master_addr=master_addr, threads=threads, extra_env=extra_env,
-                        prefix=prefix, log_dir=log_dir, listener=listener, launcher=launcher)
+                        prefix=prefix, log_dir=log_dir, listener=listener, launcher=launcher, serve_store=serve_store)
     try:
+        if serve_store:
+            ranks.serve_store(timeout or 300.0)
         return ranks.wait(timeout=timeout, linger=linger, may_lose=may_lose, grace=grace)
     finally:
         ranks.close()
@@ -121,7 +126,8 @@ def spawn_ranks(command: Sequence[str], world: int, *, port: int, master_addr: s
 def start_ranks(command: Sequence[str], world: int, *, port: int, master_addr: str = "127.0.0.1",
                 threads: Optional[int] = None, extra_env: Optional[dict[str, str]] = None,
                 prefix: Optional[Callable[[int], list[str]]] = None, log_dir: Optional[Path] = None,
-                held: bool = False, listener: Optional[socket.socket] = None, launcher: str = "local") -> "Ranks":
+                held: bool = False, listener: Optional[socket.socket] = None, launcher: str = "local",
+                serve_store: bool = False) -> "Ranks":
     """Start `command` as ranks 0..world-1 (see spawn_ranks) and return them running; `Ranks.wait` waits.
 
     With `held`, each rank's stdin is a pipe and the ranks are meant to wait for one line on it
@@ -132,7 +138,8 @@ def start_ranks(command: Sequence[str], world: int, *, port: int, master_addr: s
     interpreter starts is kept for the rank to honour, not fatal.
 
     `listener` (see `store_listener`) is handed to rank 0, which serves the store on it, and
-    closed here: the port is never free between its choice and the store.
+    closed here: the port is never free between its choice and the store. With `serve_store` it is
+    kept instead, for this process to serve the store on (`Ranks.serve_store`) and every rank to join.
     """
     threads = threads or max(1, (os.cpu_count() or 1) // world)
     base = {**os.environ, **(extra_env or {})}
@@ -148,7 +155,9 @@ def start_ranks(command: Sequence[str], world: int, *, port: int, master_addr: s
             argv = [*(prefix(rank) if prefix else []), *command]
             stdin = subprocess.PIPE if held else subprocess.DEVNULL
             handed: tuple[int, ...] = ()
-            if listener is not None and rank == 0:
+            if serve_store:
+                env[STORE_SERVED] = "1"
+            elif listener is not None and rank == 0:
                 handed = (listener.fileno(),)
                 env[STORE_FD] = str(listener.fileno())
             if log_dir is not None:
@@ -171,7 +180,9 @@ def start_ranks(command: Sequence[str], world: int, *, port: int, master_addr: s
     finally:
         if mask is not None:
             signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-        if listener is not None:
+        if listener is not None and serve_store:
+            ranks.listener = listener
+        elif listener is not None:
             listener.close()  # rank 0 holds it now (or, if it did not start, nobody needs it)
     return ranks
 
@@ -201,6 +212,22 @@ class Ranks:
         self.closed = False
         # Set on Ctrl-C: what the ranks still print as they die (KeyboardInterrupt tracebacks) is not echoed.
         self.interrupted = threading.Event()
+        self.listener: Optional[socket.socket] = None  # where this process is to serve the ranks' store
+        self.store = None  # the store this process serves (serve_store), kept while the ranks run
+
+    def serve_store(self, timeout: float) -> None:
+        """Serve the ranks' rendezvous store from this process (start_ranks(serve_store=True)), so that it
+        outlives any one rank: rank 0 may be lost then too (--min-workers)."""
+        import datetime
+
+        import torch.distributed as dist  # only a launcher that serves the store imports it
+
+        listener, self.listener = self.listener, None
+        if listener is None:
+            return
+        host, port = listener.getsockname()[:2]
+        self.store = dist.TCPStore(host, port, None, True, datetime.timedelta(seconds=timeout),
+                                   wait_for_workers=False, master_listen_fd=listener.detach())
 
     def release(self, message: bytes) -> None:
         """Give held ranks their one line (`message`, without its newline) and close their stdin.
@@ -226,7 +253,8 @@ class Ranks:
         previous = _forward_signals(self.procs, forwarded)
         try:
             ended = _wait(self.exits, self.world, self.begun, timeout, linger, may_lose,
-                          stopped=forwarded if grace is not None else None, grace=grace)
+                          stopped=forwarded if grace is not None else None, grace=grace,
+                          keeper=None if self.store is not None else 0)
             return replace(ended, stop_signal=forwarded[0][0]) if forwarded else ended
         except KeyboardInterrupt:
             self.interrupted.set()
@@ -241,6 +269,9 @@ class Ranks:
             return
         self.closed = True
         _stop(self.procs)
+        if self.listener is not None:
+            self.listener.close()
+        self.store = None
         for proc in self.procs:
             if proc.stdin is not None and not proc.stdin.closed:
                 try:
@@ -255,14 +286,17 @@ class Ranks:
 
 def _wait(exits: queue.Queue, world: int, begun: float, timeout: Optional[float],
           linger: Optional[float] = None, may_lose: int = 0, *, stopped: Optional[list[tuple[int, float]]] = None,
-          grace: Optional[float] = None) -> RanksExit:
+          grace: Optional[float] = None, keeper: Optional[int] = 0) -> RanksExit:
     """Collect the ranks' exits until all are in, the first failure, the deadline, the linger limit, or
-    `grace` seconds after the first stop signal noted in `stopped` (filled in as signals come)."""
+    `grace` seconds after the first stop signal noted in `stopped` (filled in as signals come). With
+    `may_lose`, ranks other than `keeper` (the store's host; None: the store outlives every rank) may be lost."""
     deadline = None if timeout is None else begun + timeout
     preempted, done, first_done_at, first_finished, lost = False, [], None, None, []
     while len(done) < world:
-        # Once rank 0 ended well, ranks the others went on without (frozen) have nothing left to do.
-        left_behind = may_lose and 0 in done and first_done_at is not None
+        # Once the main rank (the lowest not lost: it writes the results) ended well, ranks the others went on
+        # without (frozen) have nothing left to do.
+        main = min((r for r in range(world) if r not in lost), default=0)
+        left_behind = may_lose and main in done and first_done_at is not None
         lingered = None
         if linger is not None and first_done_at is not None:
             lingered = first_done_at + (min(linger, LEFT_BEHIND) if left_behind else linger)
@@ -292,12 +326,12 @@ def _wait(exits: queue.Queue, world: int, begun: float, timeout: Optional[float]
         done.append(rank)
         if code == 0 and first_done_at is None:  # finished: after a stop (75) an async peer may still be in its epoch
             first_done_at, first_finished = time.perf_counter(), rank
-        if code == PREEMPTED and rank != 0 and len(lost) < may_lose:
+        if code == PREEMPTED and rank != keeper and len(lost) < may_lose:
             lost.append(rank)  # asked to stop alone, it left and the others go on (it said so itself); when the
             # whole job stops, rank 0 stops too: its 75 makes the job's
         elif code == PREEMPTED:
             preempted = True
-        elif code != 0 and rank != 0 and len(lost) < may_lose:
+        elif code != 0 and rank != keeper and len(lost) < may_lose:
             lost.append(rank)
             print(f"dptrain: worker rank {rank} {describe_exit(code)}; the others go on without it",
                   file=sys.stderr, flush=True)

@@ -166,7 +166,7 @@ def _train(config: TrainConfig, prestarted: Optional[Ranks] = None) -> tuple[int
     if config.workers > 1:
         release_early_stop_signals()  # this process spawns the workers and passes signals on to them
         if prestarted is None:
-            prestarted = own = prestart(config.workers)
+            prestarted = own = prestart(config.workers, serve_store=config.min_workers is not None)
     try:
         model = validate(config)
         if config.workers == 1:

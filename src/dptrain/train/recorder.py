@@ -85,8 +85,10 @@ class Recorder:
         self.out, self.is_main, self.world_size = out, is_main, world_size
         self.job_world = world_size  # the workers the job started with; world_size follows the live membership
         self.members: Optional[tuple[int, ...]] = None  # ranks of the job still training, after a membership change
+        self._verbose_asked = verbose
+        self._progress_asked = progress and (sys.stderr.isatty() or os.environ.get("DPTRAIN_TTY") == "1")
         self.verbose = verbose and is_main
-        self.show_progress = progress and is_main and (sys.stderr.isatty() or os.environ.get("DPTRAIN_TTY") == "1")
+        self.show_progress = self._progress_asked and is_main
         self.history: list[dict] = []
 
     def log(self, message: str) -> None:
@@ -96,6 +98,11 @@ class Recorder:
     def progress_bar(self, total: int, epoch: int, epochs: int) -> tqdm:
         return tqdm(total=total, desc=f"epoch {epoch + 1}/{epochs}{self._live(' · ')}", leave=False,
                     disable=not self.show_progress, dynamic_ncols=True)
+
+    def lead(self, is_main: bool) -> None:
+        """Whether this rank writes the files and lines from now on (it became rank 0 of a new group)."""
+        self.is_main = is_main
+        self.verbose, self.show_progress = self._verbose_asked and is_main, self._progress_asked and is_main
 
     def follow(self, members: tuple[int, ...]) -> None:
         """The live membership changed: `members`, the ranks of the job that train on (dptrain.runtime.membership)."""

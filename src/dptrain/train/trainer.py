@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader, Dataset
 from dptrain import faults
 from dptrain.data.sampler import PlanBatches, TrainData, as_dataset, evaluation_loader, labels_of, loader
 from dptrain.errors import Diverged, Interrupted, Left, Preempted, UserError
-from dptrain.runtime.distributed import DistContext, init_process_group
+from dptrain.runtime.distributed import DistContext, init_process_group, store_served
 from dptrain.runtime.group import PeerFailure, PeerReported
 from dptrain.runtime.membership import STALL, Membership, note, regroup
 from dptrain.runtime.env import detect, launcher_reports_interrupts
@@ -276,7 +276,7 @@ class Trainer:
     def _agree_stop(self) -> Optional[str]:
         """The stop signal the whole run obeys at this epoch end, or None. With min_workers, ranks asked to stop
         while others were not (a scheduler warned one node) leave instead, at this epoch end (`_leaving`), when
-        at least min_workers stay and rank 0 (the store's host) is not among them."""
+        at least min_workers stay and none of them hosts the store (rank 0 where the launcher does not)."""
         ctx, requested = self.ctx, self.stop_signals.requested
         if self.min_workers is None or ctx.world_size == 1:
             return self.strategy.agree_stop(requested)
@@ -285,7 +285,9 @@ class Trainer:
         stay = tuple(member for member in ctx.group.members if member not in leave)
         if not leave:
             return None
-        if 0 in leave or len(stay) < self.min_workers:  # the job stops: checkpoint and exit 75, as without it
+        # Rank 0 cannot leave where it serves the store (not under dptrain's launcher, which serves it itself).
+        if len(stay) < self.min_workers or (0 in leave and not store_served()):
+            # the job stops: checkpoint and exit 75, as without min_workers
             return requested or "a signal to another rank"
         self._leaving = (stay, leave, tuple(signal for signal in asked if signal))
         return None
@@ -307,6 +309,7 @@ class Trainer:
         if group.heartbeat is not None:
             group.heartbeat.follow(stay)
         ctx.rank, ctx.world_size, ctx.group = group.rank, group.world_size, group
+        self.recorder.lead(ctx.is_main)
         self.recorder.follow(stay)
         self.recorder.log(f"dptrain: rank{'s' if len(leave) > 1 else ''} {names} left after epoch {epoch + 1} "
                           f"on request ({signals[0]}); continuing with {group.world_size} workers (ranks "
@@ -336,6 +339,7 @@ class Trainer:
         if len(self.recorder.history) != len(saved["history"]):
             self.recorder.replace_history(saved["history"])
         ctx.rank, ctx.world_size, ctx.group = group.rank, group.world_size, group
+        self.recorder.lead(ctx.is_main)  # rank 0 may be the one lost: the lowest rank left writes from now on
         self.recorder.follow(membership.members)
         left = ", ".join(map(str, membership.left))
         self.recorder.log(f"dptrain: continuing from epoch {membership.epoch + 1} with {group.world_size} workers "
