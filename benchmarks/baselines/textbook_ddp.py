@@ -6,9 +6,17 @@ DistributedSampler, DistributedDataParallel over gloo on the CPU, SGD, the same 
 accuracy at the end, as the PyTorch DDP tutorial writes it.
 
     torchrun --nproc-per-node 2 benchmarks/baselines/textbook_ddp.py --epochs 1
+
+With --snapshot PATH it is the fault-tolerant script of PyTorch's torchrun tutorial ("Fault-tolerant
+Distributed Training with torchrun"): it loads the snapshot if there is one and rank 0 saves one after
+every epoch, so that torchrun --max-restarts can restart every worker from it (benchmarks/elastic.py).
+DPTRAIN_BENCH_KILL=RANK:STEP kills that rank with SIGKILL after that many training steps, once (a marker
+file next to the snapshot remembers it).
 """
 
 import argparse
+import os
+import signal
 
 import torch
 import torch.distributed as dist
@@ -25,6 +33,7 @@ def main():
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--snapshot", default=None, help="load it if it exists; rank 0 saves it every epoch")
     args = parser.parse_args()
 
     dist.init_process_group("gloo")
@@ -43,14 +52,32 @@ def main():
     ddp_model = DDP(model)
     optimizer = torch.optim.SGD(ddp_model.parameters(), lr=args.lr, momentum=0.9)
     loss_fn = nn.CrossEntropyLoss()
+    first_epoch = 0
+    if args.snapshot and os.path.exists(args.snapshot):
+        snapshot = torch.load(args.snapshot, weights_only=True)
+        model.load_state_dict(snapshot["model"])
+        optimizer.load_state_dict(snapshot["optimizer"])
+        first_epoch = snapshot["epochs_run"]
+    kill = os.environ.get("DPTRAIN_BENCH_KILL")
+    kill_rank, kill_step = (int(part) for part in kill.split(":")) if kill else (-1, -1)
+    marker = f"{args.snapshot}.killed" if args.snapshot else None
 
-    for epoch in range(args.epochs):
+    step = first_epoch * len(loader)
+    for epoch in range(first_epoch, args.epochs):
         sampler.set_epoch(epoch)
         ddp_model.train()
         for xb, yb in loader:
             optimizer.zero_grad()
             loss_fn(ddp_model(xb), yb).backward()
             optimizer.step()
+            step += 1
+            if rank == kill_rank and step == kill_step and marker and not os.path.exists(marker):
+                open(marker, "w").close()
+                os.kill(os.getpid(), signal.SIGKILL)
+        if args.snapshot and rank == 0:
+            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epochs_run": epoch + 1},
+                       args.snapshot + ".tmp")
+            os.replace(args.snapshot + ".tmp", args.snapshot)
 
     if rank == 0:  # the replicas are identical: one rank scores the test set
         model.eval()
