@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 import traceback
 from typing import Any, Callable, NoReturn
 
 from dptrain.errors import Interrupted, Preempted, UserError
 
 
+REPORTED_LAST = 0.5  # seconds a rank told of a peer's error waits before it exits (report_errors)
 _FINALIZE = True  # whether `run` lets a process that joined no process group finalize the interpreter
 
 
@@ -73,6 +75,9 @@ def report_errors(main: Callable[[], Any]) -> int:
         from dptrain.runtime.distributed import PeerFailure
         from dptrain.runtime.group import PeerReported
         if isinstance(exc, PeerReported) and not debugging():  # the peer's own line said why
+            # Leave after that peer (it waits for this rank to read its error, then exits): a launcher that
+            # names the first rank to fail names the one whose line says why.
+            time.sleep(REPORTED_LAST)
             return exc.code
         if isinstance(exc, PeerFailure) and not debugging():
             print(f"dptrain: error: {exc}", file=sys.stderr)
