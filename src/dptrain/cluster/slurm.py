@@ -49,13 +49,14 @@ def render(spec: JobSpec) -> str:
         # ignored (a program that does not handle it keeps running; one that wants it installs a handler).
         command = rank_environment("$SLURM_PROCID", "$SLURM_LOCALID", ignore=spec.stop_signal if spec.stop_before else "") \
             + command
-    elif spec.container:
+    else:
         # A signal to the step reaches every process of it, the container runtime's too (udocker's Python,
         # PRoot), which must not die of any stop signal: the rank inside handles them all. TERM comes
         # without a warning as well: the first rank to exit with 75 makes srun (--kill-on-bad-exit)
         # terminate the step, so a runtime dying of TERM would turn a later rank's 75 into 143 (128 +
         # SIGTERM) and the job would fail instead of being requeued. What does not end is killed
-        # KillWait seconds later.
+        # KillWait seconds later. The rank itself starts with them ignored too: one that comes while its
+        # interpreter starts, before dptrain installs its handlers, is lost instead of fatal (138).
         command = f"bash -c 'trap \"\" {' '.join(STOP_SIGNALS)}; exec \"$@\"' rank " + command
     if spec.command:
         stopping = ([f"# SIG{spec.stop_signal} reaches every rank before the time limit (or at a pre-emption warning); it starts",
