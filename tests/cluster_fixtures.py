@@ -101,12 +101,12 @@ class SlurmCluster:
                 raise AssertionError(f"no {what} within {timeout:g} s" + self.logs())
             time.sleep(0.5)
 
-    def preempt(self, job_id: str, metrics: Path, after_epochs: int, timeout: float = 180) -> None:
-        """Send the time-limit warning (SIGUSR1 to every rank) once `after_epochs` epochs are recorded,
-        then wait for the job to requeue itself (it starts again cred_expire seconds later)."""
+    def preempt(self, job_id: str, metrics: Path, after_epochs: int, timeout: float = 180, signal: str = "USR1") -> None:
+        """Send the time-limit warning (`signal`, by default SIGUSR1, to every rank) once `after_epochs` epochs are
+        recorded, then wait for the job to requeue itself (it starts again cred_expire seconds later)."""
         self.wait_until(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= after_epochs,
                         f"epoch {after_epochs} of job {job_id}", timeout)
-        self.run("scancel", "--signal=USR1", job_id)
+        self.run("scancel", f"--signal={signal}", job_id)
         self.wait_until(lambda: self.state(job_id) == "PENDING", f"requeue of job {job_id}", timeout)
 
 

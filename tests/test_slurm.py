@@ -108,3 +108,26 @@ def test_the_warning_signal_checkpoints_requeues_the_job_and_it_resumes_to_the_e
     epochs = [json.loads(line)["epoch"] for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert epochs == list(range(1, 11)), epochs  # each epoch once: none lost, none repeated
     assert json.loads((run / "summary.json").read_text())["test_accuracy"] >= 0.90
+
+
+def test_a_job_launched_with_stop_signal_usr2_checkpoints_and_requeues_on_scancel_signal_usr2(slurm_cluster, tmp_path):
+    # --stop-signal USR2: the warning a site sends is SIGUSR2 (here by hand, with scancel --signal=USR2, as
+    # SLURM's --signal=USR2@N would). The ranks checkpoint, exit 75 and the job requeues itself; the
+    # resumed run is the USR1 test's business, so the job is cancelled once it is back in the queue.
+    result = launch(slurm_cluster, "--nodes", "2", "--stop-signal", "USR2", "--dptrain", f"{sys.executable} -m dptrain",
+                    "--submit", "--", *DIGITS, "--strategy", "sync", "--slow-worker", "0:10", "--out", "run",
+                    cwd=tmp_path, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+    job_id = result.stdout.split("submitted job ")[1].split(";")[0].split()[0]
+    run = tmp_path / "run"
+    assert "#SBATCH --signal=USR2@300" in (run / "job.slurm").read_text()
+    try:
+        slurm_cluster.preempt(job_id, run / "metrics.jsonl", after_epochs=1, signal="USR2")
+    finally:
+        slurm_cluster.run("scancel", job_id)
+    output = (run / f"slurm-{job_id}.out").read_text()
+    assert "stopped by SIGUSR2 after epoch" in output and "requeueing it to resume" in output, output
+    stopped_after = int(output.split("stopped by SIGUSR2 after epoch ")[1].split(";")[0])
+    epochs = [json.loads(line)["epoch"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert epochs == list(range(1, stopped_after + 1)), epochs  # each epoch up to the checkpoint, once
+    assert stopped_after < 10

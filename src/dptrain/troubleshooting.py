@@ -218,6 +218,15 @@ PROBLEMS: tuple[Problem, ...] = (
             "dptrain: error: command '{program}' is not on the PATH{rest}",
             "the words after `--` start a command every rank runs, and its program was not found",
             "check the spelling, or give a path (`./train.sh`, executable)", case="launch-command-not-found"),
+    Problem("launch", "A job told to stop ends with exit code 143 instead of requeueing",
+            "the job ends FAILED with exit code 143, after `srun: ... Terminating StepId` and `task N: Terminated`",
+            "the first rank to exit with 75 makes srun (`--kill-on-bad-exit`) end the step's other ranks with "
+            "SIGTERM; a rank, or the container runtime around it, that dies of it before exiting with 75 itself "
+            "turns the job's 75 into 143 (128 + SIGTERM)",
+            "write the job script again with `dptrain launch`: the container runtime of `dptrain train`'s ranks "
+            "ignores SIGTERM, SIGUSR1 and SIGUSR2 (the rank inside handles them); a command of your own, run on "
+            "the host, must handle SIGTERM as it handles the warning (finish saving, and exit with 75)",
+            symptom=True, source=("must not die of any stop signal",)),
     # ---------------------------------------------------------------- containers
     Problem("container", "MPI errors inside the container",
             "MPI errors inside the container (version mismatch, PMI)",

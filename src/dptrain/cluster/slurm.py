@@ -16,7 +16,8 @@ import hostlist
 
 from dptrain.cluster.base import Job, Placement, integer
 from dptrain.cluster.containers import rank_command
-from dptrain.cluster.spec import JobSpec, command_environment, header, process_environment, quote, rank_environment
+from dptrain.cluster.spec import (STOP_SIGNALS, JobSpec, command_environment, header, process_environment, quote,
+                                  rank_environment)
 from dptrain.cluster.submit import JobStatus, run_tool
 from dptrain.errors import UserError
 
@@ -48,10 +49,15 @@ def render(spec: JobSpec) -> str:
         # ignored (a program that does not handle it keeps running; one that wants it installs a handler).
         command = rank_environment("$SLURM_PROCID", "$SLURM_LOCALID", ignore=spec.stop_signal if spec.stop_before else "") \
             + command
-    elif spec.stop_before and spec.container:
-        # The signal reaches every process of the step: the container runtime must not die of it
-        # (USR1, USR2 and TERM end a process that does not handle them); the rank inside handles it.
-        command = f"bash -c 'trap \"\" {spec.stop_signal}; exec \"$@\"' rank " + command
+    else:
+        # A signal to the step reaches every process of it, the container runtime's too (udocker's Python,
+        # PRoot), which must not die of any stop signal: the rank inside handles them all. TERM comes
+        # without a warning as well: the first rank to exit with 75 makes srun (--kill-on-bad-exit)
+        # terminate the step, so a runtime dying of TERM would turn a later rank's 75 into 143 (128 +
+        # SIGTERM) and the job would fail instead of being requeued. What does not end is killed
+        # KillWait seconds later. The rank itself starts with them ignored too: one that comes while its
+        # interpreter starts, before dptrain installs its handlers, is lost instead of fatal (138).
+        command = f"bash -c 'trap \"\" {' '.join(STOP_SIGNALS)}; exec \"$@\"' rank " + command
     if spec.command:
         stopping = ([f"# SIG{spec.stop_signal} reaches every rank before the time limit (or at a pre-emption warning); it starts",
                      "# ignored, so a program that installs no handler for it runs on. Ranks that save their state",
