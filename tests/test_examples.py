@@ -61,8 +61,9 @@ def test_downscaling_as_the_user_s_own_script_through_launch_on_two_slurm_nodes(
     output = result.stdout + result.stderr
     assert result.returncode == 0, output + slurm_cluster.logs()
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    # The job script exports the rendezvous (RANK, WORLD_SIZE, MASTER_ADDR...): the script joins that world.
-    assert summary["workers"] == 2 and summary["launcher"] == "env" and summary["strategy"] == "sync"
+    # The job script exports the rendezvous (RANK, WORLD_SIZE, MASTER_ADDR...): the script joins that world,
+    # and records the launcher that started its ranks (srun), not the variables' generic name.
+    assert summary["workers"] == 2 and summary["launcher"] == "srun" and summary["strategy"] == "sync"
     train, test = downscaling.make_data()
     assert summary["test_loss"] < downscaling.climatology_nll(train.tensors[1].numpy(), test.tensors[1].numpy())
     log = next((tmp_path / "run").glob("slurm-*.out")).read_text()
@@ -81,7 +82,7 @@ def test_downscaling_in_one_udocker_container_per_rank_on_two_slurm_nodes(slurm_
     output = result.stdout + result.stderr
     assert result.returncode == 0, output + slurm_cluster.logs()
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert summary["workers"] == 2 and summary["launcher"] == "env" and summary["test_loss"] < 3
+    assert summary["workers"] == 2 and summary["launcher"] == "srun" and summary["test_loss"] < 3
 
 
 BAD_LOSSES = '''
