@@ -301,6 +301,8 @@ class Group:
                     handle=handle, store=self.store, members=members, name=f"generation {generation}",
                     generation=generation)
         new.watch = self.watch
+        if self.heartbeat is not None:  # the same thread beats on; it watches the new members only
+            self.heartbeat.follow(members)
         return new
 
     def abandon(self) -> None:

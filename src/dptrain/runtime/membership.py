@@ -85,8 +85,6 @@ def regroup(group: Group, generation: int, epoch: int, *, min_workers: int, time
                           f"{', '.join(map(str, membership.left))}")
     new = group.rebuild(members, generation)
     assert new is not None
-    if group.heartbeat is not None:
-        group.heartbeat.follow(members)
     return new, membership
 
 

@@ -5,7 +5,8 @@ MASTER_PORT) plus DPTRAIN_LAUNCHER (`local` for `dptrain train`'s workers, `dptr
 the ranks of a user's script) and its share of the CPU threads. Its output is
 either pumped to ours with a `[rankN] ` prefix or written to `rankN.log` in a directory. A
 scheduler's warning (SIGTERM, SIGUSR1, SIGUSR2) is passed on to every rank (with a grace, those still
-running that long after it are killed); the first rank to fail is reported and the others are stopped. `spawn_ranks` starts and waits; `start_ranks` only starts,
+running that long after it are killed); the first rank to fail is reported and the others are stopped.
+`spawn_ranks` starts and waits; `start_ranks` only starts,
 optionally holding the ranks until they are given one line on stdin (dptrain.runtime.prestart).
 """
 
@@ -30,7 +31,7 @@ PREEMPTED = Preempted.exit_code
 # A scheduler's warnings (SLURM --signal, PBS and Kubernetes TERM before the kill; USR2 where a site uses it).
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 STOP_LOOK = 0.5  # seconds between looks for a stop signal while a grace after it is to be kept
-LEFT_BEHIND = 5.0  # seconds after rank 0 ended well that a rank the others went on without may still take
+LEFT_BEHIND = 5.0  # seconds after the main rank ended well that a rank the others went on without may still take
 # Rank 0 finds here the number of an inherited socket already listening on MASTER_PORT, to serve the store on.
 STORE_FD = "DPTRAIN_STORE_FD"
 # Set for every rank when the launcher serves the store itself (--min-workers): rank 0 joins it as the others
@@ -247,8 +248,9 @@ class Ranks:
     def wait(self, timeout: Optional[float] = None, linger: Optional[float] = None, may_lose: int = 0,
              grace: Optional[float] = None) -> RanksExit:
         """Until all have exited, one has failed, `timeout` passed, one has lingered, or the `grace` after a
-        stop signal is over (see spawn_ranks). Up to `may_lose` ranks other than rank 0 may fail first without
-        ending the wait (the others go on without them): each is said in one line and counted in `lost`."""
+        stop signal is over (see spawn_ranks). Up to `may_lose` ranks may fail first without ending the wait
+        (the others go on without them), rank 0 only when this process serves the store: each is counted in
+        `lost`, and said in one line unless it left on request (75)."""
         forwarded: list[tuple[int, float]] = []  # (signal, when) of each stop signal passed on
         previous = _forward_signals(self.procs, forwarded)
         try:

@@ -292,6 +292,14 @@ class Trainer:
         self._leaving = (stay, leave, tuple(signal for signal in asked if signal))
         return None
 
+    def _take(self, group) -> None:
+        """Train on in `group` (made after a membership change): this rank's place in it; rank 0 may be the one
+        gone, so the lowest rank left writes the files and lines from now on."""
+        ctx = self.ctx
+        ctx.rank, ctx.world_size, ctx.group = group.rank, group.world_size, group
+        self.recorder.lead(ctx.is_main)
+        self.recorder.follow(tuple(group.members))
+
     def _let_leave(self, epoch: int, parts: dict) -> Membership:
         """After `epoch` (from 0) ended: the ranks asked to stop alone leave (Left, exit 75) and the others go
         on without them from the next epoch, in a group of their own (no state to return to: nothing failed)."""
@@ -306,11 +314,7 @@ class Trainer:
                        f"{len(stay)} worker{'s' if len(stay) > 1 else ''} go on without it")
         group = ctx.group.rebuild(stay, generation)
         assert group is not None
-        if group.heartbeat is not None:
-            group.heartbeat.follow(stay)
-        ctx.rank, ctx.world_size, ctx.group = group.rank, group.world_size, group
-        self.recorder.lead(ctx.is_main)
-        self.recorder.follow(stay)
+        self._take(group)
         self.recorder.log(f"dptrain: rank{'s' if len(leave) > 1 else ''} {names} left after epoch {epoch + 1} "
                           f"on request ({signals[0]}); continuing with {group.world_size} workers (ranks "
                           f"{', '.join(map(str, stay))} of the job)")
@@ -338,9 +342,7 @@ class Trainer:
         checkpoint_files.set_rng_state(saved["rng"])
         if len(self.recorder.history) != len(saved["history"]):
             self.recorder.replace_history(saved["history"])
-        ctx.rank, ctx.world_size, ctx.group = group.rank, group.world_size, group
-        self.recorder.lead(ctx.is_main)  # rank 0 may be the one lost: the lowest rank left writes from now on
-        self.recorder.follow(membership.members)
+        self._take(group)
         left = ", ".join(map(str, membership.left))
         self.recorder.log(f"dptrain: continuing from epoch {membership.epoch + 1} with {group.world_size} workers "
                           f"(ranks {', '.join(map(str, membership.members))} of the job; without rank"
