@@ -85,3 +85,31 @@ def test_an_error_inside_the_users_forward_under_ddp_keeps_its_type():
     assert failed == ("RuntimeError", "boom in the user's forward")
     # Rank 0 was in its backward pass, whose all-reduce rank 1 never joined.
     assert waiting[0] == "PeerFailure" and waiting[1].startswith("rank 0: backward failed after "), waiting
+
+
+def _both_fail_at_once(rank, world):
+    import contextlib
+    import datetime
+    import io
+
+    from dptrain import exits
+    from dptrain.errors import UserError
+    from dptrain.runtime.group import REPORTED
+    from dptrain.runtime.heartbeat import default_store
+
+    if rank == 0:  # rank 1's error reaches the store first, as when one full disk fails both ranks' writes
+        default_store().wait([REPORTED], datetime.timedelta(seconds=30))
+
+    def fail():
+        raise UserError(f"rank {rank} cannot write: no space left on device")
+
+    said = io.StringIO()
+    with contextlib.redirect_stderr(said):
+        code = exits.report_errors(fail)
+    return code, said.getvalue()
+
+
+def test_two_ranks_with_the_same_error_at_once_say_it_in_one_line():
+    (code0, said0), (code1, said1) = run_distributed(_both_fail_at_once, 2)
+    assert said1 == "dptrain: error: rank 1 cannot write: no space left on device\n"
+    assert said0 == "" and code0 == code1 == 2

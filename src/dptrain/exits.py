@@ -54,10 +54,13 @@ def report_errors(main: Callable[[], Any]) -> int:
     except UserError as exc:
         if debugging():
             traceback.print_exc()
-        print(f"dptrain: error: {exc}", file=sys.stderr, flush=True)
         distributed = sys.modules.get("dptrain.runtime.distributed")
         if distributed is not None:  # a script's own group: the peers end with this code, without a line
             distributed.report_error(exc.exit_code)
+        if distributed is not None and distributed.error_said_first() is not None and not debugging():
+            time.sleep(REPORTED_LAST)  # a peer failed the same way at once and said so first: leave after it
+            return exc.exit_code
+        print(f"dptrain: error: {exc}", file=sys.stderr, flush=True)
         return exc.exit_code
     except Preempted as exc:
         print(f"dptrain: {exc}", file=sys.stderr)

@@ -276,12 +276,14 @@ def destroy_process_group() -> None:
 
 LINGER = 3.0  # seconds the store's host waits, after an error of its own, for its peers to read it
 _TOLD: list = []  # (store, world size) once this rank told its peers of its error and hosts the store
+_SAID_FIRST: list = []  # (rank, exit code) of a peer whose own error reached the store before this rank's
 
 
 def report_error(code: int) -> None:
     """This rank ends with an error it says in its own line: tell its peers, through the store, so that each
     ends with the same code and no line of its own (dptrain.runtime.group.PeerReported) instead of a second
-    line about a peer that stopped; then leave the group at once, so that no peer waits on this rank until
+    line about a peer that stopped (if a peer's own error got there first, this rank stays silent instead:
+    error_said_first); then leave the group at once, so that no peer waits on this rank until
     --timeout. The store's host (rank 0, unless torchrun's agent serves it) stays at exit until its peers
     have read it, at most LINGER seconds (exit_process)."""
     if not dist.is_initialized() or dist.get_world_size() == 1 or store_abandoned():
@@ -291,9 +293,22 @@ def report_error(code: int) -> None:
         first = bounded(lambda: store.compare_set(REPORTED, "", f"{rank} {code}"), 1.0).decode()
     except Exception:  # noqa: BLE001 - no store to tell: the peers diagnose the failure themselves
         return
-    if first == f"{rank} {code}" and rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+    if first != f"{rank} {code}":  # two ranks failed at once (a full disk under both): the first one says it
+        peer, peer_code = first.split()
+        _SAID_FIRST.append((int(peer), int(peer_code)))
+        try:
+            bounded(lambda: store.add(REPORTED_SEEN, 1), 1.0)
+        except Exception:  # noqa: BLE001 - its host is gone: nobody waits for this rank
+            pass
+    elif rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         _TOLD.append((store, world))
     destroy_process_group()
+
+
+def error_said_first() -> Optional[tuple[int, int]]:
+    """(rank, exit code) of a peer that reported its own error before this rank reported its own, else None:
+    that peer's line says why, and this rank's would be a second line for one failure (dptrain.exits)."""
+    return _SAID_FIRST[0] if _SAID_FIRST else None
 
 
 def _wait_until_told() -> None:
