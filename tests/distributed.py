@@ -35,15 +35,23 @@ def _child(fn, rank, world, port, results, args):
             dist.destroy_process_group()
 
 
-def run_distributed(fn, world: int = 2, *args, timeout: float = 120.0) -> list:
-    """fn(rank, world, *args) on `world` processes; returns the results in rank order."""
-    # A fork server that has imported torch once starts each worker in milliseconds rather
-    # than seconds, and forks from a clean process (no threads, no process group).
+def fork_server():
+    """The multiprocessing context of the test fork server: a process that has imported torch once starts
+    each process forked from it in milliseconds rather than seconds, from a clean state (no threads, no
+    process group). run_distributed's workers and cli_runner's `dptrain` commands come from it."""
     context = mp.get_context("forkserver")
     # torch._dynamo too: a torch.optim optimizer imports it (and sympy) when the first one is built, about
-    # two CPU seconds in every worker otherwise.
-    context.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "dptrain", "dptrain.train.trainer",
+    # two CPU seconds in every worker otherwise. The data sets' libraries and the launcher's modules for
+    # cli_runner (none of dptrain's modules reads the environment when imported).
+    context.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "sklearn.datasets", "dptrain",
+                                    "dptrain.cli", "dptrain.train.command", "dptrain.train.trainer",
                                     "dptrain.strategies", "distributed"])
+    return context
+
+
+def run_distributed(fn, world: int = 2, *args, timeout: float = 120.0) -> list:
+    """fn(rank, world, *args) on `world` processes; returns the results in rank order."""
+    context = fork_server()
     results = context.Queue()
     port = free_port()
     procs = [context.Process(target=_child, args=(fn, rank, world, port, results, args)) for rank in range(world)]

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,6 +17,7 @@ from dptrain.lr_policy import ConfigSchedule
 from dptrain.strategies.auto import (ALL_CANDIDATES, SAFE_CANDIDATES, Auto, Candidate, bandwidth_from, decision_line,
                                      latency_from, pick, predict)
 from dptrain.strategies.sync import Sync
+from cli_runner import run_dptrain
 
 CAL = costmodel.Calibration(seconds_per_sample=1e-3, model_bytes=1_000_000, bandwidth=1e6, latency=1e-3,
                             samples=1000, batch_size=10)
@@ -92,8 +92,7 @@ def test_auto_is_a_config_choice_and_builds_the_chosen_strategy_as_its_flags_wou
 
 
 def dptrain(*args: str, cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dptrain", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=240, env={**os.environ, **(env or {})})
+    return run_dptrain(args, cwd=cwd, env={**os.environ, **(env or {})})
 
 
 def weights(run_dir: Path) -> dict:

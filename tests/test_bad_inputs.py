@@ -15,7 +15,6 @@ import io
 import os
 import shutil
 import signal
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +25,7 @@ import numpy as np
 import pytest
 import yaml
 
+from cli_runner import run_dptrain as run_dptrain_process
 from dptrain.cli import main
 
 GOOD_DATA = "tiny.npz"
@@ -417,8 +417,8 @@ def run_dptrain(argv: list[str], case: Case, root: Path, capsys) -> tuple[int, s
     if not case.subprocess:
         code = main(argv)
         return code, capsys.readouterr().err
-    result = subprocess.run([sys.executable, "-m", "dptrain", *argv], cwd=root, capture_output=True, text=True,
-                            timeout=180, env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "DPTRAIN_DEBUG": "0"})
+    result = run_dptrain_process(argv, cwd=root, timeout=180,
+                                  env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "DPTRAIN_DEBUG": "0"})
     return result.returncode, result.stderr
 
 

@@ -5,6 +5,7 @@ Speeds are never asserted: the machine is shared, and the benchmarks exist to me
 
 from __future__ import annotations
 
+import os
 import argparse
 import csv
 import json
@@ -21,6 +22,7 @@ from dptrain.bench.results import (add_scaling, format_summary, mean_and_ci, run
                                    write_results)
 from dptrain.bench.throughput import rate_summary
 from dptrain.errors import UserError
+from cli_runner import run_dptrain
 
 CAL = costmodel.Calibration(seconds_per_sample=1e-3, model_bytes=1_000_000, bandwidth=1e6, latency=1e-3,
                             samples=1000, batch_size=10)
@@ -247,10 +249,10 @@ def test_a_clear_error_when_namespaces_are_refused(monkeypatch):
 def test_a_tiny_matrix_writes_results_and_plots(tmp_path):
     out = tmp_path / "bench"
     # One dptrain run and the two plain PyTorch baselines (a 1-process loop and 2-rank DDP).
-    command = [sys.executable, "-m", "dptrain", "bench", "--strategies", "sync", "--workers", "2", "--epochs", "2",
-               "--threads", "1", "--target-accuracy", "0.5", "--option", "samples=256", "--dataset", "synthetic-images",
+    command = ["bench", "--strategies", "sync", "--workers", "2", "--epochs", "2", "--threads", "1",
+               "--target-accuracy", "0.5", "--option", "samples=256", "--dataset", "synthetic-images",
                "--option", "image_size=8", "--model", "mlp", "--out", str(out)]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=240)
+    done = run_dptrain(command, cwd=os.getcwd())
     assert done.returncode == 0, done.stderr[-2000:]
     with open(out / "results.csv") as handle:
         rows = list(csv.DictReader(handle))

@@ -16,6 +16,7 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 sys.path.insert(0, str(EXAMPLES))
 import downscaling  # noqa: E402 - the example, imported as a user's module
 from cluster_fixtures import slurm_cluster, udocker_container  # noqa: E402,F401 - pytest fixtures
+from cli_runner import run_dptrain
 
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(EXAMPLES), os.environ.get("PYTHONPATH")]))}
 PARTS = ["--data", "downscaling:make_data", "--model", "downscaling:make_model",
@@ -23,8 +24,7 @@ PARTS = ["--data", "downscaling:make_data", "--model", "downscaling:make_model",
 
 
 def _dptrain(tmp_path, *args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "dptrain", *args], cwd=tmp_path, env=ENV, capture_output=True,
-                          text=True, timeout=timeout)
+    return run_dptrain(args, cwd=tmp_path, env=ENV, timeout=timeout)
 
 
 def test_the_bernoulli_gamma_nll_is_torch_distributions_log_likelihood():
@@ -108,9 +108,8 @@ def broken(output, target):
 def test_a_loss_function_that_cannot_work_is_one_line_before_any_worker_starts(tmp_path, loss, message):
     (tmp_path / "badloss.py").write_text(BAD_LOSSES)
     env = {**ENV, "PYTHONPATH": str(tmp_path)}
-    done = subprocess.run([sys.executable, "-m", "dptrain", "train", "--dataset", "synthetic-regression", "--model",
-                           "mlp-regression", "--loss", loss, "--out", "run"], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=120)
+    done = run_dptrain(["train", "--dataset", "synthetic-regression", "--model", "mlp-regression", "--loss", loss,
+                        "--out", "run"], cwd=tmp_path, env=env, timeout=120)
     assert done.returncode == 2
     assert done.stderr.strip() == f"dptrain: error: {message}"
     assert not (tmp_path / "run").exists()

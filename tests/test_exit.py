@@ -1,10 +1,12 @@
 """How a dptrain process ends: exit_process runs atexit handlers, flushes, keeps the exit code, skips finalization."""
 
+import os
 import subprocess
 import sys
 import textwrap
 
 import pytest
+from cli_runner import run_dptrain
 
 SCRIPT = textwrap.dedent("""
     import atexit, os, sys
@@ -51,8 +53,7 @@ def test_without_a_process_group_exit_process_is_a_plain_exit(tmp_path):
 
 
 def test_the_dptrain_program_keeps_its_exit_code_for_bad_input(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "dptrain", "train", "--epochs", "-1", "--out", str(tmp_path / "run")],
-                          capture_output=True, text=True, timeout=120)
+    done = run_dptrain(["train", "--epochs", "-1", "--out", str(tmp_path / "run")], cwd=os.getcwd(), timeout=120)
     assert done.returncode == 2
     assert done.stderr.startswith("dptrain: error:") and "Traceback" not in done.stderr
 

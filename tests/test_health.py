@@ -8,7 +8,6 @@ import math
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +16,7 @@ import torch
 from dptrain.config import TrainConfig
 from dptrain.train.health import COLLAPSE_RATIO, AverageCheck, AverageHealth, LRGuard, probe_rows
 from dptrain.lr_policy import build_schedule
+from cli_runner import run_dptrain
 
 HERE = Path(__file__).parent
 
@@ -25,9 +25,8 @@ def _dptrain(tmp_path: Path, *args: str, timeout: float = 240) -> subprocess.Com
     shutil.copy(HERE / "blobs_factory.py", tmp_path)
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     # --lr 0.05: the default of the report (0.02 since)
-    return subprocess.run([sys.executable, "-m", "dptrain", "train", "--data", "blobs_factory:make", "--model", "mlp",
-                           "--lr", "0.05", "--no-progress", *args], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    return run_dptrain(["train", "--data", "blobs_factory:make", "--model", "mlp", "--lr", "0.05", "--no-progress",
+                        *args], cwd=tmp_path, env=env, timeout=timeout)
 
 
 def _records(run: Path) -> list[dict]:

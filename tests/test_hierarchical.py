@@ -8,8 +8,7 @@ against a hand computation, with exact byte counts, and against allreduce (one n
 
 from __future__ import annotations
 
-import subprocess
-import sys
+import os
 
 import pytest
 import torch
@@ -21,6 +20,7 @@ from dptrain.errors import UserError
 from dptrain.strategies import AllReduce, Sync
 from dptrain.strategies.hierarchical import Hierarchical, assign_nodes
 from dptrain.train.trainer import Trainer
+from cli_runner import run_dptrain
 
 N, BATCH, SEED, LR, MOMENTUM = 128, 16, 3, 0.1, 0.5
 
@@ -198,8 +198,8 @@ def test_a_resumed_run_ends_bitwise_equal_with_the_same_byte_counts(tmp_path):
      "dptrain: error: --ranks-per-node applies to strategy hierarchical, not sync\n"),
 ])
 def test_a_bad_ranks_per_node_is_one_sentence_and_exit_code_2(tmp_path, args, message):
-    result = subprocess.run([sys.executable, "-m", "dptrain", "train", "--workers", "4", "--epochs", "1", *args,
-                             "--out", str(tmp_path / "run")], capture_output=True, text=True, timeout=120)
+    result = run_dptrain(["train", "--workers", "4", "--epochs", "1", *args, "--out", str(tmp_path / "run")],
+                         cwd=os.getcwd(), timeout=120)
     assert result.returncode == 2
     assert result.stderr == message
     assert not (tmp_path / "run").exists()

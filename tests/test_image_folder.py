@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -13,6 +11,7 @@ import torch
 from PIL import Image
 
 from dptrain.data.images import ImageFolder, is_image_folder, load_image_folder
+from cli_runner import run_dptrain
 
 COLOURS = {"blue": (0, 0, 1), "green": (0, 1, 0), "red": (1, 0, 0)}
 ARGS = ["train", "--model", "mlp", "--epochs", "3", "--workers", "2", "--no-progress", "--checkpoint-every", "0",
@@ -33,8 +32,7 @@ def make_folder(root, per_class: int = 40, size: int = 16, split: bool = False, 
 
 
 def _dptrain(tmp_path, *args):
-    return subprocess.run([sys.executable, "-m", "dptrain", *args], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=240, env=os.environ.copy())
+    return run_dptrain(args, cwd=tmp_path, env=os.environ.copy())
 
 
 def test_an_image_folder_trains_with_a_held_out_split_said(tmp_path):

@@ -13,13 +13,12 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from dptrain.faults import POINTS
+from cli_runner import run_dptrain
 
 pytestmark = [pytest.mark.slow]
 EPOCHS, FAULT_EPOCH = 3, 2
@@ -38,9 +37,8 @@ def pytest_generate_tests(metafunc):
 
 
 def _train(cwd, out, keep, strategy, *extra, env=None):
-    return subprocess.run([sys.executable, "-m", "dptrain", "train", *DIGITS, "--strategy", strategy,
-                           "--keep-checkpoints", str(keep), "--out", out, *extra], cwd=cwd, capture_output=True,
-                          text=True, timeout=300, env={**os.environ, **(env or {})})
+    return run_dptrain(["train", *DIGITS, "--strategy", strategy, "--keep-checkpoints", str(keep), "--out", out,
+                        *extra], cwd=cwd, timeout=300, env={**os.environ, **(env or {})})
 
 
 @pytest.fixture(scope="module")

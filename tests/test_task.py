@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -14,14 +12,14 @@ import torch
 from sklearn.datasets import load_digits
 
 from dptrain.train.trainer import make_loss
+from cli_runner import run_dptrain
 
 ARGS = ["train", "--model", "mlp", "--epochs", "2", "--workers", "1", "--no-progress", "--checkpoint-every", "0",
         "--lr", "0.05"]  # the accuracy thresholds were set at this LR (the default before issue 20)
 
 
 def _dptrain(tmp_path, *args):
-    return subprocess.run([sys.executable, "-m", "dptrain", *args], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=240, env=os.environ.copy())
+    return run_dptrain(args, cwd=tmp_path, env=os.environ.copy())
 
 
 def _digits(tmp_path, labels: str) -> str:

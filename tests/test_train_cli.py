@@ -18,14 +18,14 @@ import yaml
 from dptrain.data import load_dataset
 from dptrain.models import build_model
 from dptrain.runtime.env import free_port
+from cli_runner import run_dptrain
 
 pytestmark = pytest.mark.slow
 DIGITS = ["--dataset", "digits", "--model", "mlp", "--epochs", "10", "--batch-size", "32", "--lr", "0.05"]
 
 
 def dptrain(*args: str, cwd: Path, env: dict | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dptrain", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, **(env or {})})
+    return run_dptrain(args, cwd=cwd, env={**os.environ, **(env or {})}, timeout=timeout)
 
 
 def same_model(first_run: Path, second_run: Path) -> bool:

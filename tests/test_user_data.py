@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+from cli_runner import run_dptrain
 
 MODULE = textwrap.dedent("""
     import os
@@ -84,8 +83,7 @@ ARGS = ["train", "--model", "mlp", "--epochs", "3", "--workers", "2", "--no-prog
 def _dptrain(tmp_path, *args):
     (tmp_path / "mydata.py").write_text(MODULE)
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    return subprocess.run([sys.executable, "-m", "dptrain", *args], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=240)
+    return run_dptrain(args, cwd=tmp_path, env=env)
 
 
 @pytest.mark.parametrize("strategy", ["allreduce", "sync", "async", "fedavg"])
