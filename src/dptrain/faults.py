@@ -5,7 +5,9 @@
 kills rank 1 with SIGKILL at the point `save-rename` of its epoch-2 checkpoint, once: the file
 named by DPTRAIN_FAULT_ONCE is created first, and a point whose marker exists does not fire
 again (the restarted world runs through); DPTRAIN_FAULT_ACTION=freeze sends SIGSTOP instead of SIGKILL,
-DPTRAIN_FAULT_ACTION=stop SIGUSR1 (a scheduler's warning to that rank alone).
+DPTRAIN_FAULT_ACTION=stop SIGUSR1 (a scheduler's warning to that rank alone). RANK may name several
+ranks, train-middle@2,3:2, which each fault at that point (with DPTRAIN_FAULT_ONCE, each once: the
+marker of rank 3 is FILE.rank3).
 Without DPTRAIN_FAULT nothing here does anything.
 
 Points: save-begin (before any file of the checkpoint), save-fsync (the data written, not yet
@@ -25,7 +27,7 @@ from typing import Optional
 
 POINTS = ("save-begin", "save-fsync", "save-rename", "save-end", "train-middle")  # a save's, and mid-epoch
 STEP = "step"  # after a training step: its number is the step's, not an epoch's
-SPEC = re.compile(r"^(?P<point>[a-z-]+)@(?P<rank>\d+):(?P<epoch>\d+)$")
+SPEC = re.compile(r"^(?P<point>[a-z-]+)@(?P<ranks>\d+(?:,\d+)*):(?P<epoch>\d+)$")
 
 _where: dict[str, Optional[int]] = {"rank": None, "epoch": None}
 
@@ -52,10 +54,13 @@ def _fire(name: str, rank: Optional[int], number: Optional[int]) -> None:
     match = SPEC.match(spec)
     if match is None or match["point"] not in (*POINTS, STEP):
         raise ValueError(f"DPTRAIN_FAULT={spec!r} is not POINT@RANK:EPOCH with POINT one of {', '.join(POINTS)} "
-                         f"(or {STEP}@RANK:STEP)")
-    if (match["point"], int(match["rank"]), int(match["epoch"])) != (name, rank, number):
+                         f"(or {STEP}@RANK:STEP; RANK may be a list, 2,3)")
+    ranks = [int(listed) for listed in match["ranks"].split(",")]
+    if (match["point"], int(match["epoch"])) != (name, number) or rank not in ranks:
         return
     marker = os.environ.get("DPTRAIN_FAULT_ONCE")
+    if marker and len(ranks) > 1:  # each rank named fires once
+        marker = f"{marker}.rank{rank}"
     if marker:
         try:
             os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
