@@ -132,14 +132,95 @@ def test_fedavg_goes_on_without_a_killed_client_partitioned_again_over_the_other
     assert summary["workers"] == 2 and summary["test_accuracy"] > 0.8
 
 
+PARAMETER_BYTES = 17226 * 4  # the digits model's parameters, float32
+BATCH = 32
+
+
+def argv_for(strategy: str, out) -> list[str]:
+    argv = elastic_argv(out)
+    argv[argv.index("sync")] = strategy
+    return argv
+
+
+@pytest.fixture(scope="module")
+def allreduce_runs(tmp_path_factory):
+    """allreduce (DDP): rank 2 killed halfway through epoch 2, or warned alone there (SIGUSR1)."""
+    root = tmp_path_factory.mktemp("elastic-allreduce")
+    return {action: (root / action, dptrain(*argv_for("allreduce", root / action), cwd=root,
+                                            env={**KILL, "DPTRAIN_FAULT_ACTION": action}))
+            for action in ("kill", "stop")}
+
+
+def assert_allreduce_bytes(history: list[dict]) -> None:
+    """Each worker's comm_bytes after each epoch: DDP's start-up broadcast and one gradient of every step it
+    kept (the steps of a lost half epoch went with the state the survivors returned to; the new DDP broadcasts
+    nothing: their weights are equal), at any world size."""
+    steps: dict[int, int] = {}
+    for record in history:
+        for worker in record["workers"]:
+            steps[worker["rank"]] = steps.get(worker["rank"], 0) + -(-worker["samples"] // BATCH)
+            assert worker["comm_bytes"] == PARAMETER_BYTES * (1 + steps[worker["rank"]]), (record["epoch"], worker)
+
+
+@pytest.mark.slow
+def test_allreduce_goes_on_without_a_killed_worker_on_a_new_ddp(allreduce_runs):
+    run, result = allreduce_runs["kill"]
+    assert result.returncode == 0, result.stderr
+    assert "dptrain: worker rank 2 was killed by SIGKILL; the others go on without it" in result.stderr
+    assert "continuing from epoch 2 with 2 workers (ranks 0, 1 of the job; without rank 2)" in result.stdout
+    history = records(run)
+    assert [record["epoch"] for record in history] == [1, 2, 3, 4]
+    assert [len(record["workers"]) for record in history] == [3, 2, 2, 2]
+    for record in history:
+        assert sum(worker["samples"] for worker in record["workers"]) == TRAIN_ROWS
+    assert history[1]["membership"] == {"generation": 1, "members": [0, 1], "left": [2], "continued_from_epoch": 2}
+    assert all("membership" not in record for record in history[:1] + history[2:])
+    assert_allreduce_bytes(history)
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["workers"] == 2 and summary["test_accuracy"] > 0.8
+    assert summary["comm_bytes_per_worker"] == [history[-1]["workers"][0]["comm_bytes"]] * 2
+
+
+@pytest.mark.slow
+def test_allreduce_lets_a_worker_warned_alone_leave_at_the_epoch_end(allreduce_runs):
+    run, result = allreduce_runs["stop"]
+    assert result.returncode == 0, result.stderr
+    said = result.stdout + result.stderr
+    assert "rank 2 left after epoch 2 on request (SIGUSR1); continuing with 2 workers (ranks 0, 1 of the job)" in said
+    history = records(run)
+    assert [len(record["workers"]) for record in history] == [3, 3, 2, 2]
+    for record in history:
+        assert sum(worker["samples"] for worker in record["workers"]) == TRAIN_ROWS
+    assert history[2]["membership"] == {"generation": 1, "members": [0, 1], "left": [2], "continued_from_epoch": 3}
+    assert_allreduce_bytes(history)
+    assert history[0]["train_loss"] == records(allreduce_runs["kill"][0])[0]["train_loss"]
+
+
+@pytest.mark.slow
+def test_streaming_goes_on_without_a_killed_worker_dropping_the_average_in_flight(tmp_path):
+    result = dptrain(*argv_for("streaming", tmp_path / "streaming"), cwd=tmp_path,
+                     env={**KILL, "DPTRAIN_FAULT_ACTION": "kill"})
+    assert result.returncode == 0, result.stderr
+    assert "continuing from epoch 2 with 2 workers (ranks 0, 1 of the job; without rank 2)" in result.stdout
+    history = records(tmp_path / "streaming")
+    assert [len(record["workers"]) for record in history] == [3, 2, 2, 2]
+    for record in history:
+        assert sum(worker["samples"] for worker in record["workers"]) == TRAIN_ROWS
+    summary = json.loads((tmp_path / "streaming" / "summary.json").read_text())
+    assert summary["workers"] == 2 and summary["test_accuracy"] > 0.8
+
+
 @pytest.mark.parametrize("values, message", [
     ({"strategy": "sync", "workers": 3, "min_workers": 4}, "--min-workers 4 is more than --workers 3; use 1 to 3"),
-    ({"strategy": "sync", "workers": 3, "min_workers": 2, "allreduce_epochs": 1},
-     "--min-workers cannot go on without a worker during --allreduce-epochs"),
     ({"strategy": "sync", "workers": 3, "min_workers": 2, "checkpoint_every_steps": 5},
      "--min-workers goes back to the start of an epoch when a worker is lost"),
-    ({"strategy": "allreduce", "workers": 3, "min_workers": 2},
-     "'min_workers' in the settings applies to strategies sync and fedavg, not allreduce"),
+    ({"strategy": "allreduce", "workers": 3, "min_workers": 4}, "--min-workers 4 is more than --workers 3"),
+    ({"strategy": "hierarchical", "workers": 3, "min_workers": 2},
+     "'min_workers' in the settings applies to strategies allreduce, sync, streaming and fedavg, not hierarchical"),
+    ({"strategy": "async", "workers": 3, "min_workers": 2},
+     "'min_workers' in the settings applies to strategies allreduce, sync, streaming and fedavg, not async"),
+    ({"strategy": "auto", "workers": 3, "min_workers": 2, "auto_candidates": "all"},
+     "--min-workers does not apply to --auto-candidates all: it may pick async"),
 ])
 def test_min_workers_is_refused_where_it_cannot_hold(values, message):
     with pytest.raises(UserError, match=message):
