@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -203,3 +205,17 @@ def test_streaming_gives_up_a_frozen_worker_and_drops_the_average_in_flight(tmp_
 def test_min_workers_is_refused_where_it_cannot_hold(values, message):
     with pytest.raises(UserError, match=message):
         build_config(values)
+
+
+def test_the_python_api_refuses_min_workers_to_a_strategy_that_cannot_go_on_without_a_worker(tmp_path):
+    script = ("import torch, dptrain\n"
+              "def main():\n"
+              "    model = torch.nn.Linear(4, 2)\n"
+              "    trainer = dptrain.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "
+              "strategy=dptrain.Hierarchical(), min_workers=1, verbose=False)\n"
+              "    trainer.fit((torch.zeros(8, 4), torch.zeros(8, dtype=torch.long)))\n"
+              "dptrain.run(main)\n")
+    done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip() == ("dptrain: error: min_workers does not apply to strategy hierarchical: it cannot "
+                                   "go on without a lost worker")
