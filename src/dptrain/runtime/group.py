@@ -270,7 +270,7 @@ class Group:
             return self.handle
         if self._wrapped is None:
             kind = dist.ProcessGroup.BackendType.NCCL if self.backend == "nccl" else dist.ProcessGroup.BackendType.GLOO
-            wrapped = dist.ProcessGroup(dist.PrefixStore(f"group{self.generation}", self.store), self.rank,
+            wrapped = dist.ProcessGroup(dist.PrefixStore(f"group{self.generation}/ddp", self.store), self.rank,
                                         self.world_size)
             wrapped._register_backend(torch.device("cuda" if self.backend == "nccl" else "cpu"), kind, self.handle)
             wrapped._set_default_backend(kind)
