@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -56,14 +58,19 @@ def test_the_survivors_finish_the_run_without_the_killed_worker(killed_runs):
     assert summary["test_accuracy"] > 0.8
 
 
-def test_each_epoch_is_recorded_once_and_reads_every_row_once(killed_runs):
-    history = records(killed_runs[0][0])
+def assert_epoch_2_redone_without_rank_2(history: list[dict]) -> None:
+    """Each epoch recorded once, every row read once in each, epoch 2 done again by ranks 0 and 1 alone."""
     assert [record["epoch"] for record in history] == [1, 2, 3, 4]
     assert [len(record["workers"]) for record in history] == [3, 2, 2, 2]
     for record in history:
         assert sum(worker["samples"] for worker in record["workers"]) == TRAIN_ROWS
     assert history[1]["membership"] == {"generation": 1, "members": [0, 1], "left": [2], "continued_from_epoch": 2}
     assert all("membership" not in record for record in history[:1] + history[2:])
+
+
+def test_each_epoch_is_recorded_once_and_reads_every_row_once(killed_runs):
+    history = records(killed_runs[0][0])
+    assert_epoch_2_redone_without_rank_2(history)
 
 
 def test_a_frozen_worker_is_given_up_after_its_heartbeat_stops_and_stopped_at_the_end(killed_runs):
@@ -132,15 +139,83 @@ def test_fedavg_goes_on_without_a_killed_client_partitioned_again_over_the_other
     assert summary["workers"] == 2 and summary["test_accuracy"] > 0.8
 
 
+PARAMETER_BYTES = 17226 * 4  # the digits model's parameters, float32
+BATCH = 32
+
+
+def argv_for(strategy: str, out) -> list[str]:
+    argv = elastic_argv(out)
+    argv[argv.index("sync")] = strategy
+    return argv
+
+
+def assert_allreduce_bytes(history: list[dict]) -> None:
+    """Each worker's comm_bytes after each epoch: DDP's start-up broadcast and one gradient of every step it
+    kept (the steps of a lost half epoch went with the state the survivors returned to; the new DDP broadcasts
+    nothing: their weights are equal), at any world size."""
+    steps: dict[int, int] = {}
+    for record in history:
+        for worker in record["workers"]:
+            steps[worker["rank"]] = steps.get(worker["rank"], 0) + -(-worker["samples"] // BATCH)
+            assert worker["comm_bytes"] == PARAMETER_BYTES * (1 + steps[worker["rank"]]), (record["epoch"], worker)
+
+
+@pytest.mark.slow
+def test_allreduce_goes_on_without_a_killed_worker_on_a_new_ddp(tmp_path):
+    run = tmp_path / "allreduce"
+    result = dptrain(*argv_for("allreduce", run), cwd=tmp_path, env={**KILL, "DPTRAIN_FAULT_ACTION": "kill"})
+    assert result.returncode == 0, result.stderr
+    assert "dptrain: worker rank 2 was killed by SIGKILL; the others go on without it" in result.stderr
+    assert "continuing from epoch 2 with 2 workers (ranks 0, 1 of the job; without rank 2)" in result.stdout
+    history = records(run)
+    assert_epoch_2_redone_without_rank_2(history)
+    assert_allreduce_bytes(history)
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["workers"] == 2 and summary["test_accuracy"] > 0.8
+    assert summary["comm_bytes_per_worker"] == [history[-1]["workers"][0]["comm_bytes"]] * 2
+
+
+@pytest.mark.slow
+def test_streaming_gives_up_a_frozen_worker_and_drops_the_average_in_flight(tmp_path):
+    run = tmp_path / "streaming"
+    result = dptrain(*argv_for("streaming", run), cwd=tmp_path, env={**KILL, "DPTRAIN_FAULT_ACTION": "freeze"})
+    assert result.returncode == 0, result.stderr
+    said = result.stdout + result.stderr
+    assert re.search(r"rank 0: .* (waits on rank 2, quiet for 3 s \(no heartbeat\): frozen or gone|was given up: "
+                     r"rank 1 left the job after a failure)", said), said
+    assert "continuing from epoch 2 with 2 workers (ranks 0, 1 of the job; without rank 2)" in said
+    history = records(run)
+    assert_epoch_2_redone_without_rank_2(history)
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["workers"] == 2 and summary["test_accuracy"] > 0.8
+
+
 @pytest.mark.parametrize("values, message", [
     ({"strategy": "sync", "workers": 3, "min_workers": 4}, "--min-workers 4 is more than --workers 3; use 1 to 3"),
-    ({"strategy": "sync", "workers": 3, "min_workers": 2, "allreduce_epochs": 1},
-     "--min-workers cannot go on without a worker during --allreduce-epochs"),
     ({"strategy": "sync", "workers": 3, "min_workers": 2, "checkpoint_every_steps": 5},
      "--min-workers goes back to the start of an epoch when a worker is lost"),
-    ({"strategy": "allreduce", "workers": 3, "min_workers": 2},
-     "'min_workers' in the settings applies to strategies sync and fedavg, not allreduce"),
+    ({"strategy": "allreduce", "workers": 3, "min_workers": 4}, "--min-workers 4 is more than --workers 3"),
+    ({"strategy": "hierarchical", "workers": 3, "min_workers": 2},
+     "'min_workers' in the settings applies to strategies allreduce, sync, streaming and fedavg, not hierarchical"),
+    ({"strategy": "async", "workers": 3, "min_workers": 2},
+     "'min_workers' in the settings applies to strategies allreduce, sync, streaming and fedavg, not async"),
+    ({"strategy": "auto", "workers": 3, "min_workers": 2, "auto_candidates": "all"},
+     "--min-workers does not apply to --auto-candidates all: it may pick async"),
 ])
 def test_min_workers_is_refused_where_it_cannot_hold(values, message):
     with pytest.raises(UserError, match=message):
         build_config(values)
+
+
+def test_the_python_api_refuses_min_workers_to_a_strategy_that_cannot_go_on_without_a_worker(tmp_path):
+    script = ("import torch, dptrain\n"
+              "def main():\n"
+              "    model = torch.nn.Linear(4, 2)\n"
+              "    trainer = dptrain.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "
+              "strategy=dptrain.Hierarchical(), min_workers=1, verbose=False)\n"
+              "    trainer.fit((torch.zeros(8, 4), torch.zeros(8, dtype=torch.long)))\n"
+              "dptrain.run(main)\n")
+    done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip() == ("dptrain: error: min_workers does not apply to strategy hierarchical: it cannot "
+                                   "go on without a lost worker")

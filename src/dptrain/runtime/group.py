@@ -24,6 +24,7 @@ a bug in a user's model keeps its own traceback.
 from __future__ import annotations
 
 import datetime
+import threading
 import time
 import warnings
 from typing import Any, Callable, Optional, Sequence, Union
@@ -101,6 +102,7 @@ class Group:
         self.watch: Optional[float] = None
         self.handed_over = 0
         self.closed = False
+        self._wrapped: Any = None  # the ProcessGroup over a rebuilt group's backend, for DDP (`_process_group`)
 
     @classmethod
     def default(cls, timeout: float = 300.0) -> "Group":
@@ -258,8 +260,22 @@ class Group:
     def data_parallel(self, module: nn.Module, **options: Any) -> nn.parallel.DistributedDataParallel:
         """`module` under DistributedDataParallel on this group (its gradient all-reduce, its broadcasts)."""
         device_ids = [self.device.index] if self.device.type == "cuda" else None
-        return nn.parallel.DistributedDataParallel(module, device_ids=device_ids, process_group=self.handle,
-                                                   **options)
+        return nn.parallel.DistributedDataParallel(module, device_ids=device_ids,
+                                                   process_group=self._process_group(), **options)
+
+    def _process_group(self) -> Any:
+        """This group as torch's ProcessGroup, which DDP's reducer takes: the handle, or for a group made by
+        `rebuild` (a bare backend) a ProcessGroup over it, made once, as torch wraps the backends it makes."""
+        if self.handle is None or isinstance(self.handle, dist.ProcessGroup):
+            return self.handle
+        if self._wrapped is None:
+            kind = dist.ProcessGroup.BackendType.NCCL if self.backend == "nccl" else dist.ProcessGroup.BackendType.GLOO
+            wrapped = dist.ProcessGroup(dist.PrefixStore(f"group{self.generation}/ddp", self.store), self.rank,
+                                        self.world_size)
+            wrapped._register_backend(torch.device("cuda" if self.backend == "nccl" else "cpu"), kind, self.handle)
+            wrapped._set_default_backend(kind)
+            self._wrapped = wrapped
+        return self._wrapped
 
     def mean_gradients(self, buffer: torch.Tensor, dtype: Optional[torch.dtype] = None) -> tuple[Any, int]:
         """A DDP communication hook's work, through the seam: `buffer` (a gradient bucket) becomes its mean
@@ -269,14 +285,40 @@ class Group:
         if dtype is None or dtype == buffer.dtype:
             buffer.div_(self.world_size)
             work, sent = self.all_reduce_async(buffer)
-            return work.get_future().then(lambda done: done.value()[0]), sent
+            return self._future(work, "a gradient all-reduce").then(lambda done: done.value()[0]), sent
         compressed = buffer.to(dtype).div_(self.world_size)
         work, sent = self.all_reduce_async(compressed)
 
         def decompress(done: torch.futures.Future) -> torch.Tensor:
             return buffer.copy_(done.value()[0])
 
-        return work.get_future().then(decompress), sent
+        return self._future(work, "a gradient all-reduce").then(decompress), sent
+
+    def _future(self, work: Any, what: str) -> torch.futures.Future:
+        """The future of `work`; when watched (`watch`), one that a thread completes as `_finish` waits: it
+        fails (QuietPeer) once a member's heartbeat stopped, where DDP, which waits for it, would wait the
+        whole --timeout on a frozen rank."""
+        if self.watch is None:
+            return work.get_future()
+        future: torch.futures.Future = torch.futures.Future()
+
+        def wait() -> None:
+            try:
+                self._finish(work, what)
+                future.set_result(work.result())
+            except Exception as exc:  # noqa: BLE001 - DDP's backward raises it (a peer's failure)
+                future.set_exception(exc)
+
+        threading.Thread(target=wait, name="dptrain-watched-work", daemon=True).start()
+        return future
+
+    def wait(self, work: Any, what: str) -> None:
+        """Wait for `work` (a non-blocking collective's) within the group's timeout; when watched (`watch`),
+        give up as a tensor collective does on a member whose heartbeat stopped (QuietPeer)."""
+        if self.watch is None:
+            work.wait(datetime.timedelta(seconds=self.timeout))
+        else:
+            self._finish(work, what)
 
     def rebuild(self, members: Sequence[int], generation: int) -> Optional["Group"]:
         """A fresh group of `members` (ranks of the job) over the same store under the prefix

@@ -2,6 +2,7 @@
 
 DDP does the bucketing and overlaps communication with the backward pass; our hook hands each
 bucket to the run's Group (`mean_gradients`: as it is, or cast to fp16 or bf16) and counts the bytes.
+With --min-workers, a new DDP is made on the workers left after a membership change (`regroup`).
 """
 
 from __future__ import annotations
@@ -41,12 +42,27 @@ class AllReduce(AllReduceRules, Strategy):
         # DDP's constructor broadcasts rank 0's parameters and buffers; DDP re-broadcasts the
         # buffers (BatchNorm statistics) from rank 0 before every forward in training.
         self.comm_bytes += tensor_bytes(floating + integer)
-        self._buffer_bytes = tensor_bytes(model.buffers())
-        ddp = ctx.group.data_parallel(model, bucket_cap_mb=self.bucket_cap_mb)
+        return self._wrap(ctx, init_sync=True)
+
+    def _wrap(self, ctx: DistContext, init_sync: bool) -> nn.Module:
+        """The model under DistributedDataParallel on `ctx.group`, its gradient buckets averaged by our hook."""
+        self._buffer_bytes = tensor_bytes(self.model.buffers())
+        ddp = ctx.group.data_parallel(self.model, bucket_cap_mb=self.bucket_cap_mb, init_sync=init_sync)
         dtype = GRADIENT_DTYPES[self.compression]
 
         ddp.register_comm_hook(state=None, hook=self.gradient_hook(ctx.group, self._add_bytes, dtype))
         return ddp
+
+    def regroup(self, ctx: DistContext) -> nn.Module:
+        """A new DDP on the new group (the old one's all-reduces went to the old members). Its constructor
+        broadcasts nothing: the workers left hold the same weights already (every replica is the same model
+        at every step, and the trainer set each back to the same epoch start); the buffers go from the new
+        rank 0 before its first forward, as before every forward. Alone, the model trains unwrapped."""
+        model = super().regroup(ctx)
+        if ctx.world_size == 1:
+            self._buffer_bytes = 0
+            return model
+        return self._wrap(ctx, init_sync=False)
 
     @classmethod
     def from_config(cls, config) -> "AllReduce":

@@ -70,6 +70,17 @@ class Strategy(StrategyRules):
         self.model, self.optimizer, self.ctx = model, optimizer, ctx
         return model
 
+    def regroup(self, ctx: DistContext) -> nn.Module:
+        """After the run's members changed (--min-workers: a worker was lost, or left at an epoch end):
+        `ctx.group` is a new group of the workers left, `ctx.rank` and `ctx.world_size` this rank's place in it,
+        and the trainer has already set this strategy's state (`load_state_dict`) and the model back to where the
+        run goes on from. Drop what this strategy holds of the old group (a DDP wrapper on it, a collective in
+        flight) and return the module to train from now on. The default suits a strategy that reaches the
+        other ranks only through `ctx.group`, at the moment it communicates."""
+        self.ctx, self._failed = ctx, False
+        assert self.model is not None, "setup() was not called"
+        return self.model
+
     def after_backward(self, model: nn.Module) -> None:
         """Called after loss.backward(), before the optimizer step (gradients exist)."""
 

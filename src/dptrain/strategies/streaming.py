@@ -53,15 +53,18 @@ changed evaluates it (collectively). The replicas themselves differ by their loc
 `comm_bytes`: the initial broadcast of the model, the bytes of every flat tensor handed to an
 all-reduce (one per dtype per send), and the final average. Optimizer state stays per worker.
 
-Every wait is bounded: `Work.wait` gets the run's `--timeout`, and the trainer runs the hooks that
-wait (after_step, end_epoch, finish) under the run's Group (runtime/group.py), which turns a failed or timed-out
-wait into one line naming the silent rank.
+Live membership (--min-workers). A lost worker's part of the epoch goes, with any average in flight: the
+others go back to their state at that epoch's start (g included, the same on each) and redo it (`regroup`).
+
+Every wait is bounded: `Group.wait` gives `Work.wait` the run's `--timeout` (with --min-workers it also gives
+up on a member whose heartbeat stopped), and the trainer runs the hooks that wait (after_step, end_epoch,
+finish) under the run's Group (runtime/group.py), which turns a failed or timed-out wait into one line naming
+the silent rank.
 """
 
 from __future__ import annotations
 
 import copy
-import datetime
 import math
 import time
 from dataclasses import dataclass, field
@@ -195,6 +198,16 @@ class Streaming(StreamingRules, Strategy):
             self._global_model = copy.deepcopy(model)  # g: the last global model, equal on every rank
         return model
 
+    def regroup(self, ctx: DistContext) -> nn.Module:
+        """The average in flight (on the old group, from a state the run has gone back from) is dropped; g and
+        the replicas are those of the epoch start the trainer set back, when g had not changed yet. Alone, a
+        worker's own model is the run's (nothing to average with): g goes."""
+        model = super().regroup(ctx)
+        self._pending, self._global_changed = None, False
+        if ctx.world_size == 1:
+            self._global_model = None
+        return model
+
     def after_step(self, step: int) -> None:
         self._diverged, self._step = True, step
         if self.ctx.world_size == 1:
@@ -274,12 +287,11 @@ class Streaming(StreamingRules, Strategy):
     def _complete(self, step: int) -> None:
         """Wait for the average in flight and apply it: g <- mean(w_s), w <- g + (w_now - w_s)."""
         pending, self._pending = self._pending, None
-        timeout = datetime.timedelta(seconds=self.ctx.timeout)
         no_progress = step == pending.sent_at  # no step since the snapshot: the replica becomes g exactly
         waited = 0.0
         for send in pending.sends:
             begun = time.perf_counter()
-            send.work.wait(timeout=timeout)
+            self.ctx.group.wait(send.work, "an average")
             waited += time.perf_counter() - begun
         self.waited_seconds += waited
         world = self.ctx.world_size

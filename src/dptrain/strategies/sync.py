@@ -98,18 +98,32 @@ class Sync(SyncRules, Strategy):
         """Whether gradients are still all-reduced every step (the first `allreduce_epochs` epochs)."""
         return self.epochs_done < self.allreduce_epochs
 
-    def _wrap(self, model: nn.Module, ctx: DistContext) -> DistributedDataParallel:
-        # DDP's constructor broadcasts rank 0's parameters and buffers; while it all-reduces it
-        # re-broadcasts the buffers before every forward (as in the allreduce strategy).
-        floating, integer = module_state(model)
-        self.comm_bytes += tensor_bytes(floating + integer)
+    def _wrap(self, model: nn.Module, ctx: DistContext, init_sync: bool = True) -> DistributedDataParallel:
+        # DDP's constructor broadcasts rank 0's parameters and buffers (`init_sync`); while it all-reduces
+        # it re-broadcasts the buffers before every forward (as in the allreduce strategy).
+        if init_sync:
+            floating, integer = module_state(model)
+            self.comm_bytes += tensor_bytes(floating + integer)
         self._buffer_bytes = tensor_bytes(model.buffers())
-        self._ddp = ctx.group.data_parallel(model)
+        self._ddp = ctx.group.data_parallel(model, init_sync=init_sync)
+        if not self.allreducing:
+            self._ddp.broadcast_buffers = False
 
         # In the local phase each worker keeps its own gradient: no communication.
         hook = self.gradient_hook(ctx.group, self._add_bytes, active=lambda: self.allreducing)
         self._ddp.register_comm_hook(state=None, hook=hook)
         return self._ddp
+
+    def regroup(self, ctx: DistContext) -> nn.Module:
+        """With --allreduce-epochs, a new DDP on the new group, broadcasting nothing: while it all-reduces the
+        replicas are equal, and after that each keeps its own (alone: the model unwrapped)."""
+        model = super().regroup(ctx)
+        if self._ddp is None:
+            return model
+        if ctx.world_size == 1:
+            self._ddp, self._buffer_bytes = None, 0
+            return model
+        return self._wrap(model, ctx, init_sync=False)
 
     def _start_local_phase(self) -> None:
         """The switch: rank 0's buffers everywhere (what DDP's next forward would do), a new anchor."""

@@ -165,6 +165,9 @@ class Trainer:
         self.strategy = strategy
         if self.checkpoint_every_steps and strategy.no_step_checkpoints:
             raise UserError(step_checkpoints_refused(strategy.name, strategy.no_step_checkpoints))
+        if self.min_workers is not None and "min_workers" not in strategy.option_names():
+            raise UserError(f"min_workers does not apply to strategy {strategy.name}: it cannot go on without a "
+                            "lost worker")
         labels = lambda: labels_of(train, self.recorder.log)  # noqa: E731 - asked again after a membership change
         plan, batches, reader = self._plan(train, labels)
         scheduler = self.schedule(self.optimizer, plan.steps, epochs) if self.schedule else None
@@ -200,7 +203,7 @@ class Trainer:
             except PeerFailure as failure:
                 if self.min_workers is None or isinstance(failure, PeerReported):  # an error the job shares
                     raise
-                changed = self._continue_without(failure, epoch, snapshots, parts)
+                changed, train_model = self._continue_without(failure, epoch, snapshots, parts)
                 epoch, step = changed.epoch, snapshots[changed.epoch]["step"]
                 plan, batches, reader = self._plan(train, labels)
                 continue
@@ -224,7 +227,7 @@ class Trainer:
                 raise Preempted(f"rank {ctx.rank}: stopped by {stop} after epoch {epoch + 1}; a checkpoint is saved "
                                 f"in {self.out}: run the same command again to continue")
             if self._leaving is not None:
-                changed = self._let_leave(epoch, parts)
+                changed, train_model = self._let_leave(epoch)
                 plan, batches, reader = self._plan(train, labels)
             epoch += 1
         final = ctx.group.bounded("finish", strategy.finish)
@@ -292,15 +295,20 @@ class Trainer:
         self._leaving = (stay, leave, tuple(signal for signal in asked if signal))
         return None
 
-    def _take(self, group) -> None:
+    def _take(self, group) -> nn.Module:
         """Train on in `group` (made after a membership change): this rank's place in it; rank 0 may be the one
-        gone, so the lowest rank left writes the files and lines from now on."""
+        gone, so the lowest rank left writes the files and lines from now on. Returns the module to train: the
+        strategy's, rebuilt on the new group (`regroup`)."""
         ctx = self.ctx
         ctx.rank, ctx.world_size, ctx.group = group.rank, group.world_size, group
         self.recorder.lead(ctx.is_main)
         self.recorder.follow(tuple(group.members))
+        if self._forward_mark is not None:  # nothing may keep the old group's DDP (its hooks) alive
+            self._forward_mark[1].remove()
+            self._forward_mark = None
+        return ctx.group.bounded("regroup", lambda: self.strategy.regroup(ctx))
 
-    def _let_leave(self, epoch: int, parts: dict) -> Membership:
+    def _let_leave(self, epoch: int) -> tuple[Membership, nn.Module]:
         """After `epoch` (from 0) ended: the ranks asked to stop alone leave (Left, exit 75) and the others go
         on without them from the next epoch, in a group of their own (no state to return to: nothing failed)."""
         ctx = self.ctx
@@ -314,11 +322,11 @@ class Trainer:
                        f"{len(stay)} worker{'s' if len(stay) > 1 else ''} go on without it")
         group = ctx.group.rebuild(stay, generation)
         assert group is not None
-        self._take(group)
+        train_model = self._take(group)
         self.recorder.log(f"dptrain: rank{'s' if len(leave) > 1 else ''} {names} left after epoch {epoch + 1} "
                           f"on request ({signals[0]}); continuing with {group.world_size} workers (ranks "
                           f"{', '.join(map(str, stay))} of the job)")
-        return Membership(generation, stay, epoch + 1, leave)
+        return Membership(generation, stay, epoch + 1, leave), train_model
 
     def _snapshot(self, parts: dict, step: int) -> dict:
         """This rank's state now, in memory (what a checkpoint holds), to return to after a membership change."""
@@ -326,9 +334,10 @@ class Trainer:
                 **{name: copy.deepcopy(part.state_dict()) for name, part in parts.items() if part is not None}}
 
     def _continue_without(self, failure: PeerFailure, epoch: int, snapshots: dict[int, dict],
-                          parts: dict) -> Membership:
+                          parts: dict) -> tuple[Membership, nn.Module]:
         """After a peer failed in `epoch`: agree with the survivors on who is left and where to continue
-        (dptrain.runtime.membership), return to this rank's state from then and take its new rank."""
+        (dptrain.runtime.membership), return to this rank's state from then and take its new rank (and the
+        module to train in the new group)."""
         ctx = self.ctx
         self.recorder.log(f"dptrain: {failure}; the workers left agree on who they are")
         # The epoch this rank failed in; the survivors continue from the earliest of theirs (one of them may
@@ -340,14 +349,15 @@ class Trainer:
             if part is not None:
                 part.load_state_dict(copy.deepcopy(saved[name]))
         checkpoint_files.set_rng_state(saved["rng"])
+        self.model.zero_grad(set_to_none=True)  # a backward pass the failure broke may have left gradients
         if len(self.recorder.history) != len(saved["history"]):
             self.recorder.replace_history(saved["history"])
-        self._take(group)
+        train_model = self._take(group)
         left = ", ".join(map(str, membership.left))
         self.recorder.log(f"dptrain: continuing from epoch {membership.epoch + 1} with {group.world_size} workers "
                           f"(ranks {', '.join(map(str, membership.members))} of the job; without rank"
                           f"{'s' if len(membership.left) > 1 else ''} {left})")
-        return membership
+        return membership, train_model
 
     def _train_epoch(self, model: nn.Module, reader: DataLoader, epoch: int, epochs: int, step: int,
                      scheduler, position: Optional[dict] = None) -> tuple[int, Union[float, torch.Tensor], int]:

@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, Optional
 
-from dptrain.strategies.rules import StrategyRules
+from pydantic import Field
+
+from dptrain.strategies.rules import StrategyRules, check_min_workers
 
 
 class AllReduceRules(StrategyRules):
     class Options(StrategyRules.Options):
         compression: Literal["none", "fp16", "bf16", "int8"] = "none"
+        # A lost worker's part of the epoch is dropped; the others redo it over a new DDP on themselves.
+        min_workers: Optional[int] = Field(None, ge=1)
 
     @classmethod
     def check(cls, config: Any) -> None:
+        check_min_workers(config)
         if config.compression == "int8":
             raise ValueError("compression int8 applies to strategies sync, fedavg and async; allreduce compresses "
                              "its gradients with fp16 or bf16 only")

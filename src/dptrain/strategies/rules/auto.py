@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from dptrain import registry
 from dptrain.bench.costmodel import ALL_CANDIDATES, SAFE_CANDIDATES
-from dptrain.strategies.rules import StrategyRules
+from dptrain.strategies.rules import StrategyRules, check_min_workers
 
 # Auto decides how often its pick averages: these settings of the strategies it may pick are its own choice.
 CHOSEN_BY_AUTO = ("sync_every", "sync_every_steps")
@@ -29,6 +29,10 @@ class AutoRules(StrategyRules):
 
     @classmethod
     def check(cls, config: Any) -> None:
+        check_min_workers(config)
+        if config.min_workers is not None and config.auto_candidates == "all":
+            raise ValueError("--min-workers does not apply to --auto-candidates all: it may pick async, which "
+                             "cannot go on without a lost worker; use --auto-candidates safe")
         if config.compression == "int8":
             raise ValueError("compression int8 does not apply to strategy auto: it may pick allreduce, which "
                              "compresses its gradients with fp16 or bf16 only")

@@ -6,7 +6,7 @@ from typing import Any, Optional
 
 from pydantic import Field
 
-from dptrain.strategies.rules import StrategyRules, check_one_period, refuse_step_checkpoints
+from dptrain.strategies.rules import StrategyRules, check_min_workers, check_one_period, refuse_step_checkpoints
 
 
 class StreamingRules(StrategyRules):
@@ -15,6 +15,8 @@ class StreamingRules(StrategyRules):
         sync_every_steps: Optional[int] = Field(None, ge=1)
         overlap_steps: Optional[int] = Field(None, ge=0)
         fragments: int = Field(1, ge=1)
+        # A lost worker's part of the epoch is dropped, with the average then in flight; the others redo it.
+        min_workers: Optional[int] = Field(None, ge=1)
 
     no_step_checkpoints = ("its fragment averages stay in flight across steps (overlap_steps), "
                            "which no checkpoint holds")
@@ -23,6 +25,7 @@ class StreamingRules(StrategyRules):
     def check(cls, config: Any) -> None:
         check_one_period(config)
         refuse_step_checkpoints(cls, config)
+        check_min_workers(config)
         if (config.overlap_steps is not None and config.sync_every_steps is not None
                 and config.overlap_steps > config.sync_every_steps):
             raise ValueError(f"overlap_steps {config.overlap_steps} is more than sync_every_steps "

@@ -21,9 +21,6 @@ class SyncRules(StrategyRules):
     def check(cls, config: Any) -> None:
         check_one_period(config)
         check_min_workers(config)
-        if config.min_workers is not None and config.allreduce_epochs:
-            raise ValueError("--min-workers cannot go on without a worker during --allreduce-epochs (their "
-                             "DistributedDataParallel is bound to the first workers); drop one of them")
 
     @classmethod
     def scales_lr(cls, config: Any) -> bool:
