@@ -139,6 +139,21 @@ def test_fedavg_goes_on_without_a_killed_client_partitioned_again_over_the_other
     assert summary["workers"] == 2 and summary["test_accuracy"] > 0.8
 
 
+@pytest.mark.slow
+def test_two_workers_killed_at_once_are_left_out_together(tmp_path):
+    argv = elastic_argv(tmp_path / "two")
+    argv[argv.index("--workers") + 1] = "4"
+    result = dptrain(*argv, cwd=tmp_path, env={"DPTRAIN_FAULT": "train-middle@2,3:2"})
+    assert result.returncode == 0, result.stderr
+    for rank in (2, 3):
+        assert f"dptrain: worker rank {rank} was killed by SIGKILL; the others go on without it" in result.stderr
+    assert "continuing from epoch 2 with 2 workers (ranks 0, 1 of the job; without ranks 2, 3)" in result.stdout
+    history = records(tmp_path / "two")
+    assert [len(record["workers"]) for record in history] == [4, 2, 2, 2]
+    assert all(sum(worker["samples"] for worker in record["workers"]) == TRAIN_ROWS for record in history)
+    assert history[1]["membership"] == {"generation": 1, "members": [0, 1], "left": [2, 3], "continued_from_epoch": 2}
+
+
 PARAMETER_BYTES = 17226 * 4  # the digits model's parameters, float32
 BATCH = 32
 

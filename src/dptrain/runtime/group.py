@@ -257,9 +257,13 @@ class Group:
         return Group(part.index(self.rank), len(part), self.device, self.backend, self.timeout,
                      heartbeat=self.heartbeat, handle=handle, members=[self.members[r] for r in part], name=name)
 
-    def data_parallel(self, module: nn.Module, **options: Any) -> nn.parallel.DistributedDataParallel:
-        """`module` under DistributedDataParallel on this group (its gradient all-reduce, its broadcasts)."""
+    def data_parallel(self, module: nn.Module, init_sync: bool = True,
+                      **options: Any) -> nn.parallel.DistributedDataParallel:
+        """`module` under DistributedDataParallel on this group (its gradient all-reduce, its broadcasts);
+        without `init_sync`, its constructor broadcasts nothing (after a membership change)."""
         device_ids = [self.device.index] if self.device.type == "cuda" else None
+        if not init_sync:  # DDP takes init_sync since torch 2.4; the default is given as before it
+            options["init_sync"] = False
         return nn.parallel.DistributedDataParallel(module, device_ids=device_ids,
                                                    process_group=self._process_group(), **options)
 
