@@ -152,6 +152,13 @@ def test_two_workers_killed_at_once_are_left_out_together(tmp_path):
     assert [len(record["workers"]) for record in history] == [4, 2, 2, 2]
     assert all(sum(worker["samples"] for worker in record["workers"]) == TRAIN_ROWS for record in history)
     assert history[1]["membership"] == {"generation": 1, "members": [0, 1], "left": [2, 3], "continued_from_epoch": 2}
+    # the bytes ranks 2 and 3 sent stay in the totals: as of epoch 1, the last they trained in
+    departed = sum(worker["comm_bytes"] for worker in history[0]["workers"] if worker["rank"] in (2, 3))
+    assert departed > 0
+    for record in history[1:]:
+        assert record["comm_bytes"] == sum(worker["comm_bytes"] for worker in record["workers"]) + departed
+    summary = json.loads((tmp_path / "two" / "summary.json").read_text())
+    assert summary["comm_bytes"] == history[-1]["comm_bytes"] == sum(summary["comm_bytes_per_worker"]) + departed
 
 
 PARAMETER_BYTES = 17226 * 4  # the digits model's parameters, float32

@@ -42,7 +42,7 @@ class Summary:
     test_loss: Optional[float]
     wall_seconds: float
     samples_per_second: float
-    comm_bytes: int  # all workers together
+    comm_bytes: int  # all workers together (those gone from the run too: Recorder.departed_bytes)
     comm_bytes_per_worker: list
     model_parameters: int
     backend: str
@@ -65,13 +65,14 @@ class Summary:
         return record
 
 
-def aggregate(per_worker: list[EpochStats]) -> dict:
-    """The fields of an epoch record that sum or compare the workers' numbers."""
+def aggregate(per_worker: list[EpochStats], departed_bytes: int = 0) -> dict:
+    """The fields of an epoch record that sum or compare the workers' numbers (comm_bytes: with those of
+    workers gone from the run, `departed_bytes`)."""
     samples = sum(s.samples for s in per_worker)
     return {
         "train_loss": sum(s.train_loss * s.samples for s in per_worker) / max(samples, 1),
         "samples_per_second": sum(s.samples / max(s.train_seconds, 1e-9) for s in per_worker),
-        "comm_bytes": sum(s.comm_bytes for s in per_worker),
+        "comm_bytes": sum(s.comm_bytes for s in per_worker) + departed_bytes,
         "epoch_seconds": max(s.train_seconds for s in per_worker),
         "workers": [vars(s) for s in per_worker],
     }
@@ -85,6 +86,10 @@ class Recorder:
         self.out, self.is_main, self.world_size = out, is_main, world_size
         self.job_world = world_size  # the workers the job started with; world_size follows the live membership
         self.members: Optional[tuple[int, ...]] = None  # ranks of the job still training, after a membership change
+        # Bytes the workers gone from the run had communicated (in the record of the last epoch they trained in):
+        # part of every total from then on, as the bytes they sent went over the network all the same.
+        self.departed_bytes = 0
+        self._recorded_by: dict[int, tuple[int, ...]] = {}  # epoch -> the members (ranks of the job) recording it
         self._verbose_asked = verbose
         self._progress_asked = progress and (sys.stderr.isatty() or os.environ.get("DPTRAIN_TTY") == "1")
         self.verbose = verbose and is_main
@@ -105,7 +110,14 @@ class Recorder:
         self.verbose, self.show_progress = self._verbose_asked and is_main, self._progress_asked and is_main
 
     def follow(self, members: tuple[int, ...]) -> None:
-        """The live membership changed: `members`, the ranks of the job that train on (dptrain.runtime.membership)."""
+        """The live membership changed: `members`, the ranks of the job that train on (dptrain.runtime.membership).
+        The workers gone keep their bytes in the totals (`departed_bytes`), as of the last epoch recorded."""
+        if self.history:
+            last = self.history[-1]
+            before = self._recorded_by.get(last["epoch"], tuple(range(self.job_world)))
+            gone = {place for place, rank in enumerate(before) if rank not in members}
+            kept = [worker for worker in last["workers"] if worker["rank"] not in gone]
+            self.departed_bytes = last["comm_bytes"] - sum(worker["comm_bytes"] for worker in kept)
         self.members, self.world_size = tuple(members), len(members)
 
     def _live(self, before: str) -> str:
@@ -130,9 +142,10 @@ class Recorder:
             "evaluated": test is not None,
             "wall_seconds": wall,
             "lr": lr,
-            **aggregate(per_worker),
+            **aggregate(per_worker, self.departed_bytes),
             **(checked or {}),
         }
+        self._recorded_by[epoch + 1] = self.members if self.members is not None else tuple(range(self.job_world))
         self.history.append(record)
         if path := self._file("metrics.jsonl"):
             append_jsonl(path, record)

@@ -616,7 +616,8 @@ class Trainer:
             strategy_options={**self.strategy.describe(), **({"auto": self.strategy_choice} if self.strategy_choice else {})},
             epochs=epochs, test_accuracy=test["test_accuracy"] if test else None,
             test_loss=test["test_loss"] if test else None, wall_seconds=wall,
-            samples_per_second=self.recorder.samples() / max(wall, 1e-9), comm_bytes=sum(comm),
+            samples_per_second=self.recorder.samples() / max(wall, 1e-9),
+            comm_bytes=sum(comm) + self.recorder.departed_bytes,
             comm_bytes_per_worker=comm, model_parameters=sum(p.numel() for p in final.parameters()),
             backend=self.ctx.backend, device=str(self.ctx.device), launcher=self.ctx.launcher, seed=self.seed,
             strategy_results=self.strategy.summary(), data=self.data_record)
