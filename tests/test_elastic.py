@@ -19,6 +19,7 @@ import torch
 
 from dptrain.config import build_config
 from dptrain.errors import UserError
+from dptrain.lr_policy import lr_factor
 from test_train_cli import dptrain
 
 TRAIN_ROWS = 1437  # digits: 1797 rows, 20 % held out
@@ -159,6 +160,22 @@ def test_two_workers_killed_at_once_are_left_out_together(tmp_path):
         assert record["comm_bytes"] == sum(worker["comm_bytes"] for worker in record["workers"]) + departed
     summary = json.loads((tmp_path / "two" / "summary.json").read_text())
     assert summary["comm_bytes"] == history[-1]["comm_bytes"] == sum(summary["comm_bytes_per_worker"]) + departed
+
+
+@pytest.mark.slow
+def test_the_lr_rule_and_a_per_step_schedule_follow_the_live_world(tmp_path):
+    # --lr-scaling linear: 3 x the LR on 3 workers, 2 x on 2; cosine over the run, whatever an epoch's length:
+    # after the world shrank each worker takes more steps per epoch, and the schedule neither runs ahead nor
+    # stays on 3 workers' LR.
+    argv = argv_for("allreduce", tmp_path / "lr") + ["--lr-scaling", "linear", "--lr-schedule", "cosine"]
+    result = dptrain(*argv, cwd=tmp_path, env={**KILL, "DPTRAIN_FAULT_ACTION": "kill"})
+    assert result.returncode == 0, result.stderr
+    assert "learning rate x 0.667 for 2 workers instead of 3 (the LR rule follows the live world)" in result.stdout
+    history = records(tmp_path / "lr")
+    assert [len(record["workers"]) for record in history] == [3, 2, 2, 2]
+    for record in history:  # the LR after the epoch's last step: at progress epoch / 4 of the cosine
+        cosine = lr_factor(record["epoch"] * 100, steps_per_epoch=100, epochs=4, schedule="cosine")
+        assert record["lr"] == pytest.approx(0.05 * len(record["workers"]) * cosine, abs=1e-9), record["epoch"]
 
 
 PARAMETER_BYTES = 17226 * 4  # the digits model's parameters, float32

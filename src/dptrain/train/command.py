@@ -300,7 +300,8 @@ def train_in_group(config: TrainConfig, env: DistEnv, ctx, held: ExitStack) -> S
                       checkpoint_every_steps=config.checkpoint_every_steps,
                       resume=True, stop_on_collapse=config.stop_on_collapse,
                       lr_scale=lr_policy.guarded_scale(config, ctx.world_size),
-                      min_workers=config.min_workers)
+                      min_workers=config.min_workers,
+                      lr_rule=lambda world: lr_policy.lr_scale(config, world)[0])
     trainer.emulate_straggler(config.slow_workers().get(ctx.rank, 1.0))
     trainer.data_record = data_record(config, data)
     return trainer.fit(data.train_set(), data.test_set(), epochs=config.epochs)

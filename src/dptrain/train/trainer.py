@@ -15,6 +15,7 @@ import contextlib
 import copy
 import math
 import time
+import warnings
 from pathlib import Path
 from typing import Callable, Optional, Union
 
@@ -77,6 +78,8 @@ class Trainer:
     run directory receives metrics.jsonl, summary.json, model.pt and, every `checkpoint_every`
     epochs (and every `checkpoint_every_steps` steps within an epoch), checkpoints (`resume=True`
     continues from the newest, bit for bit). Nothing joins a process group before `fit`.
+    With `min_workers`, the run goes on without failed or departed workers down to that many;
+    `lr_rule(W)` (the factor your LR rule gives W workers) then has the LR follow the live world.
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, loss: Union[str, LossFn] = "cross-entropy",
@@ -86,7 +89,7 @@ class Trainer:
                  verbose: bool = True, loader_workers: int = 0, checkpoint_every: int = 0,
                  keep_checkpoints: int = 2, resume: bool = False, check_averages: bool = True,
                  stop_on_collapse: bool = False, lr_scale: float = 1.0, checkpoint_every_steps: int = 0,
-                 min_workers: Optional[int] = None) -> None:
+                 min_workers: Optional[int] = None, lr_rule: Optional[Callable[[int], float]] = None) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer over the model's parameters, "
                             f"not {type(optimizer).__name__}")
@@ -110,6 +113,9 @@ class Trainer:
         # Live membership: with min_workers, a failed or frozen worker is left behind at the epoch it failed in
         # and the others redo that epoch together (dptrain.runtime.membership); None: a failure ends the run.
         self.min_workers = min_workers
+        # The factor the LR rule gives W workers (dptrain.lr_policy.lr_scale): after a membership change the LR
+        # follows the live world (None: it is kept).
+        self.lr_rule = lr_rule
         self.scaler: Optional[torch.amp.GradScaler] = None
         self.strategy_choice: Optional[dict] = None  # how --strategy auto chose (summary.json's strategy_options.auto)
         self.data_record: Optional[dict] = None  # what the data was, for summary.json (set by `dptrain train`)
@@ -203,9 +209,11 @@ class Trainer:
             except PeerFailure as failure:
                 if self.min_workers is None or isinstance(failure, PeerReported):  # an error the job shares
                     raise
+                world_before = ctx.world_size
                 changed, train_model = self._continue_without(failure, epoch, snapshots, parts)
                 epoch, step = changed.epoch, snapshots[changed.epoch]["step"]
                 plan, batches, reader = self._plan(train, labels)
+                scheduler = self._follow_world(parts, scheduler, lr_guard, world_before, plan.steps, epoch, epochs)
                 continue
             finally:
                 position = None
@@ -227,8 +235,10 @@ class Trainer:
                 raise Preempted(f"rank {ctx.rank}: stopped by {stop} after epoch {epoch + 1}; a checkpoint is saved "
                                 f"in {self.out}: run the same command again to continue")
             if self._leaving is not None:
+                world_before = ctx.world_size
                 changed, train_model = self._let_leave(epoch)
                 plan, batches, reader = self._plan(train, labels)
+                scheduler = self._follow_world(parts, scheduler, lr_guard, world_before, plan.steps, epoch + 1, epochs)
             epoch += 1
         final = ctx.group.bounded("finish", strategy.finish)
         wall = time.perf_counter() - started
@@ -239,6 +249,34 @@ class Trainer:
             reuse = evaluated and strategy.final_model_is_last_evaluated
             final_metrics = self.recorder.last_evaluation() if reuse else self.evaluate(final, test)
         return self._summarise(final, epochs, wall, final_metrics)
+
+    def _follow_world(self, parts: dict, scheduler, lr_guard: Optional[LRGuard], world_before: int, steps: int,
+                      epoch: int, epochs: int):
+        """After a membership change, before `epoch` (from 0) starts in the new world: the LR takes the LR rule's
+        factor for the live world (optimizer, schedule, the guard's scale), and the schedule is made again
+        over the new epoch length (each worker now takes `steps` steps per epoch), at the same point of the run:
+        a per-step schedule neither runs ahead nor falls behind. Returns the schedule to step from now on."""
+        world = self.ctx.world_size
+        if self.lr_rule is not None and world != world_before:
+            ratio = self.lr_rule(world) / self.lr_rule(world_before)
+            if ratio != 1:
+                for group in self.optimizer.param_groups:
+                    group["lr"] *= ratio
+                    if "initial_lr" in group:
+                        group["initial_lr"] *= ratio
+                if lr_guard is not None:
+                    lr_guard.scale *= ratio
+                self.recorder.log(f"dptrain: learning rate x {ratio:.3g} for {world} workers instead of {world_before} "
+                                  f"(the LR rule follows the live world): {self.optimizer.param_groups[0]['lr']:g}")
+        if scheduler is None:
+            return None
+        rebuilt = self.schedule(self.optimizer, steps, epochs)
+        with warnings.catch_warnings():  # "lr_scheduler.step() before optimizer.step()": a fast-forward, no step
+            warnings.simplefilter("ignore")
+            for _ in range(epoch * steps):
+                rebuilt.step()
+        parts["scheduler"] = rebuilt
+        return rebuilt
 
     def _plan(self, train: Dataset, labels: Callable) -> tuple:
         """This rank's epoch plan, its batches and their reader, for the rank and world it has now."""
