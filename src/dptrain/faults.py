@@ -53,8 +53,8 @@ def _fire(name: str, rank: Optional[int], number: Optional[int]) -> None:
         return
     match = SPEC.match(spec)
     if match is None or match["point"] not in (*POINTS, STEP):
-        raise ValueError(f"DPTRAIN_FAULT={spec!r} is not POINT@RANK:EPOCH with POINT one of {', '.join(POINTS)} "
-                         f"(or {STEP}@RANK:STEP; RANK may be a list, 2,3)")
+        raise ValueError(f"DPTRAIN_FAULT={spec!r} is not POINT@RANK:EPOCH (RANK: one rank or several, 2,3) with "
+                         f"POINT one of {', '.join(POINTS)} (or {STEP}@RANK:STEP)")
     ranks = [int(listed) for listed in match["ranks"].split(",")]
     if (match["point"], int(match["epoch"])) != (name, number) or rank not in ranks:
         return
