@@ -21,10 +21,13 @@ import io
 import json
 import locale
 import os
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 from functools import lru_cache
+from multiprocessing import reduction
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -60,20 +63,45 @@ def _stream(fd: int, unbuffered: bool, errors: str) -> io.TextIOWrapper:
                             write_through=unbuffered)
 
 
-def _main(argv: list[str], cwd: str, env: dict[str, str], path: list[str], outputs: tuple[str, str]) -> None:
-    """In the forked process: become `python -m dptrain ARGV` and exit as the interpreter would."""
+class _Inherited:
+    """A file descriptor of ours that the forked process gets too (multiprocessing passes it through the server)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self):
+        return _inherit, (reduction.DupFd(self.fd),)
+
+
+def _inherit(duplicate) -> int:
+    return duplicate.detach()
+
+
+def _main(argv: list[str], cwd: str, env: dict[str, str], path: list[str], outputs: tuple,
+          new_session: bool = False) -> None:
+    """In the forked process: become `python -m dptrain ARGV` and exit as the interpreter would. `outputs`:
+    stdout's and stderr's file names, or descriptors (pipes) inherited from the caller."""
     import atexit
     import runpy
     import threading
     import traceback
 
+    if new_session:
+        os.setsid()
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
-    for fd, name in zip((1, 2), outputs):
-        opened = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        os.dup2(opened, fd)
-        os.close(opened)
+    inherited = set()
+    for fd, target in zip((1, 2), outputs):
+        if isinstance(target, int):
+            os.dup2(target, fd)
+            inherited.add(target)
+        else:
+            opened = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            os.dup2(opened, fd)
+            os.close(opened)
+    for fd in inherited - {1, 2}:
+        os.close(fd)
     unbuffered = bool(env.get("PYTHONUNBUFFERED"))
     sys.stdout = sys.__stdout__ = _stream(1, unbuffered, "strict")
     sys.stderr = sys.__stderr__ = _stream(2, True, "backslashreplace")
@@ -134,3 +162,76 @@ def run_dptrain(args: Sequence[str], *, cwd, env: Optional[dict[str, str]] = Non
     if timed_out:
         raise subprocess.TimeoutExpired(command, timeout, output=stdout, stderr=stderr)
     return subprocess.CompletedProcess(command, proc.exitcode, stdout, stderr)
+
+
+class ForkedDptrain:
+    """subprocess.Popen([sys.executable, "-m", "dptrain", *args], cwd=cwd, env=env, stdout=PIPE,
+    stderr=PIPE (or STDOUT with `merge_stderr`), text=True, start_new_session=new_session), forked from the
+    test fork server as run_dptrain's commands are: the methods and attributes the tests use (pid, stdout,
+    stderr, poll, wait, communicate, send_signal, terminate, kill, returncode)."""
+
+    def __init__(self, args: Sequence[str], *, cwd, env: Optional[dict[str, str]] = None, merge_stderr: bool = False,
+                 new_session: bool = False) -> None:
+        self.args = [sys.executable, "-m", "dptrain", *map(str, args)]
+        env = dict(os.environ if env is None else env)
+        assert forkable(env), "an environment that changes how torch starts: use subprocess.Popen"
+        cwd = os.path.abspath(cwd)
+        extra = [os.path.join(cwd, entry) for entry in env.get("PYTHONPATH", "").split(os.pathsep) if entry]
+        out_r, out_w = os.pipe()
+        err_r, err_w = (out_r, out_w) if merge_stderr else os.pipe()
+        try:
+            self._proc = fork_server().Process(target=_main, args=(
+                [str(arg) for arg in args], cwd, env, [cwd, *extra, *_interpreter_path()],
+                (_Inherited(out_w), _Inherited(err_w)), new_session))
+            self._proc.start()
+        finally:
+            os.close(out_w)
+            if not merge_stderr:
+                os.close(err_w)
+        self.pid = self._proc.pid
+        self.stdout = _reader(out_r)
+        self.stderr = None if merge_stderr else _reader(err_r)
+        self.returncode: Optional[int] = None
+        self._read: dict[str, list] = {}
+
+    def poll(self) -> Optional[int]:
+        if self.returncode is None:
+            self.returncode = self._proc.exitcode
+        return self.returncode
+
+    def wait(self, timeout: Optional[float] = None) -> int:
+        self._proc.join(timeout)
+        if self.poll() is None:
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return self.returncode
+
+    def communicate(self, timeout: Optional[float] = None) -> tuple[str, Optional[str]]:
+        for name in ("stdout", "stderr"):
+            stream = getattr(self, name)
+            if stream is not None and name not in self._read:
+                chunks: list = []
+                thread = threading.Thread(target=lambda s=stream, c=chunks: c.append(s.read()), daemon=True)
+                thread.start()
+                self._read[name] = [thread, chunks]
+        for thread, _ in self._read.values():
+            thread.join(timeout)
+            if thread.is_alive():
+                raise subprocess.TimeoutExpired(self.args, timeout)
+        self.wait(timeout)
+        out = "".join(self._read["stdout"][1])
+        return out, ("".join(self._read["stderr"][1]) if "stderr" in self._read else None)
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+def _reader(fd: int) -> io.TextIOWrapper:
+    """A pipe's read end as Popen(text=True) gives it: locale encoding, universal newlines."""
+    return io.TextIOWrapper(io.open(fd, "rb"), encoding=locale.getpreferredencoding(False))

@@ -16,6 +16,7 @@ import torch
 from dptrain.errors import UserError
 from dptrain.train import checkpoint_files
 from test_train_cli import DIGITS, dptrain, same_model
+from cli_runner import ForkedDptrain
 
 
 def _state(value: float) -> dict:
@@ -122,8 +123,8 @@ def test_a_restart_after_a_killed_worker_ends_bitwise_equal_to_an_uninterrupted_
 
 @pytest.mark.slow
 def test_sigterm_checkpoints_and_stops_then_the_same_command_continues(tmp_path):
-    args = [sys.executable, "-m", "dptrain", "train", *DIGITS, "--epochs", "25", "--strategy", "sync", "--out", "run"]
-    proc = subprocess.Popen(args, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    args = ["train", *DIGITS, "--epochs", "25", "--strategy", "sync", "--out", "run"]
+    proc = ForkedDptrain(args, cwd=tmp_path)
     first_checkpoint = tmp_path / "run" / "checkpoints"
     deadline = time.monotonic() + 120
     while not first_checkpoint.is_dir() and time.monotonic() < deadline:
@@ -135,7 +136,7 @@ def test_sigterm_checkpoints_and_stops_then_the_same_command_continues(tmp_path)
     stopped_at = len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
     assert 1 <= stopped_at < 25
     assert checkpoint_files.latest_complete(tmp_path / "run", 2)[0] == stopped_at
-    again = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    again = dptrain(*args, cwd=tmp_path)
     assert again.returncode == 0, again.stderr
     assert f"resuming after epoch {stopped_at}" in again.stdout
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())

@@ -28,7 +28,6 @@ import random
 import re
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -37,6 +36,7 @@ import pytest
 
 from dptrain.faults import POINTS
 from test_train_cli import DIGITS
+from cli_runner import ForkedDptrain
 
 pytestmark = [pytest.mark.slow]
 EPOCHS = 8
@@ -85,10 +85,8 @@ def _strike_later(launcher: subprocess.Popen, rank: int, after_epochs: int, extr
 
 
 def _train(cwd: Path, out: str, strategy: str, extra=(), env=None) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "dptrain", "train", *DIGITS, "--epochs", str(EPOCHS),
-                             "--strategy", strategy, "--timeout", str(TIMEOUT), "--out", out, *extra],
-                            cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, **(env or {})})
+    return ForkedDptrain(["train", *DIGITS, "--epochs", str(EPOCHS), "--strategy", strategy, "--timeout",
+                          str(TIMEOUT), "--out", out, *extra], cwd=cwd, env={**os.environ, **(env or {})})
 
 
 def _timed_lines(stream, lines: list) -> None:

@@ -15,6 +15,7 @@ import pytest
 
 from dptrain.train import checkpoint_files
 from test_train_cli import DIGITS
+from cli_runner import ForkedDptrain, run_dptrain
 
 STRATEGIES = ("allreduce", "sync", "async", "fedavg")
 
@@ -31,9 +32,7 @@ def _records(run) -> list[dict]:
 # Each strategy with another of the stop signals a scheduler may send (SLURM --signal, PBS, Kubernetes).
 @pytest.mark.parametrize("strategy, stop", list(zip(STRATEGIES, ("SIGUSR1", "SIGUSR2", "SIGTERM", "SIGUSR2"))))
 def test_a_stop_signal_while_the_workers_start_up_ends_the_run_after_epoch_1(tmp_path, strategy, stop):
-    args = [sys.executable, "-m", "dptrain", "train", *DIGITS, "--epochs", "3", "--strategy", strategy,
-            "--out", "run"]
-    proc = subprocess.Popen(args, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = ForkedDptrain(["train", *DIGITS, "--epochs", "3", "--strategy", strategy, "--out", "run"], cwd=tmp_path)
     deadline = time.monotonic() + 60
     while len(_children(proc.pid)) < 2 and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -54,9 +53,8 @@ def test_a_stop_signal_while_the_workers_start_up_ends_the_run_after_epoch_1(tmp
 def test_async_stops_every_rank_with_a_checkpoint_before_the_store_goes_and_continues(tmp_path):
     # Rank 1 is a 3x straggler: when the signal comes, rank 0 is epochs ahead and must keep the
     # store and the merge service up until rank 1 has checkpointed too.
-    args = [sys.executable, "-m", "dptrain", "train", *DIGITS, "--epochs", "12", "--strategy", "async",
-            "--slow-worker", "1:3", "--out", "run"]
-    proc = subprocess.Popen(args, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    args = ["train", *DIGITS, "--epochs", "12", "--strategy", "async", "--slow-worker", "1:3", "--out", "run"]
+    proc = ForkedDptrain(args, cwd=tmp_path)
     metrics = tmp_path / "run" / "metrics.jsonl"
     deadline = time.monotonic() + 120
     while (not metrics.exists() or len(metrics.read_text().splitlines()) < 3) and time.monotonic() < deadline:
@@ -69,7 +67,7 @@ def test_async_stops_every_rank_with_a_checkpoint_before_the_store_goes_and_cont
     assert stderr.count("[rank1] dptrain: rank 1: stopped by SIGTERM") == 1, stderr
     stopped_at = checkpoint_files.latest_complete(tmp_path / "run", 2)[0]
     assert stopped_at is not None and stopped_at < 12
-    again = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    again = run_dptrain(args, cwd=tmp_path, timeout=300)
     assert again.returncode == 0, again.stderr
     assert f"resuming after epoch {stopped_at}" in again.stdout
     assert [r["epoch"] for r in _records(tmp_path / "run")] == list(range(1, 13))

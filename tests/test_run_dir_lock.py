@@ -7,7 +7,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -17,6 +16,7 @@ from dptrain.runtime.env import free_port
 from dptrain.train.rundir import LOCK_FILE
 from test_store_deadlines import wait_for
 from test_train_cli import dptrain
+from cli_runner import ForkedDptrain
 
 pytestmark = pytest.mark.slow
 
@@ -26,9 +26,7 @@ def train_argv(out: Path, epochs: int, workers: int = 2) -> list[str]:
 
 
 def start(argv: list[str], cwd: Path, env: dict | None = None) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "dptrain", *argv], cwd=cwd, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})},
-                            start_new_session=True)
+    return ForkedDptrain(argv, cwd=cwd, env={**os.environ, **(env or {})}, new_session=True)
 
 
 def stop(proc: subprocess.Popen) -> None:
