@@ -133,6 +133,13 @@ def _main(argv: list[str], cwd: str, env: dict[str, str], path: list[str], outpu
         os._exit(code & 0xFF)
 
 
+def _prepared(args: Sequence[str], cwd, env: dict[str, str]) -> tuple[list[str], str, list[str]]:
+    """What the forked process is given: its arguments, its directory (absolute) and its sys.path."""
+    cwd = os.path.abspath(cwd)
+    extra = [os.path.join(cwd, entry) for entry in env.get("PYTHONPATH", "").split(os.pathsep) if entry]
+    return [str(arg) for arg in args], cwd, [cwd, *extra, *_interpreter_path()]
+
+
 def _text(path: Path) -> str:
     """A file's bytes as subprocess.run(text=True) gives them: locale encoding, universal newlines."""
     return io.TextIOWrapper(io.BytesIO(path.read_bytes()), encoding=locale.getpreferredencoding(False)).read()
@@ -146,12 +153,10 @@ def run_dptrain(args: Sequence[str], *, cwd, env: Optional[dict[str, str]] = Non
     env = dict(os.environ if env is None else env)
     if not forkable(env):
         return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
-    cwd = os.path.abspath(cwd)
-    extra = [os.path.join(cwd, entry) for entry in env.get("PYTHONPATH", "").split(os.pathsep) if entry]
-    path = [cwd, *extra, *_interpreter_path()]
+    argv, cwd, path = _prepared(args, cwd, env)
     with tempfile.TemporaryDirectory(prefix="dptrain-cli-") as tmp:
         outputs = (os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr"))
-        proc = fork_server().Process(target=_main, args=([str(arg) for arg in args], cwd, env, path, outputs))
+        proc = fork_server().Process(target=_main, args=(argv, cwd, env, path, outputs))
         proc.start()
         proc.join(timeout)
         timed_out = proc.is_alive()
@@ -175,14 +180,12 @@ class ForkedDptrain:
         self.args = [sys.executable, "-m", "dptrain", *map(str, args)]
         env = dict(os.environ if env is None else env)
         assert forkable(env), "an environment that changes how torch starts: use subprocess.Popen"
-        cwd = os.path.abspath(cwd)
-        extra = [os.path.join(cwd, entry) for entry in env.get("PYTHONPATH", "").split(os.pathsep) if entry]
+        argv, cwd, path = _prepared(args, cwd, env)
         out_r, out_w = os.pipe()
         err_r, err_w = (out_r, out_w) if merge_stderr else os.pipe()
         try:
             self._proc = fork_server().Process(target=_main, args=(
-                [str(arg) for arg in args], cwd, env, [cwd, *extra, *_interpreter_path()],
-                (_Inherited(out_w), _Inherited(err_w)), new_session))
+                argv, cwd, env, path, (_Inherited(out_w), _Inherited(err_w)), new_session))
             self._proc.start()
         finally:
             os.close(out_w)

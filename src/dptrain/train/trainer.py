@@ -209,11 +209,10 @@ class Trainer:
             except PeerFailure as failure:
                 if self.min_workers is None or isinstance(failure, PeerReported):  # an error the job shares
                     raise
-                world_before = ctx.world_size
                 changed, train_model = self._continue_without(failure, epoch, snapshots, parts)
                 epoch, step = changed.epoch, snapshots[changed.epoch]["step"]
                 plan, batches, reader = self._plan(train, labels)
-                scheduler = self._follow_world(parts, scheduler, lr_guard, world_before, plan.steps, epoch, epochs)
+                scheduler = self._reschedule(parts, scheduler, plan.steps, epoch, epochs)
                 continue
             finally:
                 position = None
@@ -235,10 +234,9 @@ class Trainer:
                 raise Preempted(f"rank {ctx.rank}: stopped by {stop} after epoch {epoch + 1}; a checkpoint is saved "
                                 f"in {self.out}: run the same command again to continue")
             if self._leaving is not None:
-                world_before = ctx.world_size
                 changed, train_model = self._let_leave(epoch)
                 plan, batches, reader = self._plan(train, labels)
-                scheduler = self._follow_world(parts, scheduler, lr_guard, world_before, plan.steps, epoch + 1, epochs)
+                scheduler = self._reschedule(parts, scheduler, plan.steps, epoch + 1, epochs)
             epoch += 1
         final = ctx.group.bounded("finish", strategy.finish)
         wall = time.perf_counter() - started
@@ -250,24 +248,10 @@ class Trainer:
             final_metrics = self.recorder.last_evaluation() if reuse else self.evaluate(final, test)
         return self._summarise(final, epochs, wall, final_metrics)
 
-    def _follow_world(self, parts: dict, scheduler, lr_guard: Optional[LRGuard], world_before: int, steps: int,
-                      epoch: int, epochs: int):
-        """After a membership change, before `epoch` (from 0) starts in the new world: the LR takes the LR rule's
-        factor for the live world (optimizer, schedule, the guard's scale), and the schedule is made again
-        over the new epoch length (each worker now takes `steps` steps per epoch), at the same point of the run:
-        a per-step schedule neither runs ahead nor falls behind. Returns the schedule to step from now on."""
-        world = self.ctx.world_size
-        if self.lr_rule is not None and world != world_before:
-            ratio = self.lr_rule(world) / self.lr_rule(world_before)
-            if ratio != 1:
-                for group in self.optimizer.param_groups:
-                    group["lr"] *= ratio
-                    if "initial_lr" in group:
-                        group["initial_lr"] *= ratio
-                if lr_guard is not None:
-                    lr_guard.scale *= ratio
-                self.recorder.log(f"dptrain: learning rate x {ratio:.3g} for {world} workers instead of {world_before} "
-                                  f"(the LR rule follows the live world): {self.optimizer.param_groups[0]['lr']:g}")
+    def _reschedule(self, parts: dict, scheduler, steps: int, epoch: int, epochs: int):
+        """After a membership change, before `epoch` (from 0) starts in the new world: the schedule made again
+        over the new epoch length (each worker now takes `steps` steps per epoch), at the same point of the run,
+        so that a per-step schedule neither runs ahead nor falls behind. Returns the schedule to step from now on."""
         if scheduler is None:
             return None
         rebuilt = self.schedule(self.optimizer, steps, epochs)
@@ -338,6 +322,7 @@ class Trainer:
         gone, so the lowest rank left writes the files and lines from now on. Returns the module to train: the
         strategy's, rebuilt on the new group (`regroup`)."""
         ctx = self.ctx
+        self._scale_lr(ctx.world_size, group.world_size)
         ctx.rank, ctx.world_size, ctx.group = group.rank, group.world_size, group
         self.recorder.lead(ctx.is_main)
         self.recorder.follow(tuple(group.members))
@@ -345,6 +330,23 @@ class Trainer:
             self._forward_mark[1].remove()
             self._forward_mark = None
         return ctx.group.bounded("regroup", lambda: self.strategy.regroup(ctx))
+
+    def _scale_lr(self, world_before: int, world: int) -> None:
+        """The LR rule's factor for the live world instead of the one before (optimizer, schedule, the guard's
+        scale), where the trainer was given the rule (`lr_rule`)."""
+        if self.lr_rule is None or world == world_before:
+            return
+        ratio = self.lr_rule(world) / self.lr_rule(world_before)
+        if ratio == 1:
+            return
+        for group in self.optimizer.param_groups:
+            group["lr"] *= ratio
+            if "initial_lr" in group:
+                group["initial_lr"] *= ratio
+        if self._lr_guard is not None:
+            self._lr_guard.scale *= ratio
+        self.recorder.log(f"dptrain: learning rate x {ratio:.3g} for {world} workers instead of {world_before} "
+                          f"(the LR rule follows the live world): {self.optimizer.param_groups[0]['lr']:g}")
 
     def _let_leave(self, epoch: int) -> tuple[Membership, nn.Module]:
         """After `epoch` (from 0) ended: the ranks asked to stop alone leave (Left, exit 75) and the others go
