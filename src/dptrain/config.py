@@ -153,6 +153,10 @@ class TrainConfig(BaseModel):
                                        "when a worker (rank 0 too) fails or freezes, the others go on without it "
                                        "from the start of that epoch, as long as N remain; one warned alone leaves "
                                        "at the epoch end (default: a failure ends the run)")
+    replace_workers: bool = Field(False, description="with --min-workers, local launcher: start a new worker in "
+                                  "place of each one that fails; it joins the others at an epoch end, healed from "
+                                  "a live one (--workers MIN:MAX is short for --workers MAX --min-workers MIN "
+                                  "--replace-workers)")
 
     # Outputs
     out: Optional[str] = Field(None, description="run directory (default runs/STRATEGY-TIMESTAMP); must not hold a run already")
@@ -174,6 +178,24 @@ class TrainConfig(BaseModel):
         if value not in registry.names("strategy"):
             raise ValueError(f"must be one of {', '.join(registry.names('strategy'))}")
         return value
+
+    @model_validator(mode="before")
+    @classmethod
+    def _workers_range(cls, values: Any) -> Any:
+        """--workers MIN:MAX, torchrun's spelling: MAX workers that go on down to MIN, each lost one replaced."""
+        text = values.get("workers") if isinstance(values, dict) else None
+        if not isinstance(text, str) or ":" not in text:
+            return values
+        low, _, high = text.partition(":")
+        try:
+            smallest, largest = int(low), int(high)
+        except ValueError:
+            raise ValueError(f"workers {text!r} must be N or MIN:MAX, two whole numbers, e.g. 2:4") from None
+        if not 1 <= smallest <= largest:
+            raise ValueError(f"workers {text!r} must be MIN:MAX with 1 <= MIN <= MAX, e.g. 2:4")
+        if values.get("min_workers") is not None:
+            raise ValueError(f"workers {text} sets min_workers {smallest} already; drop min_workers")
+        return {**values, "workers": largest, "min_workers": smallest, "replace_workers": True}
 
     @field_validator("outer_betas", mode="before")
     @classmethod
@@ -206,6 +228,9 @@ class TrainConfig(BaseModel):
             self.lr = LR_DEFAULTS[self.optimizer]
         if self.resume and not self.out:
             raise ValueError("resume needs out, the run directory to continue")
+        if self.replace_workers and self.min_workers is None:
+            raise ValueError("replace_workers needs min_workers: the others go on while a replacement starts "
+                             "(or give workers MIN:MAX)")
         for rank, factor in self.slow_workers().items():
             if factor < 1:
                 raise ValueError(f"slow_worker factor {factor} for rank {rank} must be at least 1")

@@ -21,6 +21,12 @@ class Left(Preempted):
     """This rank alone was asked to stop (--min-workers): it left at an epoch end and the others go on without it."""
 
 
+class JoinedTooLate(Preempted):
+    """A worker waiting to join a running job (a replacement, `dptrain join`) was not needed: the run ended first."""
+
+    exit_code = 0
+
+
 class Diverged(UserError):
     """The model's weights became NaN or infinite: the settings (learning rate, clipping) do not hold training."""
 

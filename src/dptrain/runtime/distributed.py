@@ -25,7 +25,7 @@ from dptrain.errors import UserError
 from dptrain.runtime.env import DistEnv
 from dptrain.runtime.group import REPORTED, REPORTED_SEEN, Group, PeerFailure, abandoned
 from dptrain.runtime.heartbeat import Heartbeat, StoreUnanswered, bounded, default_store, store_abandoned
-from dptrain.runtime.spawn import STORE_FD, STORE_SERVED
+from dptrain.runtime.spawn import STORE_FD, STORE_SERVED, job_store
 
 
 @dataclass
@@ -41,6 +41,8 @@ class DistContext:
     launcher: str = "single"
     heartbeat: Optional[Heartbeat] = None
     group: Optional[Group] = None  # every collective of the run goes through it (runtime/group.py)
+    # A worker joining a running job (its rank of the job): alone until the run admits it (join_context).
+    joining: Optional[int] = None
 
     def __post_init__(self) -> None:
         if self.group is None:
@@ -76,6 +78,8 @@ def init_process_group(env: DistEnv, *, device: str = "auto", timeout: float = 3
         torch.cuda.set_device(dev)
     global _JOINED, _JOINED_AS
     _JOINED = True
+    if os.environ.get(JOIN) and env.launched:
+        return join_context(env, dev, backend, timeout)
     if dist.is_initialized() and _JOINED_AS is not None:
         env = _JOINED_AS  # joined before (e.g. by `dptrain train`): the launcher seen then, not the variables set since
     if not dist.is_initialized():
@@ -113,6 +117,45 @@ def init_process_group(env: DistEnv, *, device: str = "auto", timeout: float = 3
     return DistContext(rank=dist.get_rank(), world_size=world, local_rank=env.local_rank,
                        device=dev, backend=dist.get_backend(), timeout=timeout, launcher=env.launcher,
                        heartbeat=heartbeat, group=group)
+
+
+JOIN = "DPTRAIN_JOIN"  # a worker joining a running job: its rank of the job, or "new" to take one from the store
+
+
+def join_context(env: DistEnv, device: torch.device, backend: str, timeout: float) -> DistContext:
+    """A worker joining a running job (a replacement the launcher started, `dptrain join`): connected to the
+    run's store only, with its rank of the job and its heartbeat, alone in a one-rank group until the run
+    admits it (dptrain.runtime.membership: the trainer waits for that after preparing everything else)."""
+    from dptrain.runtime.membership import take_rank
+
+    if _JOINING:  # joined before (`dptrain train` joins, then its trainer asks again): the same rank
+        store, rank = _JOINING
+        return _alone(env, device, backend, timeout, store, rank)
+    where = f"a joining worker: the run's store at {env.master_addr}:{env.master_port}"
+    wait = datetime.timedelta(seconds=timeout)
+    try:
+        with _cpp_log_hidden():
+            tcp = bounded(lambda: dist.TCPStore(env.master_addr, env.master_port, None, False, wait), timeout + 2)
+        store = job_store(tcp)  # the keys the job's ranks see
+        asked = os.environ[JOIN]
+        rank = take_rank(store) if asked == "new" else int(asked)
+    except (RuntimeError, TimeoutError, ValueError, StoreUnanswered) as exc:
+        raise PeerFailure(f"{where} did not answer: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+                          f" (the run has ended, or it is not one that takes joiners: --min-workers)") from None
+    os.environ.update(RANK=str(rank))
+    _JOINING[:] = [store, rank]
+    return _alone(env, device, backend, timeout, store, rank)
+
+
+_JOINING: list = []  # (the run's store, this worker's rank of the job) once this process joins a running job
+
+
+def _alone(env: DistEnv, device: torch.device, backend: str, timeout: float, store, rank: int) -> DistContext:
+    """A joining worker's context until it is admitted: alone in a one-rank group, its heartbeat beating."""
+    heartbeat = _heartbeat(store, rank, 1)
+    group = Group(0, 1, device, backend, timeout, heartbeat=heartbeat, store=store, members=[rank])
+    return DistContext(rank=0, world_size=1, local_rank=env.local_rank, device=device, backend=backend,
+                       timeout=timeout, launcher=env.launcher, heartbeat=heartbeat, group=group, joining=rank)
 
 
 def store_served() -> bool:

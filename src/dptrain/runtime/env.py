@@ -109,7 +109,8 @@ def detect(env: Optional[Mapping[str, str]] = None) -> DistEnv:
     if place is None:
         return DistEnv(launcher="single", scheduler=scheduler, job_id=job_id, nodes=nodes)
     launcher, rank, world = place.launcher, place.rank, place.world_size
-    if not 0 <= rank < world:
+    # A worker joining a running job (DPTRAIN_JOIN) takes a rank after the job's first WORLD_SIZE ones.
+    if not 0 <= rank < world and not (os.environ.get("DPTRAIN_JOIN") and rank >= world):
         raise UserError(f"rank {rank} is outside the world of {world} ranks that the {launcher} environment describes")
 
     if "MASTER_ADDR" in env:

@@ -207,7 +207,7 @@ class Group:
         if self.world_size == 1:
             return value
         box = [value]
-        self.bounded(what, lambda: dist.broadcast_object_list(box, src=src, group=self.handle))
+        self.bounded(what, lambda: dist.broadcast_object_list(box, group=self.handle, **self._peer("src", src)))
         return box[0]
 
     def any_rank(self, what: str, flag: bool) -> bool:
@@ -334,21 +334,30 @@ class Group:
         me = self.members[self.rank]
         if me not in members:
             return None
-        rank, wait = list(members).index(me), datetime.timedelta(seconds=self.timeout)
+        new = Group.over_store(self.store, me, members, generation, device=self.device, backend=self.backend,
+                               timeout=self.timeout, heartbeat=self.heartbeat)
+        new.watch = self.watch
+        return new
+
+    @classmethod
+    def over_store(cls, store: Any, me: int, members: Sequence[int], generation: int, *, device: torch.device,
+                   backend: str, timeout: float, heartbeat: Optional[Heartbeat] = None) -> "Group":
+        """Generation `generation` of `members` (ranks of the job; `me` among them) over the rendezvous `store`,
+        under the prefix `group{generation}/`: what `rebuild` makes, and what a worker joining a running job
+        makes without ever having been in a group of it (dptrain.runtime.membership)."""
+        rank, wait = list(members).index(me), datetime.timedelta(seconds=timeout)
         # torch's object collectives warn that a group built here (a backend, not a registered ProcessGroup)
         # is deprecated as a group; it is the only kind that can be made once the default group is gone.
         warnings.filterwarnings("ignore", message="You are using a Backend", category=UserWarning)
-        prefixed = dist.PrefixStore(f"group{generation}", self.store)
-        if self.backend == "nccl":
+        prefixed = dist.PrefixStore(f"group{generation}", store)
+        if backend == "nccl":
             handle = dist.ProcessGroupNCCL(prefixed, rank, len(members))
         else:
             handle = dist.ProcessGroupGloo(prefixed, rank, len(members), wait)
-        new = Group(rank, len(members), self.device, self.backend, self.timeout, heartbeat=self.heartbeat,
-                    handle=handle, store=self.store, members=members, name=f"generation {generation}",
-                    generation=generation)
-        new.watch = self.watch
-        if self.heartbeat is not None:  # the same thread beats on; it watches the new members only
-            self.heartbeat.follow(members)
+        new = cls(rank, len(members), device, backend, timeout, heartbeat=heartbeat, handle=handle, store=store,
+                  members=members, name=f"generation {generation}", generation=generation)
+        if heartbeat is not None:  # the same thread beats on; it watches the new members only
+            heartbeat.follow(members)
         return new
 
     def abandon(self) -> None:

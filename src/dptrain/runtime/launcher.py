@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import signal
 import sys
+from pathlib import Path
 from typing import Optional, Sequence
 
 from dptrain.errors import Interrupted, Preempted, UserError
 from dptrain.runtime.prestart import release
-from dptrain.runtime.spawn import Ranks, RanksExit, describe_exit, spawn_ranks, store_listener
+from dptrain.io import write_text
+from dptrain.runtime.spawn import Ranks, RanksExit, describe_exit, start_ranks, store_listener
 
 # Exit codes after which a launcher does not restart its ranks: done, bad input (the same again),
 # stopped on request to be requeued, Ctrl-C.
@@ -24,7 +26,8 @@ NOT_RESTARTED = (0, UserError.exit_code, Preempted.exit_code, Interrupted.exit_c
 
 
 def launch_local(workers: int, argv: Sequence[str], timeout: float = 300.0, prestarted: Optional[Ranks] = None,
-                 may_lose: int = 0, grace: Optional[float] = None) -> int:
+                 may_lose: int = 0, grace: Optional[float] = None, replacements: int = 0,
+                 join_file: Optional[Path] = None) -> int:
     """Run `python -m dptrain ARGV` as `workers` ranks; return 0, 75 (stopped at a checkpoint) or the first failure's code.
 
     `prestarted`: ranks started by dptrain.runtime.prestart.prestart(workers), released here
@@ -32,22 +35,37 @@ def launch_local(workers: int, argv: Sequence[str], timeout: float = 300.0, pres
     seconds (they have no one left to wait for): a rank frozen after the last collective is
     stopped and named. Up to `may_lose` ranks may fail without stopping the others (--min-workers: they
     go on without it); each is named in one line. This process then serves the ranks' store, so that
-    rank 0 may be one of them. With `grace`, ranks still running
+    rank 0 may be one of them, and writes where it listens to `join_file` while the ranks run (`dptrain
+    join`); up to `replacements` failed ranks are replaced by a new worker each (--replace-workers), which
+    joins the others at an epoch end. With `grace`, ranks still running
     that long after a stop signal was passed on to them are killed and named (--grace).
     """
     try:
-        if prestarted is None:
+        ranks = prestarted
+        if ranks is None:
             listener = store_listener()
-            ended = spawn_ranks([sys.executable, "-m", "dptrain", *argv], workers, port=listener.getsockname()[1],
-                                linger=timeout, listener=listener, may_lose=may_lose, grace=grace,
-                                serve_store=may_lose > 0)
-        else:
-            try:
-                prestarted.serve_store(timeout)  # when started to join a store served here (prestart)
+            ranks = start_ranks([sys.executable, "-m", "dptrain", *argv], workers, port=listener.getsockname()[1],
+                                listener=listener, serve_store=may_lose > 0)
+        left = [replacements]
+
+        def replace(lost: int) -> Optional[int]:
+            if left[0] <= 0:
+                return None
+            left[0] -= 1
+            return ranks.start_joiner(argv, lost)
+
+        try:
+            ranks.serve_store(timeout)  # when started to join a store served here (prestart, may_lose)
+            if prestarted is not None:
                 release(prestarted, list(argv), {})
-                ended = prestarted.wait(linger=timeout, may_lose=may_lose, grace=grace)
-            finally:
-                prestarted.close()
+            if join_file is not None and ranks.address is not None:
+                write_text(join_file, f"{ranks.address[0]}:{ranks.address[1]}\n")
+            ended = ranks.wait(linger=timeout, may_lose=may_lose, grace=grace,
+                               replacement=replace if replacements else None)
+        finally:
+            ranks.close()
+            if join_file is not None:
+                join_file.unlink(missing_ok=True)
     except KeyboardInterrupt:
         return Interrupted.exit_code
     say_how_ranks_ended(ended, timeout, grace=grace)

@@ -21,6 +21,18 @@ died), so each rank keeps its state from before this epoch and the previous one.
 Under dptrain's launcher with --min-workers the launcher serves the store (dptrain.runtime.spawn,
 STORE_SERVED), so any rank may be lost, rank 0 included: the lowest rank left becomes rank 0 of the
 new group and writes the results from then on. Where rank 0 hosts the store, losing it ends the run.
+
+Joining (a replacement the launcher starts for a lost worker, --replace-workers, or `dptrain join RUN_DIR`):
+
+1. the joiner takes the next rank of the job (`take_rank`: the job's first WORLD ranks, then one more per
+   joiner), prepares everything that needs no other worker (imports, data, model) and says it is ready
+   (`announce`, key `join/RANK`), beating its heartbeat from then on;
+2. at the next epoch end the members' rank 0 reads the joiners ready (`ready_joiners`) while there is room
+   (fewer live workers than the job started with) and tells the others in the epoch end's stop check;
+3. every member and joiner builds the group of members + joiners (generation N); rank 0 tells each joiner
+   its admission first (`admit/RANK`: "GENERATION;RANKS;EPOCH"), which the joiner waits for (`admission`);
+4. rank 0 hands its whole state (model, optimizer, schedule, strategy state, epoch, step, history) to the
+   new group in one broadcast (the trainer's heal), and every worker trains on from the next epoch.
 """
 
 from __future__ import annotations
@@ -46,6 +58,8 @@ class Membership:
     members: tuple[int, ...]  # ranks of the job, in their order in the new group
     epoch: int  # the epoch (from 0) every member continues from
     left: tuple[int, ...]  # the old members that are gone
+    joined: tuple[int, ...] = ()  # ranks of the job that joined (replacements, `dptrain join`)
+    healed_bytes: int = 0  # the state rank 0 handed the joiners
 
 
 def regroup(group: Group, generation: int, epoch: int, *, min_workers: int, timeout: float,
@@ -107,5 +121,73 @@ def note(membership: Optional[Membership]) -> Optional[dict]:
     """What metrics.jsonl records about a membership change."""
     if membership is None:
         return None
-    return {"generation": membership.generation, "members": list(membership.members),
-            "left": list(membership.left), "continued_from_epoch": membership.epoch + 1}
+    record = {"generation": membership.generation, "members": list(membership.members),
+              "left": list(membership.left), "continued_from_epoch": membership.epoch + 1}
+    if membership.joined:
+        record.update(joined=list(membership.joined), healed_bytes=membership.healed_bytes)
+    return record
+
+
+# -- joining ---------------------------------------------------------------------------------------
+WORLD = PREFIX + "world"  # the job's first world size (set by the launcher that serves the store)
+JOINERS = PREFIX + "joiners"  # how many ranks were taken by joiners
+FINISHED = PREFIX + "finished"  # set by rank 0 when the run is over: a joiner still waiting goes home
+JOIN_POLL = 0.5  # seconds between a waiting joiner's looks at the store
+
+
+def take_rank(store) -> int:
+    """A new rank of the job for a joiner: the job's first ranks are 0..WORLD-1, joiners' come after."""
+    world = int(bounded(lambda: store.get(WORLD)).decode())
+    return world + int(bounded(lambda: store.add(JOINERS, 1))) - 1
+
+
+def announce(store, rank: int) -> None:
+    """A joiner is ready (data and model made, heartbeat beating): the next epoch end may admit it."""
+    bounded(lambda: store.set(f"{PREFIX}join/{rank}", "ready"))
+
+
+def ready_joiners(store, room: int) -> tuple[int, ...]:
+    """Rank 0 at an epoch end: up to `room` joiners ready and not admitted yet, lowest rank first."""
+    if room <= 0 or not bounded(lambda: store.check([WORLD])):
+        return ()
+    world = int(bounded(lambda: store.get(WORLD)).decode())
+    taken = int(bounded(lambda: store.add(JOINERS, 0)))
+    ready = []
+    for rank in range(world, world + taken):
+        if len(ready) == room:
+            break
+        if (bounded(lambda: store.check([f"{PREFIX}join/{rank}"]))
+                and not bounded(lambda: store.check([f"{PREFIX}admit/{rank}"]))):
+            ready.append(rank)
+    return tuple(ready)
+
+
+def admit(store, joiners, generation: int, members, epoch: int) -> None:
+    """Rank 0: tell each joiner it is in generation `generation` of `members`, from `epoch` (from 0) on."""
+    decided = f"{generation};{','.join(map(str, members))};{epoch}"
+    for rank in joiners:
+        bounded(lambda: store.set(f"{PREFIX}admit/{rank}", decided))
+
+
+def admission(store, rank: int, alive=lambda: True) -> Optional[tuple[int, tuple[int, ...], int]]:
+    """A joiner: wait until the run admits it: (generation, members, epoch to start from), or None when the run
+    ended first. No deadline while the store answers (a spare waits for a place); a store that stops
+    answering raises (StoreUnanswered, or the store's error: the run's launcher is gone)."""
+    key = f"{PREFIX}admit/{rank}"
+    while alive():
+        if bounded(lambda: store.check([key])):
+            generation, members, epoch = bounded(lambda: store.get(key)).decode().split(";")
+            return int(generation), tuple(int(r) for r in members.split(",")), int(epoch)
+        if bounded(lambda: store.check([FINISHED])):
+            return None
+        time.sleep(JOIN_POLL)
+    return None
+
+
+def finished(store) -> None:
+    """Rank 0 at the end of the run: joiners still waiting are not going to be admitted."""
+    if store is not None:
+        try:
+            bounded(lambda: store.set(FINISHED, "1"))
+        except Exception:  # noqa: BLE001 - the store's host is gone: so are the joiners' hopes, and their store
+            pass

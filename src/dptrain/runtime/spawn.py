@@ -37,6 +37,19 @@ STORE_FD = "DPTRAIN_STORE_FD"
 # Set for every rank when the launcher serves the store itself (--min-workers): rank 0 joins it as the others
 # do, so that losing rank 0 does not take the store with it.
 STORE_SERVED = "DPTRAIN_STORE_SERVED"
+# The prefixes of the default group's keys in the store: what init_process_group's store adds ("default_pg"), then
+# torch's for the group named "0" (the first group a process makes). Joiners and the launcher see the ranks' keys so.
+STORE_PREFIXES = ("default_pg", "0/")
+
+
+def job_store(store):
+    """`store` (a TCPStore of the job's) as the ranks' default group sees it: dptrain's keys (membership,
+    heartbeats) are the same for a joiner and the launcher as for the ranks."""
+    import torch.distributed as dist
+
+    for prefix in STORE_PREFIXES:
+        store = dist.PrefixStore(prefix, store)
+    return store
 
 
 @dataclass(frozen=True)
@@ -153,28 +166,14 @@ def start_ranks(command: Sequence[str], world: int, *, port: int, master_addr: s
         for rank in range(world):
             env = worker_env(rank, world, port, threads, base, master_addr=master_addr,
                              tty=False if log_dir is not None else None, launcher=launcher)
-            argv = [*(prefix(rank) if prefix else []), *command]
-            stdin = subprocess.PIPE if held else subprocess.DEVNULL
             handed: tuple[int, ...] = ()
             if serve_store:
                 env[STORE_SERVED] = "1"
             elif listener is not None and rank == 0:
                 handed = (listener.fileno(),)
                 env[STORE_FD] = str(listener.fileno())
-            if log_dir is not None:
-                ranks.logs.append(open(log_dir / f"rank{rank}.log", "wb"))
-                proc = subprocess.Popen(argv, env=env, stdout=ranks.logs[-1], stderr=subprocess.STDOUT, stdin=stdin,
-                                        pass_fds=handed)
-            else:
-                proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=stdin,
-                                        pass_fds=handed)
-                label = f"[rank{rank}] ".encode()
-                for stream, sink in ((proc.stdout, sys.stdout.buffer), (proc.stderr, sys.stderr.buffer)):
-                    ranks.pumps.append(threading.Thread(target=_pump, args=(stream, label, sink, ranks.interrupted),
-                                                        daemon=True))
-                    ranks.pumps[-1].start()
-            ranks.procs.append(proc)
-            threading.Thread(target=lambda r=rank, p=proc: ranks.exits.put((r, p.wait())), daemon=True).start()
+            ranks.start(rank, [*(prefix(rank) if prefix else []), *command], env, held=held, handed=handed,
+                        log_dir=log_dir)
     except BaseException:
         ranks.close()
         raise
@@ -183,6 +182,8 @@ def start_ranks(command: Sequence[str], world: int, *, port: int, master_addr: s
             signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         if listener is not None and serve_store:
             ranks.listener = listener
+            ranks.address = (master_addr, port)
+            ranks.spawned = (world, port, threads, base, master_addr, launcher, log_dir)
         elif listener is not None:
             listener.close()  # rank 0 holds it now (or, if it did not start, nobody needs it)
     return ranks
@@ -215,6 +216,64 @@ class Ranks:
         self.interrupted = threading.Event()
         self.listener: Optional[socket.socket] = None  # where this process is to serve the ranks' store
         self.store = None  # the store this process serves (serve_store), kept while the ranks run
+        self.address: Optional[tuple[str, int]] = None  # where it listens (serve_store): `dptrain join` connects
+        self.spawned: Optional[tuple] = None  # how the ranks were started, to start a joiner the same way
+
+    def start(self, rank: int, argv: Sequence[str], env: dict[str, str], *, held: bool = False,
+              handed: tuple[int, ...] = (), log_dir: Optional[Path] = None) -> subprocess.Popen:
+        """Start rank `rank` as `argv` with `env`: its output to `log_dir/rankN.log` or prefixed to ours; its
+        exit reported to `wait`."""
+        stdin = subprocess.PIPE if held else subprocess.DEVNULL
+        if log_dir is not None:
+            self.logs.append(open(log_dir / f"rank{rank}.log", "wb"))
+            proc = subprocess.Popen(argv, env=env, stdout=self.logs[-1], stderr=subprocess.STDOUT, stdin=stdin,
+                                    pass_fds=handed)
+        else:
+            proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=stdin,
+                                    pass_fds=handed)
+            label = f"[rank{rank}] ".encode()
+            for stream, sink in ((proc.stdout, sys.stdout.buffer), (proc.stderr, sys.stderr.buffer)):
+                self.pumps.append(threading.Thread(target=_pump, args=(stream, label, sink, self.interrupted),
+                                                   daemon=True))
+                self.pumps[-1].start()
+        self.procs.append(proc)
+        threading.Thread(target=lambda: self.exits.put((rank, proc.wait())), daemon=True).start()
+        return proc
+
+    def start_joiner(self, argv: Sequence[str], replacing: int) -> Optional[int]:
+        """A new worker in place of lost rank `replacing` (--replace-workers): `python -m dptrain ARGV` as the
+        next rank of the job, joining the running ranks at their next epoch end (dptrain.runtime.membership).
+        Its rank, or None where this process serves no store (nothing to join)."""
+        if self.store is None or self.spawned is None:
+            return None
+        from dptrain.runtime.distributed import JOIN
+        from dptrain.runtime.membership import take_rank
+
+        world, port, threads, base, master_addr, launcher, log_dir = self.spawned
+        rank = take_rank(self.job_store())
+        env = worker_env(rank, world, port, threads, base, master_addr=master_addr,
+                         tty=False if log_dir is not None else None, launcher=launcher)
+        env.update({STORE_SERVED: "1", JOIN: str(rank)})
+        env.pop("DPTRAIN_PRESTARTED", None)
+        self.start(rank, [sys.executable, "-m", "dptrain", *argv], env, log_dir=log_dir)
+        print(f"dptrain: starting worker rank {rank} in place of rank {replacing}; it joins the others at the "
+              "next epoch end after it is ready", file=sys.stderr, flush=True)
+        return rank
+
+    def admitted(self, rank: int) -> bool:
+        """Whether the ranks admitted joiner `rank` (dptrain.runtime.membership), as the store this process serves says."""
+        if self.store is None:
+            return False
+        from dptrain.runtime.membership import PREFIX
+
+        try:
+            return self.job_store().check([f"{PREFIX}admit/{rank}"])
+        except Exception:  # noqa: BLE001 - it is this process's own store: it answers while this process runs
+            return False
+
+    def job_store(self):
+        """The store this process serves, as the ranks see it (`job_store`)."""
+        return job_store(self.store)
 
     def serve_store(self, timeout: float) -> None:
         """Serve the ranks' rendezvous store from this process (start_ranks(serve_store=True)), so that it
@@ -229,6 +288,9 @@ class Ranks:
         host, port = listener.getsockname()[:2]
         self.store = dist.TCPStore(host, port, None, True, datetime.timedelta(seconds=timeout),
                                    wait_for_workers=False, master_listen_fd=listener.detach())
+        from dptrain.runtime.membership import WORLD
+
+        self.job_store().set(WORLD, str(self.world))  # joiners take the ranks after the job's first ones
 
     def release(self, message: bytes) -> None:
         """Give held ranks their one line (`message`, without its newline) and close their stdin.
@@ -246,17 +308,19 @@ class Ranks:
                 pass
 
     def wait(self, timeout: Optional[float] = None, linger: Optional[float] = None, may_lose: int = 0,
-             grace: Optional[float] = None) -> RanksExit:
+             grace: Optional[float] = None, replacement: Optional[Callable[[int], Optional[int]]] = None) -> RanksExit:
         """Until all have exited, one has failed, `timeout` passed, one has lingered, or the `grace` after a
         stop signal is over (see spawn_ranks). Up to `may_lose` ranks may fail first without ending the wait
         (the others go on without them), rank 0 only when this process serves the store: each is counted in
-        `lost`, and said in one line unless it left on request (75)."""
+        `lost`, and said in one line unless it left on request (75). `replacement(rank)` may start a worker in place
+        of a failed one (its rank, or None): it is waited for too, and gives the lost place back."""
         forwarded: list[tuple[int, float]] = []  # (signal, when) of each stop signal passed on
         previous = _forward_signals(self.procs, forwarded)
         try:
             ended = _wait(self.exits, self.world, self.begun, timeout, linger, may_lose,
                           stopped=forwarded if grace is not None else None, grace=grace,
-                          keeper=None if self.store is not None else 0)
+                          keeper=None if self.store is not None else 0, replacement=replacement,
+                          admitted=self.admitted)
             return replace(ended, stop_signal=forwarded[0][0]) if forwarded else ended
         except KeyboardInterrupt:
             self.interrupted.set()
@@ -288,16 +352,26 @@ class Ranks:
 
 def _wait(exits: queue.Queue, world: int, begun: float, timeout: Optional[float],
           linger: Optional[float] = None, may_lose: int = 0, *, stopped: Optional[list[tuple[int, float]]] = None,
-          grace: Optional[float] = None, keeper: Optional[int] = 0) -> RanksExit:
+          grace: Optional[float] = None, keeper: Optional[int] = 0,
+          replacement: Optional[Callable[[int], Optional[int]]] = None,
+          admitted: Callable[[int], bool] = lambda rank: False) -> RanksExit:
     """Collect the ranks' exits until all are in, the first failure, the deadline, the linger limit, or
     `grace` seconds after the first stop signal noted in `stopped` (filled in as signals come). With
-    `may_lose`, ranks other than `keeper` (the store's host; None: the store outlives every rank) may be lost."""
+    `may_lose`, ranks other than `keeper` (the store's host; None: the store outlives every rank) may be lost;
+    `replacement(rank)` may start a rank in place of a failed one (see Ranks.wait); `admitted(rank)`: whether such a
+    replacement trains with the others yet."""
     deadline = None if timeout is None else begun + timeout
     preempted, done, first_done_at, first_finished, lost = False, [], None, None, []
-    while len(done) < world:
+    started = list(range(world))  # the ranks to wait for: the job's first ones, then replacements
+    joiners: list[int] = []  # the replacements; each is a member once the others admitted it
+
+    def members_left(without: int) -> int:
+        """The members besides rank `without` not lost (a replacement only once the others admitted it)."""
+        return sum(1 for r in started if r not in lost and r != without and (r not in joiners or admitted(r)))
+    while len(done) < len(started):
         # Once the main rank (the lowest not lost: it writes the results) ended well, ranks the others went on
         # without (frozen) have nothing left to do.
-        main = min((r for r in range(world) if r not in lost), default=0)
+        main = min((r for r in started if r not in lost), default=0)
         left_behind = may_lose and main in done and first_done_at is not None
         lingered = None
         if linger is not None and first_done_at is not None:
@@ -313,13 +387,13 @@ def _wait(exits: queue.Queue, world: int, begun: float, timeout: Optional[float]
             now = time.perf_counter()
             if graced is not None and now >= graced:
                 return RanksExit(now - begun, preempted=preempted, lost=tuple(lost),
-                                 unstopped=tuple(r for r in range(world) if r not in done))
+                                 unstopped=tuple(r for r in started if r not in done))
             if deadline is not None and now >= deadline:
                 return RanksExit(now - begun, preempted=preempted, timed_out=True)
             if lingered is None or now < lingered:
                 continue
-            stuck = tuple(r for r in range(world) if r not in done)
-            if left_behind and len(lost) + len(stuck) <= may_lose:
+            stuck = tuple(r for r in started if r not in done)
+            if left_behind and len(lost) + len(stuck) <= may_lose + len(joiners):
                 for rank in stuck:
                     print(f"dptrain: worker rank {rank} was still running after the others finished without it "
                           "(frozen); stopping it", file=sys.stderr, flush=True)
@@ -328,15 +402,20 @@ def _wait(exits: queue.Queue, world: int, begun: float, timeout: Optional[float]
         done.append(rank)
         if code == 0 and first_done_at is None:  # finished: after a stop (75) an async peer may still be in its epoch
             first_done_at, first_finished = time.perf_counter(), rank
-        if code == PREEMPTED and rank != keeper and len(lost) < may_lose:
+        # A lost rank leaves the others going on while at least (the first world - may_lose) members are left.
+        if code == PREEMPTED and rank != keeper and may_lose and members_left(rank) >= world - may_lose:
             lost.append(rank)  # asked to stop alone, it left and the others go on (it said so itself); when the
             # whole job stops, rank 0 stops too: its 75 makes the job's
         elif code == PREEMPTED:
             preempted = True
-        elif code != 0 and rank != keeper and len(lost) < may_lose:
+        elif code != 0 and rank != keeper and may_lose and members_left(rank) >= world - may_lose:
             lost.append(rank)
             print(f"dptrain: worker rank {rank} {describe_exit(code)}; the others go on without it",
                   file=sys.stderr, flush=True)
+            joiner = replacement(rank) if replacement is not None and first_done_at is None else None
+            if joiner is not None:
+                started.append(joiner)
+                joiners.append(joiner)
         elif code != 0:
             return RanksExit(time.perf_counter() - begun, failed_rank=rank, failed_code=code, preempted=preempted,
                              lost=tuple(lost))

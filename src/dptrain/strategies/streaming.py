@@ -154,6 +154,7 @@ class Streaming(StreamingRules, Strategy):
         self._global_changed = False  # g changed since the last epoch end
         self._global_model: Optional[nn.Module] = None
         self._groups: list[list[int]] = []
+        self._joined_global: Optional[dict] = None  # a joiner's g from the peer it healed from, until `regroup`
         self._sends = 0  # sends started over the run (fragment = sends % F)
         self._step = 0  # the last step seen
 
@@ -206,6 +207,13 @@ class Streaming(StreamingRules, Strategy):
         self._pending, self._global_changed = None, False
         if ctx.world_size == 1:
             self._global_model = None
+        elif self._global_model is None:  # more than one again (a worker joined one left alone), or a joiner
+            floating, integer = module_state(model)
+            self._groups = split_fragments(floating + integer, self.fragments)
+            self._global_model = copy.deepcopy(model)  # the replicas are equal: the joiner has rank 0's model
+            if self._joined_global:
+                self._global_model.load_state_dict(self._joined_global)
+        self._joined_global = None
         return model
 
     def after_step(self, step: int) -> None:
@@ -354,6 +362,8 @@ class Streaming(StreamingRules, Strategy):
         self.waited_seconds = state["waited_seconds"]
         if self._global_model is not None and state["global_model"]:
             self._global_model.load_state_dict(state["global_model"])
+        elif state["global_model"]:  # a joiner, alone until `regroup` (dptrain.runtime.membership): g for then
+            self._joined_global = state["global_model"]
 
     def summary(self) -> dict:
         return {"averages": self.averages, "waited_seconds": self.waited_seconds}

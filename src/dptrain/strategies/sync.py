@@ -116,9 +116,10 @@ class Sync(SyncRules, Strategy):
 
     def regroup(self, ctx: DistContext) -> nn.Module:
         """With --allreduce-epochs, a new DDP on the new group, broadcasting nothing: while it all-reduces the
-        replicas are equal, and after that each keeps its own (alone: the model unwrapped)."""
+        replicas are equal, and after that each keeps its own (alone: the model unwrapped; a worker that joined,
+        or one alone that others joined, wraps it again)."""
         model = super().regroup(ctx)
-        if self._ddp is None:
+        if self.allreduce_epochs == 0:
             return model
         if ctx.world_size == 1:
             self._ddp, self._buffer_bytes = None, 0

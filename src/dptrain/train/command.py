@@ -36,7 +36,7 @@ from dptrain.runtime.spawn import Ranks
 from dptrain.strategies import build_strategy
 from dptrain.train.optim import build_optimizer
 from dptrain.train import checkpoint_files
-from dptrain.train.rundir import check_not_busy, check_run_dir, default_run_dir, lock_run_dir, open_run_dir
+from dptrain.train.rundir import JOIN_FILE, check_not_busy, check_run_dir, default_run_dir, lock_run_dir, open_run_dir
 from dptrain.train.preemption import catch_stop_signals_early, release_early_stop_signals
 from dptrain.train.recorder import Summary, summary_line
 from dptrain.train.checkpointer import describe_interruption, epochs_recorded, load_model_state
@@ -215,7 +215,8 @@ def spawn_workers(config: TrainConfig, model: torch.nn.Module,
         for attempt in range(config.max_restarts + 1):
             code = launch_local(config.workers, argv, config.timeout, prestarted if attempt == 0 else None,
                                 may_lose=config.workers - config.min_workers if config.min_workers else 0,
-                                grace=config.grace)
+                                grace=config.grace, replacements=config.workers if config.replace_workers else 0,
+                                join_file=run_dir / JOIN_FILE if config.min_workers else None)
             if code == Interrupted.exit_code:  # Ctrl-C: the workers are stopped; say where the run stands
                 print(f"dptrain: {describe_interruption(run_dir, config.workers, epochs_recorded(run_dir), config.epochs)}",
                       file=sys.stderr, flush=True)
@@ -284,13 +285,16 @@ def train_in_group(config: TrainConfig, env: DistEnv, ctx, held: ExitStack) -> S
     data = load_data(config, check_values=not said_by_launcher and ctx.is_main,
                      log=print if ctx.is_main and not said_by_launcher else (lambda message: None))
     model = make_model(config, data)
-    factor, _ = lr_policy.lr_scale(config, ctx.world_size)
+    # A worker joining a running job is alone until it is admitted; it takes the LR of the peer it heals from,
+    # and its LR guard is made for the job's world, as every worker's was.
+    world = ctx.world_size if ctx.joining is None else env.world_size
+    factor, _ = lr_policy.lr_scale(config, world)
     lr = config.lr * factor
-    if factor != 1 and ctx.is_main:
-        print(lr_policy.lr_line(config, ctx.world_size), flush=True)
+    if factor != 1 and ctx.is_main and ctx.joining is None:
+        print(lr_policy.lr_line(config, world), flush=True)
     optimizer = build_optimizer(config.optimizer, model.parameters(), lr=lr, momentum=config.momentum,
                                 nesterov=config.nesterov, weight_decay=config.weight_decay)
-    schedule = lr_policy.ConfigSchedule(config, ctx.world_size)
+    schedule = lr_policy.ConfigSchedule(config, world)
     trainer = Trainer(model, optimizer, build_loss(config, data), build_strategy(config),
                       batch_size=config.batch_size, schedule=schedule, amp=config.amp,
                       grad_clip=config.grad_clip, seed=config.seed, shuffle=config.shuffle,
@@ -299,10 +303,10 @@ def train_in_group(config: TrainConfig, env: DistEnv, ctx, held: ExitStack) -> S
                       checkpoint_every=config.checkpoint_every, keep_checkpoints=config.keep_checkpoints,
                       checkpoint_every_steps=config.checkpoint_every_steps,
                       resume=True, stop_on_collapse=config.stop_on_collapse,
-                      lr_scale=lr_policy.guarded_scale(config, ctx.world_size),
+                      lr_scale=lr_policy.guarded_scale(config, world),
                       min_workers=config.min_workers,
                       lr_rule=lambda world: lr_policy.lr_scale(config, world)[0])
-    trainer.emulate_straggler(config.slow_workers().get(ctx.rank, 1.0))
+    trainer.emulate_straggler(config.slow_workers().get(ctx.rank if ctx.joining is None else ctx.joining, 1.0))
     trainer.data_record = data_record(config, data)
     return trainer.fit(data.train_set(), data.test_set(), epochs=config.epochs)
 

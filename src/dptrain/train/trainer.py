@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import io
 import math
 import time
 import warnings
@@ -25,9 +26,10 @@ from torch.utils.data import DataLoader, Dataset
 
 from dptrain import faults
 from dptrain.data.sampler import PlanBatches, TrainData, as_dataset, evaluation_loader, labels_of, loader
-from dptrain.errors import Diverged, Interrupted, Left, Preempted, UserError
+from dptrain.errors import Diverged, Interrupted, JoinedTooLate, Left, Preempted, UserError
 from dptrain.runtime.distributed import DistContext, init_process_group, store_served
-from dptrain.runtime.group import PeerFailure, PeerReported
+from dptrain.runtime import membership as joining
+from dptrain.runtime.group import Group, PeerFailure, PeerReported, _first_line
 from dptrain.runtime.membership import STALL, Membership, note, regroup
 from dptrain.runtime.env import detect, launcher_reports_interrupts
 from dptrain.strategies.base import Strategy
@@ -121,10 +123,12 @@ class Trainer:
         self.data_record: Optional[dict] = None  # what the data was, for summary.json (set by `dptrain train`)
         self.stop_signals = StopSignals()
         self._leaving: Optional[tuple] = None  # (ranks that stay, ranks that leave, their signals) at this epoch end
+        self._joining: tuple[int, ...] = ()  # ranks of the job (joiners) the run admits at this epoch end
         self._slowdown = 1.0
         self._evaluation: Optional[tuple] = None  # (test set, (rank, world), its DataLoader)
         self._forward_mark: Optional[tuple] = None  # (the DDP model, its forward pre-hook) for _forward
         self._in_user_forward = False
+        self._healed: Optional[bytes] = None  # the state a joiner received (`_heal`), until it loads it
 
     def emulate_straggler(self, factor: float) -> "Trainer":
         """Make this rank's steps take `factor` times as long (benchmarks of unequal workers)."""
@@ -142,7 +146,9 @@ class Trainer:
         check_amp(self.amp, self.ctx.device)
         self.scaler = torch.amp.GradScaler("cuda") if self.amp == "fp16" else None
         self.model = self.model.to(self.ctx.device)
-        self.recorder = Recorder(self.out, self.ctx.is_main, self.verbose, self.progress, self.ctx.world_size)
+        # A worker joining a running job is alone until admitted, but never writes the run's files and lines.
+        self.recorder = Recorder(self.out, self.ctx.is_main and self.ctx.joining is None, self.verbose, self.progress,
+                                 self.ctx.world_size)
         self.checkpointer = Checkpointer(self.out, self.ctx, self.checkpoint_every, self.keep_checkpoints,
                                          self.recorder.log, self.checkpoint_every_steps)
         return self.ctx
@@ -185,8 +191,19 @@ class Trainer:
         if lr_guard is not None:
             parts["lr_guard"] = lr_guard
         self._parts, self._health, self._lr_guard = parts, health, lr_guard
-        start_epoch, step, wall_before, position = self._restore(parts) if self.resume else (0, 0, 0.0, None)
-        if position is not None:  # within an epoch: the checks go on as they were, not from this model
+        if ctx.joining is not None:  # a worker joining a running job: its state comes from a live peer, not disk
+            start_epoch, step, train_model = self._join(train, strategy, parts)
+            health, lr_guard = self._health, self._lr_guard
+            plan, batches, reader = self._plan(train, labels)
+            scheduler = self._reschedule(parts, parts["scheduler"], plan.steps, start_epoch, epochs)
+            wall_before, position = 0.0, None
+        elif self.resume:
+            start_epoch, step, wall_before, position = self._restore(parts)
+        else:
+            start_epoch, step, wall_before, position = 0, 0, 0.0, None
+        if ctx.joining is not None:  # the checks go on as rank 0's were (_join)
+            pass
+        elif position is not None:  # within an epoch: the checks go on as they were, not from this model
             self._resume_checks(position)
         elif health is not None:
             start_loss = health.start(self.model)
@@ -237,7 +254,13 @@ class Trainer:
                 changed, train_model = self._let_leave(epoch)
                 plan, batches, reader = self._plan(train, labels)
                 scheduler = self._reschedule(parts, scheduler, plan.steps, epoch + 1, epochs)
+            if self._joining and epoch + 1 < epochs:  # after the last epoch there is nothing left to join
+                changed, train_model = self._admit(epoch, step)
+                plan, batches, reader = self._plan(train, labels)
+                scheduler = self._reschedule(parts, parts["scheduler"], plan.steps, epoch + 1, epochs)
             epoch += 1
+        if self.min_workers is not None and ctx.is_main:
+            joining.finished(ctx.group.store)  # joiners still waiting for a place go home
         final = ctx.group.bounded("finish", strategy.finish)
         wall = time.perf_counter() - started
         final_metrics = None
@@ -303,9 +326,17 @@ class Trainer:
         while others were not (a scheduler warned one node) leave instead, at this epoch end (`_leaving`), when
         at least min_workers stay and none of them hosts the store (rank 0 where the launcher does not)."""
         ctx, requested = self.ctx, self.stop_signals.requested
-        if self.min_workers is None or ctx.world_size == 1:
+        if self.min_workers is None:
             return self.strategy.agree_stop(requested)
-        asked = ctx.group.gather_objects("stop check", requested)
+        # Rank 0 also says which joiners are ready, while fewer workers train than the job started with.
+        ready = (joining.ready_joiners(ctx.group.store, self.recorder.job_world - ctx.world_size)
+                 if ctx.is_main and ctx.group.store is not None else ())
+        if ctx.world_size == 1:
+            self._joining = ready
+            return self.strategy.agree_stop(requested)
+        told = ctx.group.gather_objects("stop check", (requested, ready))
+        asked = [signal for signal, _ in told]
+        self._joining = told[0][1]
         leave = tuple(member for member, signal in zip(ctx.group.members, asked) if signal)
         stay = tuple(member for member in ctx.group.members if member not in leave)
         if not leave:
@@ -313,6 +344,7 @@ class Trainer:
         # Rank 0 cannot leave where it serves the store (not under dptrain's launcher, which serves it itself).
         if len(stay) < self.min_workers or (0 in leave and not store_served()):
             # the job stops: checkpoint and exit 75, as without min_workers
+            self._joining = ()
             return requested or "a signal to another rank"
         self._leaving = (stay, leave, tuple(signal for signal in asked if signal))
         return None
@@ -367,6 +399,96 @@ class Trainer:
                           f"on request ({signals[0]}); continuing with {group.world_size} workers (ranks "
                           f"{', '.join(map(str, stay))} of the job)")
         return Membership(generation, stay, epoch + 1, leave), train_model
+
+    def _admit(self, epoch: int, step: int) -> tuple[Membership, nn.Module]:
+        """After `epoch` (from 0) ended: the joiners rank 0 found ready enter; each is healed from rank 0 (its
+        whole state, over the new group) and every worker trains on from the next epoch. A joiner lost before it
+        trained is left out again at once (the others go on as they were)."""
+        ctx, joiners = self.ctx, self._joining
+        self._joining = ()
+        old = ctx.group
+        generation, members = old.generation + 1, (*old.members, *joiners)
+        if ctx.is_main:
+            joining.admit(old.store, joiners, generation, members, epoch + 1)
+        names = ", ".join(map(str, joiners))
+        group = old.bounded(f"admitting rank{'s' if len(joiners) > 1 else ''} {names}",
+                            lambda: old.rebuild(members, generation))
+        try:
+            healed = self._heal(group, epoch + 1, step)
+        except PeerFailure as failure:  # a joiner died before it trained: the others go on without it
+            self.recorder.log(f"dptrain: {failure}; the workers agree on who is left")
+            group, membership = regroup(group, generation + 1, epoch + 1, min_workers=self.min_workers,
+                                        timeout=self.timeout)
+            return membership, self._take(group)
+        train_model = self._take(group)
+        self.recorder.log(f"dptrain: rank{'s' if len(joiners) > 1 else ''} {names} joined after epoch {epoch + 1}, "
+                          f"healed from rank {members[0]} ({healed / 1e6:.2f} MB of state); continuing with "
+                          f"{group.world_size} worker{'s' if group.world_size > 1 else ''} (ranks "
+                          f"{', '.join(map(str, members))} of the job)")
+        return Membership(generation, members, epoch + 1, (), joiners, healed), train_model
+
+    def _heal(self, group: Group, epoch: int, step: int) -> int:
+        """Rank 0 of `group` hands its whole state to every other worker of it in one broadcast (the joiners load
+        it in `_join`; the others already hold theirs). Returns its size in bytes."""
+        state = None
+        if group.rank == 0:
+            state = {**self._snapshot(self._parts, step), "epoch": epoch, "world": self.ctx.world_size,
+                     "strategy_name": self.strategy.name,
+                     "job_world": self.recorder.job_world,
+                     "health": self._health.state_dict() if self._health is not None else None}
+            buffer = io.BytesIO()
+            torch.save(state, buffer)
+            state = buffer.getvalue()
+        data = group.bounded("healing the workers that join", lambda: group.broadcast_object("heal", state))
+        self._healed = data
+        return len(data)
+
+    def _join(self, train: Dataset, strategy: Strategy, parts: dict) -> tuple[int, int, nn.Module]:
+        """A worker joining a running job (ctx.joining: its rank of the job), prepared alone: say it is ready,
+        wait for the run to admit it at an epoch end, take the state of the new group's rank 0 and its place in
+        the group. Returns (the epoch to start from, the step count, the module to train)."""
+        ctx = self.ctx
+        me, store = ctx.joining, ctx.group.store
+        joining.announce(store, me)
+        print(f"dptrain: rank {me} is ready to join the run; it enters at the next epoch end with a free place",
+              flush=True)
+        try:
+            admitted = joining.admission(store, me)
+        except Exception as exc:  # noqa: BLE001 - the store's host (the run's launcher) is gone
+            if self.out is not None and (self.out / "summary.json").exists():  # it ended, and its launcher with it
+                raise JoinedTooLate(f"rank {me}: the run ended before a place was free; this worker did not "
+                                    "join") from None
+            raise PeerFailure(f"rank {me}: the run's store stopped answering while this worker waited to join "
+                              f"({_first_line(exc)}): the run has ended or its launcher is gone") from None
+        if admitted is None:
+            raise JoinedTooLate(f"rank {me}: the run ended before a place was free; this worker did not join")
+        generation, members, epoch = admitted
+        group = ctx.group.bounded("joining the run", lambda: Group.over_store(
+            store, me, members, generation, device=ctx.device, backend=ctx.backend, timeout=self.timeout,
+            heartbeat=ctx.heartbeat))
+        group.watch = ctx.group.watch
+        self._heal(group, epoch, 0)
+        state = torch.load(io.BytesIO(self._healed), map_location=ctx.device, weights_only=False)
+        self._healed = None
+        if state["strategy_name"] != strategy.name:  # --strategy auto: the choice recorded when the run began
+            raise PeerFailure(f"rank {me}: the run trains with {state['strategy_name']}, this worker prepared "
+                              f"{strategy.name}; it cannot join")
+        ctx.world_size = state["world"]  # the world rank 0 trained in: the LR rule scales from it (_take)
+        health, lr_guard = self._health_checks(train, strategy)
+        if lr_guard is not None:
+            parts["lr_guard"] = lr_guard
+        self._health, self._lr_guard = health, lr_guard
+        for name, part in parts.items():
+            if part is not None:
+                part.load_state_dict(state[name])
+        if health is not None and state["health"] is not None:
+            health.load_state_dict(state["health"])
+        strategy.comm_bytes = 0  # this worker's own bytes count from here (rank 0's stay rank 0's)
+        torch.manual_seed(self.seed + me)  # dropout and friends: this worker's own, reproducibly
+        self.recorder.job_world = state["job_world"]
+        train_model = self._take(group)
+        self.recorder.replace_history(state["history"])
+        return epoch, state["step"], train_model
 
     def _snapshot(self, parts: dict, step: int) -> dict:
         """This rank's state now, in memory (what a checkpoint holds), to return to after a membership change."""

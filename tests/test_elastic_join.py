@@ -1,0 +1,144 @@
+"""Replacement and growth (issue 22, item 3): a worker joins a running job and heals from a live one.
+
+`--workers MIN:MAX` (torchrun's spelling) starts MAX workers that go on down to MIN; the launcher
+starts a new worker in place of each one that fails. `dptrain join RUN_DIR` adds a worker by hand
+(a spare waits until a place is free). A joiner takes the next rank of the job, prepares alone,
+and enters at an epoch end: rank 0 hands it its whole state over the new group (not from disk),
+every epoch after that reads every training row once over the grown world, and the LR rule's W
+follows the live world back up.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+
+from cli_runner import ForkedDptrain
+from dptrain.config import build_config
+from dptrain.errors import UserError
+from test_elastic import BATCH, PARAMETER_BYTES, TRAIN_ROWS, records
+from test_train_cli import dptrain
+
+SLOW_RANK_0 = ["--slow-worker", "0:40"]  # rank 0's steps 40x as long: epochs long enough for a joiner to start
+
+
+def grown(history: list[dict], joiner: int) -> int:
+    """The index of the record of the first epoch the joiner trained in (after the one that admitted it)."""
+    admitted = [i for i, record in enumerate(history) if record.get("membership", {}).get("joined")]
+    assert len(admitted) == 1, [record.get("membership") for record in history]
+    assert history[admitted[0]]["membership"]["joined"] == [joiner]
+    return admitted[0]
+
+
+@pytest.mark.slow
+def test_a_lost_worker_is_replaced_by_a_new_one_that_heals_from_a_live_one(tmp_path):
+    run = tmp_path / "replaced"
+    result = dptrain("train", "--dataset", "digits", "--strategy", "sync", "--workers", "2:3", "--epochs", "10",
+                     "--lr", "0.05", "--lr-scaling", "linear", "--no-progress", "--out", str(run), *SLOW_RANK_0,
+                     cwd=tmp_path, env={"DPTRAIN_FAULT": "train-middle@1:2"})
+    assert result.returncode == 0, result.stderr
+    assert "dptrain: worker rank 1 was killed by SIGKILL; the others go on without it" in result.stderr
+    assert "dptrain: starting worker rank 3 in place of rank 1" in result.stderr
+    history = records(run)
+    first = grown(history, 3)
+    change = history[first]["membership"]
+    assert change["members"] == [0, 2, 3] and change["left"] == [] and change["healed_bytes"] > PARAMETER_BYTES
+    assert change["continued_from_epoch"] == history[first]["epoch"]
+    assert f"rank 3 joined after epoch {history[first]['epoch'] - 1}, healed from rank 0" in result.stdout
+    # 3 workers, then 2 from the redone epoch 2, then 3 again: every epoch reads every row once
+    assert [len(record["workers"]) for record in history] == [3] + [2] * (first - 1) + [3] * (len(history) - first)
+    assert all(sum(worker["samples"] for worker in record["workers"]) == TRAIN_ROWS for record in history)
+    # --lr-scaling linear: the LR rule's W follows the live world down and back up
+    assert [record["lr"] for record in history] == pytest.approx([0.05 * len(r["workers"]) for r in history])
+    assert "learning rate x 1.5 for 3 workers instead of 2 (the LR rule follows the live world)" in result.stdout
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["workers"] == 3 and summary["test_accuracy"] > 0.8
+    assert not (run / "join.address").exists()
+
+
+def wait_for(path, seconds: float = 60) -> None:
+    deadline = time.monotonic() + seconds
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path} did not appear"
+        time.sleep(0.1)
+
+
+@pytest.mark.slow
+def test_dptrain_join_adds_a_worker_that_takes_the_state_of_a_live_one_under_allreduce(tmp_path):
+    run = tmp_path / "joined"
+    training = ForkedDptrain(["train", "--dataset", "digits", "--strategy", "allreduce", "--workers", "3",
+                              "--min-workers", "2", "--epochs", "8", "--lr", "0.05", "--no-progress", "--out",
+                              str(run), *SLOW_RANK_0], cwd=tmp_path,
+                             env={**os.environ, "DPTRAIN_FAULT": "train-middle@2:2"})
+    try:
+        wait_for(run / "join.address")
+        joined = dptrain("join", str(run), cwd=tmp_path, timeout=180)
+        out, err = training.communicate(timeout=180)
+    finally:
+        training.kill()
+    assert training.returncode == 0, err
+    assert joined.returncode == 0, joined.stderr
+    assert "dptrain: rank 3 is ready to join the run" in joined.stdout
+    assert f"dptrain: this worker (rank 3) trained with the others to the end of the run in {run}" in joined.stdout
+    history = records(run)
+    first = grown(history, 3)
+    assert [len(record["workers"]) for record in history][first:] == [3] * (len(history) - first)
+    assert all(sum(worker["samples"] for worker in record["workers"]) == TRAIN_ROWS for record in history)
+    # The joiner's DDP broadcasts nothing (its weights are rank 0's already): its bytes are one gradient a step.
+    steps = 0
+    for record in history[first:]:
+        joiner = record["workers"][2]
+        steps += -(-joiner["samples"] // BATCH)
+        assert joiner["comm_bytes"] == PARAMETER_BYTES * steps, record["epoch"]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["workers"] == 3 and summary["test_accuracy"] > 0.8
+
+
+@pytest.mark.slow
+def test_a_spare_that_finds_no_free_place_goes_home_when_the_run_ends(tmp_path):
+    run = tmp_path / "full"
+    training = ForkedDptrain(["train", "--dataset", "digits", "--strategy", "fedavg", "--workers", "2",
+                              "--min-workers", "1", "--epochs", "4", "--no-progress", "--out", str(run),
+                              "--slow-worker", "0:20"], cwd=tmp_path, env=dict(os.environ))
+    try:
+        wait_for(run / "join.address")
+        spare = dptrain("join", str(run), cwd=tmp_path, timeout=180)
+        out, err = training.communicate(timeout=180)
+    finally:
+        training.kill()
+    assert training.returncode == 0, err
+    assert spare.returncode == 0, spare.stderr
+    assert "dptrain: rank 2: the run ended before a place was free; this worker did not join" in spare.stderr
+    assert [len(record["workers"]) for record in records(run)] == [2, 2, 2, 2]
+
+
+def test_join_needs_a_running_job_that_takes_workers(tmp_path):
+    result = dptrain("join", str(tmp_path), cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.strip() == (f"dptrain: error: '{tmp_path}' is not a run directory (it has no config.yaml); "
+                                     "give the --out of a running dptrain train")
+    (tmp_path / "config.yaml").write_text("workers: 2\n")
+    result = dptrain("join", str(tmp_path), cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.strip() == (f"dptrain: error: no job in '{tmp_path}' takes workers now: only a run training "
+                                     "on this machine with --min-workers N or --workers MIN:MAX does, while it runs "
+                                     "(join.address says where)")
+
+
+def test_workers_min_max_is_max_workers_going_on_down_to_min_each_lost_one_replaced():
+    config = build_config({"dataset": "digits", "strategy": "sync", "workers": "2:4"})
+    assert (config.workers, config.min_workers, config.replace_workers) == (4, 2, True)
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"workers": "2:x"}, "workers '2:x' must be N or MIN:MAX, two whole numbers, e.g. 2:4"),
+    ({"workers": "3:2"}, "workers '3:2' must be MIN:MAX with 1 <= MIN <= MAX, e.g. 2:4"),
+    ({"workers": "2:3", "min_workers": 2}, "workers 2:3 sets min_workers 2 already; drop min_workers"),
+    ({"workers": 3, "replace_workers": True}, "replace_workers needs min_workers"),
+])
+def test_bad_worker_ranges_are_one_line_naming_the_value(values, message):
+    with pytest.raises(UserError, match=message):
+        build_config({"dataset": "digits", "strategy": "sync", **values})
