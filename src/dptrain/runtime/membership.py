@@ -9,8 +9,8 @@ A rank that meets a PeerFailure (a collective failed or timed out) calls `regrou
    the epoch it failed in, and
 3. the first member to get there (a compare-and-set in the store) decides the new members: every
    old member that said it is alive, none whose heartbeat stopped for `stall` seconds (dead or
-   frozen), waiting at most `timeout` seconds for the others; it writes the members and the epoch
-   to continue from;
+   frozen; at once for one whose process the launcher saw end), waiting at most `timeout` seconds for the
+   others; it writes the members and the epoch to continue from;
 4. every member builds a fresh process group of the members (`Group.rebuild`, generation N);
    a rank left out (evicted while frozen) gets Evicted.
 
@@ -46,6 +46,7 @@ from dptrain.runtime.heartbeat import bounded
 
 PREFIX = "dptrain/membership/"
 STALL = 3.0  # seconds without a heartbeat after which a member that did not answer is left out
+EXITED = PREFIX + "exited/"  # + rank: the launcher serving the store saw that rank's process end
 
 
 class Evicted(PeerFailure):
@@ -111,6 +112,8 @@ def _decide(group: Group, store, key: str, old: list[int], timeout: float, stall
                     for rank in old if bounded(lambda: store.check([f"{key}alive/{rank}"]))}
         waiting = [rank for rank in old if rank not in answered]
         quiet = set(heartbeat.stalled(waiting, stall)) if heartbeat is not None and waiting else set()
+        # A rank whose process the launcher saw exit is gone now, not after `stall` seconds of silence.
+        quiet |= {rank for rank in waiting if bounded(lambda: store.check([f"{EXITED}{rank}"]))}
         if all(rank in quiet for rank in waiting) or time.monotonic() >= deadline:
             members = sorted(answered)
             return f"{','.join(map(str, members))};{min(answered.values())}"

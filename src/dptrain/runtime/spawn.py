@@ -271,6 +271,16 @@ class Ranks:
         except Exception:  # noqa: BLE001 - it is this process's own store: it answers while this process runs
             return False
 
+    def exited(self, rank: int) -> None:
+        """Tell the ranks, through the store this process serves, that rank `rank`'s process ended: the survivors
+        agreeing on who is left need not wait for its heartbeat to go quiet (dptrain.runtime.membership)."""
+        from dptrain.runtime.membership import EXITED
+
+        try:
+            self.job_store().set(f"{EXITED}{rank}", "1")
+        except Exception:  # noqa: BLE001 - its own store; the survivors find the rank quiet anyway
+            pass
+
     def job_store(self):
         """The store this process serves, as the ranks see it (`job_store`)."""
         return job_store(self.store)
@@ -320,7 +330,7 @@ class Ranks:
             ended = _wait(self.exits, self.world, self.begun, timeout, linger, may_lose,
                           stopped=forwarded if grace is not None else None, grace=grace,
                           keeper=None if self.store is not None else 0, replacement=replacement,
-                          admitted=self.admitted)
+                          admitted=self.admitted, exited=self.exited if self.store is not None else None)
             return replace(ended, stop_signal=forwarded[0][0]) if forwarded else ended
         except KeyboardInterrupt:
             self.interrupted.set()
@@ -354,12 +364,14 @@ def _wait(exits: queue.Queue, world: int, begun: float, timeout: Optional[float]
           linger: Optional[float] = None, may_lose: int = 0, *, stopped: Optional[list[tuple[int, float]]] = None,
           grace: Optional[float] = None, keeper: Optional[int] = 0,
           replacement: Optional[Callable[[int], Optional[int]]] = None,
-          admitted: Callable[[int], bool] = lambda rank: False) -> RanksExit:
+          admitted: Callable[[int], bool] = lambda rank: False,
+          exited: Optional[Callable[[int], None]] = None) -> RanksExit:
     """Collect the ranks' exits until all are in, the first failure, the deadline, the linger limit, or
     `grace` seconds after the first stop signal noted in `stopped` (filled in as signals come). With
     `may_lose`, ranks other than `keeper` (the store's host; None: the store outlives every rank) may be lost;
     `replacement(rank)` may start a rank in place of a failed one (see Ranks.wait); `admitted(rank)`: whether such a
-    replacement trains with the others yet."""
+    replacement trains with the others yet; `exited(rank)` is told of each rank lost (the survivors need not wait
+    for its silence)."""
     deadline = None if timeout is None else begun + timeout
     preempted, done, first_done_at, first_finished, lost = False, [], None, None, []
     started = list(range(world))  # the ranks to wait for: the job's first ones, then replacements
@@ -410,6 +422,8 @@ def _wait(exits: queue.Queue, world: int, begun: float, timeout: Optional[float]
             preempted = True
         elif code != 0 and rank != keeper and may_lose and members_left(rank) >= world - may_lose:
             lost.append(rank)
+            if exited is not None:
+                exited(rank)
             print(f"dptrain: worker rank {rank} {describe_exit(code)}; the others go on without it",
                   file=sys.stderr, flush=True)
             joiner = replacement(rank) if replacement is not None and first_done_at is None else None
