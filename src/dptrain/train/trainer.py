@@ -47,6 +47,11 @@ AMP_DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 LOSS_GROWTH_LIMIT = 10.0  # a training loss this many times the first epoch's is divergence
 
 
+def _workers(count: int) -> str:
+    """"1 worker", "3 workers"."""
+    return f"{count} worker{'s' if count != 1 else ''}"
+
+
 def _grew(loss: float, first: float) -> bool:
     """Whether a training loss is past LOSS_GROWTH_LIMIT times the first epoch's (divergence)."""
     return math.isfinite(first) and first > 0 and loss > LOSS_GROWTH_LIMIT * first
@@ -377,7 +382,7 @@ class Trainer:
                 group["initial_lr"] *= ratio
         if self._lr_guard is not None:
             self._lr_guard.scale *= ratio
-        self.recorder.log(f"dptrain: learning rate x {ratio:.3g} for {world} workers instead of {world_before} "
+        self.recorder.log(f"dptrain: learning rate x {ratio:.3g} for {_workers(world)} instead of {world_before} "
                           f"(the LR rule follows the live world): {self.optimizer.param_groups[0]['lr']:g}")
 
     def _let_leave(self, epoch: int) -> tuple[Membership, nn.Module]:
@@ -396,7 +401,7 @@ class Trainer:
         assert group is not None
         train_model = self._take(group)
         self.recorder.log(f"dptrain: rank{'s' if len(leave) > 1 else ''} {names} left after epoch {epoch + 1} "
-                          f"on request ({signals[0]}); continuing with {group.world_size} workers (ranks "
+                          f"on request ({signals[0]}); continuing with {_workers(group.world_size)} (ranks "
                           f"{', '.join(map(str, stay))} of the job)")
         return Membership(generation, stay, epoch + 1, leave), train_model
 
@@ -423,7 +428,7 @@ class Trainer:
         train_model = self._take(group)
         self.recorder.log(f"dptrain: rank{'s' if len(joiners) > 1 else ''} {names} joined after epoch {epoch + 1}, "
                           f"healed from rank {members[0]} ({healed / 1e6:.2f} MB of state); continuing with "
-                          f"{group.world_size} worker{'s' if group.world_size > 1 else ''} (ranks "
+                          f"{_workers(group.world_size)} (ranks "
                           f"{', '.join(map(str, members))} of the job)")
         return Membership(generation, members, epoch + 1, (), joiners, healed), train_model
 
@@ -516,7 +521,7 @@ class Trainer:
             self.recorder.replace_history(saved["history"])
         train_model = self._take(group)
         left = ", ".join(map(str, membership.left))
-        self.recorder.log(f"dptrain: continuing from epoch {membership.epoch + 1} with {group.world_size} workers "
+        self.recorder.log(f"dptrain: continuing from epoch {membership.epoch + 1} with {_workers(group.world_size)} "
                           f"(ranks {', '.join(map(str, membership.members))} of the job; without rank"
                           f"{'s' if len(membership.left) > 1 else ''} {left})")
         return membership, train_model
