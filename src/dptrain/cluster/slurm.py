@@ -90,11 +90,17 @@ def render(spec: JobSpec) -> str:
         *command_environment(spec, "$((20000 + SLURM_JOB_ID % 20000))"),
         *([""] + setup if setup else []),
         "",
-        "# One process per rank (one container each); if one fails, srun stops the others.",
+        *(["# One process per rank (one container each). --min-workers: when ranks fail, srun keeps the others",
+            "# running and they go on without them (rank 0, which serves the store, must stay)."]
+          if spec.elastic else ["# One process per rank (one container each); if one fails, srun stops the others."]),
         *stopping,
         "status=0",
-        f"srun --kill-on-bad-exit=1 --nodes={spec.nodes} --ntasks-per-node={spec.tasks_per_node} "
+        f"srun --kill-on-bad-exit={0 if spec.elastic else 1} --nodes={spec.nodes} --ntasks-per-node={spec.tasks_per_node} "
         f"--cpus-per-task={spec.cpus_per_task} {command} || status=$?",
+        *([f'if [ "$status" -ne 0 ] && [ -f {quote([str(Path(spec.run_dir) / "summary.json")])} ]; then',
+           '    echo "dptrain: the ranks left finished the run without the ranks that failed (srun exit $status)"',
+           "    status=0",
+           "fi"] if spec.elastic else []),
         'if [ "$status" -eq 75 ]; then',
         f'    echo "dptrain: job $SLURM_JOB_ID {stopped}"',
         '    scontrol requeue "$SLURM_JOB_ID"',

@@ -178,6 +178,7 @@ def build_spec(args: argparse.Namespace, workdir: Path) -> JobSpec:
                         "--epochs 3) or a command (e.g. -- python train.py)")
     container = parse_container(args.container) if args.container else None
     binds = list(args.bind)
+    config = None
     if command:
         if args.dptrain is not None:
             raise UserError(f"--dptrain '{args.dptrain}' says how ranks run dptrain train, but this job runs the "
@@ -206,7 +207,7 @@ def build_spec(args: argparse.Namespace, workdir: Path) -> JobSpec:
                    job_name=args.job_name, container=container, binds=tuple(binds), dptrain=args.dptrain or "dptrain",
                    stop_before=args.stop_before, stop_signal=args.stop_signal, max_requeues=args.max_requeues,
                    image=args.image,
-                   volumes=tuple(args.volume))
+                   volumes=tuple(args.volume), elastic=config is not None and config.min_workers is not None)
 
 
 def main(args: argparse.Namespace) -> int:

@@ -274,10 +274,12 @@ def run_worker(config: TrainConfig, env: DistEnv) -> Summary:
 def train_in_group(config: TrainConfig, env: DistEnv, ctx, held: ExitStack) -> Summary:
     """One run on a process group already joined (`ctx`), which stays up afterwards: a process may train
     several runs in turn (benchmarks/robustness.py). `held` keeps rank 0's lock on the run directory."""
-    if config.min_workers is not None and env.launched and env.launcher != "local":
-        # srun --kill-on-bad-exit, mpirun and torchrun's agent stop every rank when one fails.
-        raise UserError(f"--min-workers needs dptrain's own launcher (dptrain train --workers N), which lets the "
-                        f"others go on when a worker fails; under {env.launcher} drop it (--max-restarts restarts all)")
+    if config.min_workers is not None and env.launched and env.launcher not in ("local", "srun"):
+        # mpirun and torchrun's agent stop every rank when one fails; srun keeps them with --kill-on-bad-exit=0,
+        # as dptrain launch's job script runs it with --min-workers.
+        raise UserError(f"--min-workers needs dptrain's own launcher (dptrain train --workers N) or srun, which let "
+                        f"the others go on when a worker fails; under {env.launcher} drop it (--max-restarts "
+                        f"restarts all)")
     if env.launcher != "local":
         config = _join_run_dir(config, env, ctx, held)
     # validate() checked the data before spawning (or running alone); under other launchers rank 0 does.

@@ -52,6 +52,11 @@ def _workers(count: int) -> str:
     return f"{count} worker{'s' if count != 1 else ''}"
 
 
+def _ranks(ranks) -> str:
+    """"rank 2", "ranks 0, 1"."""
+    return f"rank{'s' if len(ranks) != 1 else ''} {', '.join(map(str, ranks))}"
+
+
 def _grew(loss: float, first: float) -> bool:
     """Whether a training loss is past LOSS_GROWTH_LIMIT times the first epoch's (divergence)."""
     return math.isfinite(first) and first > 0 and loss > LOSS_GROWTH_LIMIT * first
@@ -401,8 +406,7 @@ class Trainer:
         assert group is not None
         train_model = self._take(group)
         self.recorder.log(f"dptrain: rank{'s' if len(leave) > 1 else ''} {names} left after epoch {epoch + 1} "
-                          f"on request ({signals[0]}); continuing with {_workers(group.world_size)} (ranks "
-                          f"{', '.join(map(str, stay))} of the job)")
+                          f"on request ({signals[0]}); continuing with {_workers(group.world_size)} ({_ranks(stay)} of the job)")
         return Membership(generation, stay, epoch + 1, leave), train_model
 
     def _admit(self, epoch: int, step: int) -> tuple[Membership, nn.Module]:
@@ -428,8 +432,7 @@ class Trainer:
         train_model = self._take(group)
         self.recorder.log(f"dptrain: rank{'s' if len(joiners) > 1 else ''} {names} joined after epoch {epoch + 1}, "
                           f"healed from rank {members[0]} ({healed / 1e6:.2f} MB of state); continuing with "
-                          f"{_workers(group.world_size)} (ranks "
-                          f"{', '.join(map(str, members))} of the job)")
+                          f"{_workers(group.world_size)} ({_ranks(members)} of the job)")
         return Membership(generation, members, epoch + 1, (), joiners, healed), train_model
 
     def _heal(self, group: Group, epoch: int, step: int) -> int:
@@ -520,10 +523,8 @@ class Trainer:
         if len(self.recorder.history) != len(saved["history"]):
             self.recorder.replace_history(saved["history"])
         train_model = self._take(group)
-        left = ", ".join(map(str, membership.left))
         self.recorder.log(f"dptrain: continuing from epoch {membership.epoch + 1} with {_workers(group.world_size)} "
-                          f"(ranks {', '.join(map(str, membership.members))} of the job; without rank"
-                          f"{'s' if len(membership.left) > 1 else ''} {left})")
+                          f"({_ranks(membership.members)} of the job; without {_ranks(membership.left)})")
         return membership, train_model
 
     def _train_epoch(self, model: nn.Module, reader: DataLoader, epoch: int, epochs: int, step: int,
