@@ -142,3 +142,29 @@ def test_workers_min_max_is_max_workers_going_on_down_to_min_each_lost_one_repla
 def test_bad_worker_ranges_are_one_line_naming_the_value(values, message):
     with pytest.raises(UserError, match=message):
         build_config({"dataset": "digits", "strategy": "sync", **values})
+
+
+def test_info_on_a_run_directory_shows_its_live_workers_and_each_change(tmp_path):
+    from dptrain.info import run_report
+    from dptrain.train.rundir import lock_run_dir
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text("strategy: sync\nepochs: 6\nworkers: 3\nmin_workers: 2\nreplace_workers: true\n")
+    left = {"generation": 1, "members": [0, 2], "left": [1], "continued_from_epoch": 2}
+    joined = {"generation": 2, "members": [0, 2, 3], "left": [], "continued_from_epoch": 4, "joined": [3],
+              "healed_bytes": 160953}
+    records = [{"epoch": 1}, {"epoch": 2, "membership": left}, {"epoch": 3}, {"epoch": 4, "membership": joined}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(record) + "\n" for record in records))
+    with lock_run_dir(str(run)):  # a launcher holds it while its workers run, and says where joiners connect
+        (run / "join.address").write_text("127.0.0.1:1234\n")
+        report = run_report(run)
+    assert report == {"run": str(run), "state": "running", "strategy": "sync", "epochs recorded": "4 of 6",
+                      "live workers": "3 (ranks 0, 2, 3 of the job)",
+                      "membership 1": "without rank 1: 2 workers from epoch 2",
+                      "membership 2": "rank 3 joined: 3 workers from epoch 4",
+                      "elastic": "goes on down to 2 workers, each failed one replaced; `dptrain join` adds a worker now"}
+    (run / "join.address").unlink()
+    assert run_report(run)["state"] == "stopped"
+    result = dptrain("info", str(run), cwd=tmp_path, env={"COLUMNS": "200"})
+    assert result.returncode == 0 and "rank 3 joined: 3 workers from epoch 4" in result.stdout

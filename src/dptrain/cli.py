@@ -70,12 +70,15 @@ def build_parser(only: Optional[str] = None) -> argparse.ArgumentParser:
     demo.add_argument("--epochs", type=int, default=10, help="epochs per run (default: 10)")
     demo.add_argument("--out", default=None, help="directory for the two runs (default: runs/demo-TIMESTAMP)")
 
-    commands.add_parser("info", help="print what the runtime detects: launcher, ranks, devices, versions",
-                        allow_abbrev=False,
-                        description="Print what dptrain detects here: the launcher or scheduler (torchrun, SLURM, "
-                                    "PBS, mpirun or none), this process's rank and world size, the devices and the "
-                                    "versions of Python, PyTorch and dptrain. The first thing to run when a job "
-                                    "misbehaves; it starts no worker.")
+    info = commands.add_parser("info", help="print what the runtime detects: launcher, ranks, devices, versions",
+                               allow_abbrev=False,
+                               description="Print what dptrain detects here: the launcher or scheduler (torchrun, "
+                                           "SLURM, PBS, mpirun or none), this process's rank and world size, the "
+                                           "devices and the versions of Python, PyTorch and dptrain. The first thing "
+                                           "to run when a job misbehaves; it starts no worker. With RUN_DIR, also "
+                                           "that run's state: running or not, epochs recorded, its live workers and "
+                                           "each change of them.")
+    info.add_argument("run_dir", nargs="?", metavar="RUN_DIR", help="a run directory (--out) to report on too")
     for name, (module, help_text) in COMMAND_MODULES.items():
         command = commands.add_parser(name, help=help_text, allow_abbrev=False)
         if only is None or only == name:
@@ -123,7 +126,7 @@ def dispatch(argv: Sequence[str], passthrough: Optional[list[str]] = None) -> in
         return demo(workers=args.workers, epochs=args.epochs, out=args.out)
     if args.command == "info":
         from dptrain.info import info
-        return info()
+        return info(args.run_dir)
     if args.command in COMMAND_MODULES:
         return importlib.import_module(COMMAND_MODULES[args.command][0]).main(args)
     build_parser().print_help()

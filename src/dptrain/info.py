@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import socket
+from pathlib import Path
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -41,14 +44,61 @@ def runtime_report() -> dict:
     }
 
 
-def info() -> int:
+def run_report(run_dir: Path) -> dict:
+    """A run directory's state: running or not, epochs recorded, the live workers and every membership change."""
+    import yaml
+
+    from dptrain.errors import UserError
+    from dptrain.train.rundir import JOIN_FILE, check_not_busy
+
+    if not (run_dir / "config.yaml").is_file():
+        raise UserError(f"'{run_dir}' is not a run directory (it has no config.yaml); give a run's --out")
+    config = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
+    try:
+        check_not_busy(str(run_dir))
+        running = False
+    except UserError:
+        running = True
+    metrics = run_dir / "metrics.jsonl"
+    records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()] if metrics.exists() else []
+    changes = [{"epoch": record["epoch"], **record["membership"]} for record in records if record.get("membership")]
+    members = changes[-1]["members"] if changes else list(range(int(config.get("workers", 1))))
+    report = {"run": str(run_dir), "state": "running" if running else
+              ("finished" if (run_dir / "summary.json").exists() else "stopped"),
+              "strategy": config.get("strategy"),
+              "epochs recorded": f"{len(records)} of {config.get('epochs')}",
+              "live workers": f"{len(members)} (ranks {', '.join(map(str, members))} of the job)"
+              if records else "-"}
+    for change in changes:
+        what = [f"without {_ranks(change['left'])}"] if change["left"] else []
+        what += [f"{_ranks(change['joined'])} joined"] if change.get("joined") else []
+        report[f"membership {change['generation']}"] = (f"{'; '.join(what)}: {len(change['members'])} workers from "
+                                                       f"epoch {change['continued_from_epoch']}")
+    if config.get("min_workers") is not None:
+        report["elastic"] = (f"goes on down to {config['min_workers']} workers"
+                             + (", each failed one replaced" if config.get("replace_workers") else "")
+                             + ("; `dptrain join` adds a worker now" if running and (run_dir / JOIN_FILE).exists()
+                                else ""))
+    return report
+
+
+def _ranks(ranks) -> str:
+    return f"rank{'s' if len(ranks) != 1 else ''} {', '.join(map(str, ranks))}"
+
+
+def info(run_dir: Optional[str] = None) -> int:
+    """The runtime's report; with `run_dir`, also that run's state (its live membership among it)."""
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title="dptrain runtime", show_header=False)
-    table.add_column("what", style="bold")
-    table.add_column("value")
-    for key, value in runtime_report().items():
-        table.add_row(key, "-" if value is None else str(value))
-    Console().print(table)
+    reports = [("dptrain runtime", runtime_report())]
+    if run_dir is not None:
+        reports.append(("dptrain run", run_report(Path(run_dir))))
+    for title, report in reports:
+        table = Table(title=title, show_header=False)
+        table.add_column("what", style="bold")
+        table.add_column("value")
+        for key, value in report.items():
+            table.add_row(key, "-" if value is None else str(value))
+        Console().print(table)
     return 0
