@@ -234,10 +234,10 @@ def test_streaming_gives_up_a_frozen_worker_and_drops_the_average_in_flight(tmp_
     ({"strategy": "sync", "workers": 3, "min_workers": 2, "checkpoint_every_steps": 5},
      "--min-workers goes back to the start of an epoch when a worker is lost"),
     ({"strategy": "allreduce", "workers": 3, "min_workers": 4}, "--min-workers 4 is more than --workers 3"),
-    ({"strategy": "hierarchical", "workers": 3, "min_workers": 2},
-     "'min_workers' in the settings applies to strategies allreduce, sync, streaming and fedavg, not hierarchical"),
     ({"strategy": "async", "workers": 3, "min_workers": 2},
-     "'min_workers' in the settings applies to strategies allreduce, sync, streaming and fedavg, not async"),
+     "'min_workers' in the settings applies to strategies allreduce, sync, streaming, fedavg and hierarchical, "
+     "not async"),
+    ({"strategy": "hierarchical", "workers": 3, "min_workers": 4}, "--min-workers 4 is more than --workers 3"),
     ({"strategy": "auto", "workers": 3, "min_workers": 2, "auto_candidates": "all"},
      "--min-workers does not apply to --auto-candidates all: it may pick async"),
 ])
@@ -251,10 +251,28 @@ def test_the_python_api_refuses_min_workers_to_a_strategy_that_cannot_go_on_with
               "def main():\n"
               "    model = torch.nn.Linear(4, 2)\n"
               "    trainer = dptrain.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "
-              "strategy=dptrain.Hierarchical(), min_workers=1, verbose=False)\n"
+              "strategy=dptrain.Async(), min_workers=1, verbose=False)\n"
               "    trainer.fit((torch.zeros(8, 4), torch.zeros(8, dtype=torch.long)))\n"
               "dptrain.run(main)\n")
     done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done.stderr
-    assert done.stderr.strip() == ("dptrain: error: min_workers does not apply to strategy hierarchical: it cannot "
+    assert done.stderr.strip() == ("dptrain: error: min_workers does not apply to strategy async: it cannot "
                                    "go on without a lost worker")
+
+
+@pytest.mark.slow
+def test_hierarchical_goes_on_without_a_node_leader_on_node_groups_made_again(tmp_path):
+    # 4 workers on 2 emulated nodes of 2; rank 2, the second node's leader, killed in epoch 2: node 0 keeps ranks
+    # 0 and 1 (of the new group), node 1 is rank 3 of the job alone (its own leader now), and the leaders average.
+    run = tmp_path / "hierarchical"
+    argv = argv_for("hierarchical", run) + ["--ranks-per-node", "2"]
+    argv[argv.index("--workers") + 1] = "4"
+    result = dptrain(*argv, cwd=tmp_path, env=KILL)
+    assert result.returncode == 0, result.stderr
+    assert "continuing from epoch 2 with 3 workers (ranks 0, 1, 3 of the job; without rank 2)" in result.stdout
+    history = records(run)
+    assert [len(record["workers"]) for record in history] == [4, 3, 3, 3]
+    assert all(sum(worker["samples"] for worker in record["workers"]) == TRAIN_ROWS for record in history)
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["nodes"] == [[0, 1], [2]] and summary["averages"] == 4
+    assert summary["workers"] == 3 and summary["test_accuracy"] > 0.8

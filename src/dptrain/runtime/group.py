@@ -103,6 +103,8 @@ class Group:
         self.handed_over = 0
         self.closed = False
         self._wrapped: Any = None  # the ProcessGroup over a rebuilt group's backend, for DDP (`_process_group`)
+        self._made = 0  # groups made from this one over the store (`subgroup`, `split` of a rebuilt group)
+        self.key = ""  # a group made over the store from a rebuilt one: its prefix after `group{generation}`
 
     @classmethod
     def default(cls, timeout: float = 300.0) -> "Group":
@@ -238,24 +240,63 @@ class Group:
         """A group of `ranks` (of this group). Every rank of this group must call it; ranks outside
         `ranks` get None. `backend` gloo gives a CPU side channel beside an NCCL job."""
         wait = self.timeout if timeout is None else timeout
+        if self._rebuilt:  # a group made by `rebuild` (no default group to make it from): over the store
+            chosen = backend or self.backend
+            key = self._next_key()
+            if self.rank not in ranks:
+                return None
+            return self._over_store_part(list(ranks), key, chosen, wait, name)
         handle = dist.new_group(list(ranks), backend=backend, timeout=datetime.timedelta(seconds=wait))
         if self.rank not in ranks:
             return None
         chosen = backend or self.backend
         device = self.device if chosen == "nccl" else torch.device("cpu")
-        return Group(list(ranks).index(self.rank), len(ranks), device, chosen, wait, heartbeat=self.heartbeat,
-                     handle=handle, members=[self.members[r] for r in ranks], name=name)
+        return self._watched_like_this(Group(list(ranks).index(self.rank), len(ranks), device, chosen, wait,
+                                             heartbeat=self.heartbeat, handle=handle,
+                                             members=[self.members[r] for r in ranks], name=name))
 
     def split(self, parts: Sequence[Sequence[int]], *, name: str = "a part") -> Optional["Group"]:
         """This rank's part of a partition of this group's ranks into groups (each rank in one part).
         Every rank must call it with the same `parts`; a rank alone in its part gets None."""
+        part = next(list(part) for part in parts if self.rank in part)
+        if self._rebuilt:  # a group made by `rebuild`: each part over the store
+            key = self._next_key()
+            if len(part) == 1:
+                return None
+            index = next(i for i, each in enumerate(parts) if self.rank in each)
+            return self._over_store_part(part, f"{key}/{index}", self.backend, self.timeout, name)
         handle, _ = dist.new_subgroups_by_enumeration([list(part) for part in parts],
                                                       timeout=datetime.timedelta(seconds=self.timeout))
-        part = next(list(part) for part in parts if self.rank in part)
         if len(part) == 1:
             return None
-        return Group(part.index(self.rank), len(part), self.device, self.backend, self.timeout,
-                     heartbeat=self.heartbeat, handle=handle, members=[self.members[r] for r in part], name=name)
+        return self._watched_like_this(Group(part.index(self.rank), len(part), self.device, self.backend, self.timeout,
+                                             heartbeat=self.heartbeat, handle=handle,
+                                             members=[self.members[r] for r in part], name=name))
+
+    def _watched_like_this(self, part: "Group") -> "Group":
+        """A group made from this one watches as this one does (live membership: a frozen member, or one that
+        left this generation after a failure, is given up in it too)."""
+        if self.watch is not None:
+            part.watch, part.store, part.generation = self.watch, self.store, self.generation
+        return part
+
+    @property
+    def _rebuilt(self) -> bool:
+        """Whether this group was made by `rebuild`/`over_store` (a bare backend torch did not register)."""
+        return self.handle is not None and not isinstance(self.handle, dist.ProcessGroup)
+
+    def _next_key(self) -> str:
+        """The store key of the next group made from this one: every member makes them in the same order."""
+        self._made += 1
+        return f"/part{self._made}"
+
+    def _over_store_part(self, ranks: list[int], key: str, backend: str, wait: float, name: str) -> "Group":
+        """The group of `ranks` (of this one) over the store, under this group's prefix and `key`."""
+        part = Group.over_store(self.store, self.members[self.rank], [self.members[r] for r in ranks],
+                                self.generation, device=self.device if backend == self.backend else torch.device("cpu"),
+                                backend=backend, timeout=wait, heartbeat=self.heartbeat, key=key, name=name)
+        part.watch = self.watch
+        return part
 
     def data_parallel(self, module: nn.Module, init_sync: bool = True,
                       **options: Any) -> nn.parallel.DistributedDataParallel:
@@ -274,7 +315,7 @@ class Group:
             return self.handle
         if self._wrapped is None:
             kind = dist.ProcessGroup.BackendType.NCCL if self.backend == "nccl" else dist.ProcessGroup.BackendType.GLOO
-            wrapped = dist.ProcessGroup(dist.PrefixStore(f"group{self.generation}/ddp", self.store), self.rank,
+            wrapped = dist.ProcessGroup(dist.PrefixStore(f"group{self.generation}{self.key}/ddp", self.store), self.rank,
                                         self.world_size)
             wrapped._register_backend(torch.device("cuda" if self.backend == "nccl" else "cpu"), kind, self.handle)
             wrapped._set_default_backend(kind)
@@ -341,22 +382,25 @@ class Group:
 
     @classmethod
     def over_store(cls, store: Any, me: int, members: Sequence[int], generation: int, *, device: torch.device,
-                   backend: str, timeout: float, heartbeat: Optional[Heartbeat] = None) -> "Group":
+                   backend: str, timeout: float, heartbeat: Optional[Heartbeat] = None, key: str = "",
+                   name: Optional[str] = None) -> "Group":
         """Generation `generation` of `members` (ranks of the job; `me` among them) over the rendezvous `store`,
         under the prefix `group{generation}/`: what `rebuild` makes, and what a worker joining a running job
-        makes without ever having been in a group of it (dptrain.runtime.membership)."""
+        makes without ever having been in a group of it (dptrain.runtime.membership). `key`: a group made from
+        that one (`subgroup`, `split`), under its own prefix."""
         rank, wait = list(members).index(me), datetime.timedelta(seconds=timeout)
         # torch's object collectives warn that a group built here (a backend, not a registered ProcessGroup)
         # is deprecated as a group; it is the only kind that can be made once the default group is gone.
         warnings.filterwarnings("ignore", message="You are using a Backend", category=UserWarning)
-        prefixed = dist.PrefixStore(f"group{generation}", store)
+        prefixed = dist.PrefixStore(f"group{generation}{key}", store)
         if backend == "nccl":
             handle = dist.ProcessGroupNCCL(prefixed, rank, len(members))
         else:
             handle = dist.ProcessGroupGloo(prefixed, rank, len(members), wait)
         new = cls(rank, len(members), device, backend, timeout, heartbeat=heartbeat, handle=handle, store=store,
-                  members=members, name=f"generation {generation}", generation=generation)
-        if heartbeat is not None:  # the same thread beats on; it watches the new members only
+                  members=members, name=name or f"generation {generation}", generation=generation)
+        new.key = key
+        if heartbeat is not None and not key:  # the same thread beats on; it watches the new members only
             heartbeat.follow(members)
         return new
 

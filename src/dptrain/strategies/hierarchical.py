@@ -114,6 +114,7 @@ class Hierarchical(HierarchicalRules, Strategy):
         self._leader_group: Optional[Group] = None  # None: the whole job (one rank per node)
         self._buffer_bytes = 0
         self._diverged = False  # the nodes' models differ since the last average
+        self._node_of: dict[int, int] = {}  # rank of the job -> its node (an index), kept across membership changes
         self._per_worker: Optional[list[tuple[int, int]]] = None
 
     @classmethod
@@ -160,27 +161,77 @@ class Hierarchical(HierarchicalRules, Strategy):
         if ctx.world_size == 1:
             self.nodes, self._node = [[0]], [0]
             return model
-        self.nodes = self._find_nodes(ctx)
-        self._node = next(node for node in self.nodes if ctx.rank in node)
-        # Every rank creates every group, in the same order (torch.distributed requires it).
-        if len(self.nodes) > 1 and max(map(len, self.nodes)) > 1:
-            self._node_group = ctx.group.split(self.nodes, name="this node")
-        leaders = [node[0] for node in self.nodes]
-        if 1 < len(leaders) < ctx.world_size:
-            self._leader_group = ctx.group.subgroup(leaders, name="the node leaders")
+        self._make_groups(ctx, self._find_nodes(ctx))
         if self.is_leader and len(self.nodes) > 1:  # rank 0's model to every node, over the slow link
             self._count(inter=broadcast_module(model, src=0, group=self.leader_group))
+        return self._wrap(init_sync=True)
+
+    def _make_groups(self, ctx: DistContext, nodes: list[list[int]]) -> None:
+        """The node groups and the leaders' group for the layout `nodes` (ranks of `ctx.group`)."""
+        self.nodes = nodes
+        self._node = next(node for node in nodes if ctx.rank in node)
+        self._node_of = {ctx.group.members[rank]: index for index, node in enumerate(nodes) for rank in node}
+        self._node_group = self._leader_group = None
+        # Every rank creates every group, in the same order (torch.distributed requires it).
+        if len(nodes) > 1 and max(map(len, nodes)) > 1:
+            self._node_group = ctx.group.split(nodes, name="this node")
+        leaders = [node[0] for node in nodes]
+        if 1 < len(leaders) < ctx.world_size:
+            self._leader_group = ctx.group.subgroup(leaders, name="the node leaders")
+
+    def _wrap(self, init_sync: bool) -> nn.Module:
+        """The model under DDP on this rank's node (alone on its node: the model itself)."""
+        self._buffer_bytes = 0
         if len(self._node) == 1:
-            return model
-        floating, integer = module_state(model)
-        # DDP's constructor broadcasts the leader's parameters and buffers to its node; DDP
-        # re-broadcasts the buffers (BatchNorm statistics) from the leader before every forward.
-        self._count(intra=tensor_bytes(floating + integer))
-        self._buffer_bytes = tensor_bytes(model.buffers())
-        ddp = self.node_group.data_parallel(model, bucket_cap_mb=self.bucket_cap_mb)
+            return self.model
+        if init_sync:
+            floating, integer = module_state(self.model)
+            # DDP's constructor broadcasts the leader's parameters and buffers to its node; DDP
+            # re-broadcasts the buffers (BatchNorm statistics) from the leader before every forward.
+            self._count(intra=tensor_bytes(floating + integer))
+        self._buffer_bytes = tensor_bytes(self.model.buffers())
+        ddp = self.node_group.data_parallel(self.model, init_sync=init_sync, bucket_cap_mb=self.bucket_cap_mb)
         hook = self.gradient_hook(self.node_group, lambda sent: self._count(intra=sent))
         ddp.register_comm_hook(state=None, hook=hook)
         return ddp
+
+    def regroup(self, ctx: DistContext) -> nn.Module:
+        """After a membership change: each worker left stays on its node (a node whose ranks were all lost is
+        gone; the one whose leader was lost gets its lowest rank left as leader); a worker that joined goes to
+        the node of a worker on its host (with --ranks-per-node, to the smallest node), or to a node of its own.
+        The node groups and the leaders' group are made again over the new group; a node's DDP broadcasts
+        nothing when its replicas are equal already (the trainer set each back to its node's epoch start),
+        and its leader's weights when a worker joined it."""
+        model = super().regroup(ctx)
+        members = ctx.group.members
+        if ctx.world_size == 1:
+            self.nodes, self._node, self._node_of = [[0]], [0], {members[0]: 0}
+            self._node_group = self._leader_group = None
+            self._buffer_bytes = 0
+            return model
+        # Each worker says its host and its node so far (a joiner has none): every rank computes the same layout.
+        said = ctx.group.gather_objects("node membership", (socket.gethostname(), self._node_of.get(members[ctx.rank])))
+        hosts = [host for host, _ in said]
+        node_of = {rank: node for rank, (_, node) in enumerate(said) if node is not None}
+        for rank in range(ctx.world_size):
+            if said[rank][1] is not None:
+                continue
+            sizes: dict[int, int] = {}
+            for other, node in node_of.items():
+                sizes[node] = sizes.get(node, 0) + 1
+            same_host = [node_of[other] for other in node_of if hosts[other] == hosts[rank]]
+            if self.ranks_per_node is not None and sizes:
+                node_of[rank] = min(sizes, key=lambda node: (sizes[node], node))
+            elif self.ranks_per_node is None and same_host:
+                node_of[rank] = same_host[0]
+            else:
+                node_of[rank] = max(node_of.values(), default=-1) + 1
+        parts: dict[int, list[int]] = {}
+        for rank in range(ctx.world_size):
+            parts.setdefault(node_of[rank], []).append(rank)
+        self._make_groups(ctx, sorted(parts.values()))
+        joined = any(said[rank][1] is None for rank in self._node)
+        return self._wrap(init_sync=joined)
 
     def after_step(self, step: int) -> None:
         self._count(intra=self._buffer_bytes)
