@@ -133,24 +133,25 @@ def test_a_job_launched_with_stop_signal_usr2_checkpoints_and_requeues_on_scance
     assert stopped_after < 10
 
 
-def test_with_min_workers_the_ranks_of_a_node_that_die_are_left_and_the_job_finishes_on_the_other(slurm_cluster,
-                                                                                                 tmp_path):
-    # --min-workers under srun: the job script runs srun --kill-on-bad-exit=0, so rank 1 (all of node 2) killed in
-    # epoch 2 leaves rank 0 running; it goes on alone from the start of that epoch and the job completes.
-    env = {**slurm_cluster.env, "DPTRAIN_FAULT": "train-middle@1:2"}
+def test_with_min_workers_the_node_of_rank_0_dies_and_the_job_finishes_on_the_other(slurm_cluster, tmp_path):
+    # --min-workers under srun: the job script serves the ranks' store from the batch host (dptrain serve-store),
+    # not rank 0, and runs srun --kill-on-bad-exit=0; rank 0 (all of node 1) killed in epoch 2 leaves rank 1
+    # running: it goes on alone from the start of that epoch, writes the results, and the job completes.
+    env = {**slurm_cluster.env, "DPTRAIN_FAULT": "train-middle@0:2"}
     result = subprocess.run([sys.executable, "-m", "dptrain", "launch", "--scheduler", "slurm", "--nodes", "2",
                              "--dptrain", f"{sys.executable} -m dptrain", "--submit", "--wait", "--wait-timeout",
                              "180", "--", *DIGITS, "--strategy", "sync", "--min-workers", "1", "--out", "run"],
                             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output + slurm_cluster.logs()
-    assert "--kill-on-bad-exit=0" in (tmp_path / "run" / "job.slurm").read_text()
+    script = (tmp_path / "run" / "job.slurm").read_text()
+    assert "--kill-on-bad-exit=0" in script and "serve-store" in script
     job_output = next((tmp_path / "run").glob("slurm-*.out")).read_text()
-    assert "continuing from epoch 2 with 1 worker (rank 0 of the job; without rank 1)" in job_output, job_output
+    assert "continuing from epoch 2 with 1 worker (rank 1 of the job; without rank 0)" in job_output, job_output
     assert "the ranks left finished the run without the ranks that failed" in job_output, job_output
     history = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [len(record["workers"]) for record in history] == [2] + [1] * (len(history) - 1)
     assert all(sum(worker["samples"] for worker in record["workers"]) == 1437 for record in history)
-    assert history[1]["membership"] == {"generation": 1, "members": [0], "left": [1], "continued_from_epoch": 2}
+    assert history[1]["membership"] == {"generation": 1, "members": [1], "left": [0], "continued_from_epoch": 2}
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["workers"] == 1 and summary["launcher"] == "srun"

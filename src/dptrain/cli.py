@@ -25,6 +25,7 @@ from dptrain.train.preemption import STOP_SIGNALS, catch_stop_signals_early
 COMMAND_MODULES: dict[str, tuple[str, str]] = {
     "run": ("dptrain.run_command", "run your own training script as N ranks on this machine (like torchrun)"),
     "join": ("dptrain.join_command", "add a worker to a run training on this machine (--min-workers): it heals from a live one"),
+    "serve-store": ("dptrain.store_service", "serve a job's rendezvous store so that any rank may be lost (job scripts start it with --min-workers)"),
     "launch": ("dptrain.launch.commands", "write a job script for SLURM, PBS or this machine (or a Kubernetes manifest), and optionally submit it"),
     "container": ("dptrain.launch.container_commands", "prepare a rootless container (udocker, Apptainer) for launch"),
     "bench": ("dptrain.bench.commands", "benchmark strategies x workers (optionally on an emulated slow network) against plain PyTorch"),

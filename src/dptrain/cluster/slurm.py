@@ -88,10 +88,12 @@ def render(spec: JobSpec) -> str:
         *process_environment(spec),
         'echo "dptrain: job $SLURM_JOB_ID on $SLURM_JOB_NODELIST, rendezvous $MASTER_ADDR"',
         *command_environment(spec, "$((20000 + SLURM_JOB_ID % 20000))"),
+        *serve_store(spec),
         *([""] + setup if setup else []),
         "",
         *(["# One process per rank (one container each). --min-workers: when ranks fail, srun keeps the others",
-            "# running and they go on without them (rank 0, which serves the store, must stay)."]
+            "# running and they go on without them" + (" (rank 0, which serves the store in a container, must stay)."
+                                                       if spec.container is not None else ".")]
           if spec.elastic else ["# One process per rank (one container each); if one fails, srun stops the others."]),
         *stopping,
         "status=0",
@@ -109,6 +111,19 @@ def render(spec: JobSpec) -> str:
         'exit "$status"',
     ]
     return "\n".join(lines) + "\n"
+
+
+def serve_store(spec: JobSpec) -> list[str]:
+    """Script lines that serve the ranks' store from the batch host (`dptrain serve-store`), so that any rank may be
+    lost, rank 0 too: for a dptrain train job with --min-workers outside a container."""
+    if not spec.elastic or spec.command or spec.container is not None:
+        return []
+    return ["",
+            "# --min-workers: the ranks' store is served here, not by rank 0, so that any rank may be lost.",
+            "export MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000)) DPTRAIN_STORE_SERVED=1",
+            f'{spec.dptrain} serve-store --host "$MASTER_ADDR" --port "$MASTER_PORT" --world {spec.world_size} &',
+            "store_pid=$!",
+            'trap \'kill "$store_pid" 2>/dev/null || true\' EXIT']
 
 
 def output_path(run_dir: Path, job_id: str) -> Path:
