@@ -36,8 +36,10 @@ def grown(history: list[dict], joiner: int) -> int:
 @pytest.mark.slow
 def test_a_lost_worker_is_replaced_by_a_new_one_that_heals_from_a_live_one(tmp_path):
     run = tmp_path / "replaced"
+    # --lr-scaling auto: the LR guard of a scaled LR is on, and a joiner must take rank 0's kept average with its
+    # state, or the two decide differently whether a divergence can be taken back (a collective mismatch).
     result = dptrain("train", "--dataset", "digits", "--strategy", "sync", "--workers", "2:3", "--epochs", "10",
-                     "--lr", "0.05", "--lr-scaling", "linear", "--no-progress", "--out", str(run), *SLOW_RANK_0,
+                     "--lr", "0.05", "--lr-scaling", "auto", "--no-progress", "--out", str(run), *SLOW_RANK_0,
                      cwd=tmp_path, env={"DPTRAIN_FAULT": "train-middle@1:2"})
     assert result.returncode == 0, result.stderr
     assert "dptrain: worker rank 1 was killed by SIGKILL; the others go on without it" in result.stderr
@@ -51,9 +53,13 @@ def test_a_lost_worker_is_replaced_by_a_new_one_that_heals_from_a_live_one(tmp_p
     # 3 workers, then 2 from the redone epoch 2, then 3 again: every epoch reads every row once
     assert [len(record["workers"]) for record in history] == [3] + [2] * (first - 1) + [3] * (len(history) - first)
     assert all(sum(worker["samples"] for worker in record["workers"]) == TRAIN_ROWS for record in history)
-    # --lr-scaling linear: the LR rule's W follows the live world down and back up
-    assert [record["lr"] for record in history] == pytest.approx([0.05 * len(r["workers"]) for r in history])
+    # the LR rule's W follows the live world down and back up (auto: x W for sync, after a one-epoch warm-up)
+    assert "learning rate x 0.667 for 2 workers instead of 3 (the LR rule follows the live world)" in result.stdout
     assert "learning rate x 1.5 for 3 workers instead of 2 (the LR rule follows the live world)" in result.stdout
+    # (until the guard backs off, if it does: it halves the scale on every worker alike)
+    backoff = next((i for i, record in enumerate(history) if record.get("lr_backoff")), len(history))
+    assert backoff > first
+    assert [r["lr"] for r in history[1:backoff]] == pytest.approx([0.05 * len(r["workers"]) for r in history[1:backoff]])
     summary = json.loads((run / "summary.json").read_text())
     assert summary["workers"] == 3 and summary["test_accuracy"] > 0.8
     assert not (run / "join.address").exists()

@@ -211,11 +211,9 @@ class Trainer:
             start_epoch, step, wall_before, position = self._restore(parts)
         else:
             start_epoch, step, wall_before, position = 0, 0, 0.0, None
-        if ctx.joining is not None:  # the checks go on as rank 0's were (_join)
-            pass
-        elif position is not None:  # within an epoch: the checks go on as they were, not from this model
+        if ctx.joining is None and position is not None:  # within an epoch: the checks go on as they were
             self._resume_checks(position)
-        elif health is not None:
+        elif ctx.joining is None and health is not None:  # (a joiner's go on as rank 0's were: _join)
             start_loss = health.start(self.model)
             if lr_guard is not None:
                 lr_guard.start(self.model, start_loss)
@@ -443,7 +441,10 @@ class Trainer:
             state = {**self._snapshot(self._parts, step), "epoch": epoch, "world": self.ctx.world_size,
                      "strategy_name": self.strategy.name,
                      "job_world": self.recorder.job_world,
-                     "health": self._health.state_dict() if self._health is not None else None}
+                     "health": self._health.state_dict() if self._health is not None else None,
+                     # the LR guard's kept average decides whether a divergence can be taken back: every worker
+                     # must decide alike (a checkpoint within an epoch keeps it too)
+                     "lr_guard_good": self._lr_guard.good_state() if self._lr_guard is not None else None}
             buffer = io.BytesIO()
             torch.save(state, buffer)
             state = buffer.getvalue()
@@ -482,7 +483,7 @@ class Trainer:
             raise PeerFailure(f"rank {me}: the run trains with {state['strategy_name']}, this worker prepared "
                               f"{strategy.name}; it cannot join")
         ctx.world_size = state["world"]  # the world rank 0 trained in: the LR rule scales from it (_take)
-        health, lr_guard = self._health_checks(train, strategy)
+        health, lr_guard = self._health_checks(train, strategy, job=state["health"] is not None)
         if lr_guard is not None:
             parts["lr_guard"] = lr_guard
         self._health, self._lr_guard = health, lr_guard
@@ -491,6 +492,8 @@ class Trainer:
                 part.load_state_dict(state[name])
         if health is not None and state["health"] is not None:
             health.load_state_dict(state["health"])
+        if lr_guard is not None and state["lr_guard_good"] is not None:
+            lr_guard.resume(lr_guard.best_loss, state["lr_guard_good"])
         strategy.comm_bytes = 0  # this worker's own bytes count from here (rank 0's stay rank 0's)
         torch.manual_seed(self.seed + me)  # dropout and friends: this worker's own, reproducibly
         self.recorder.job_world = state["job_world"]
@@ -596,10 +599,12 @@ class Trainer:
         if self._lr_guard is not None and position["lr_guard"]:
             self._lr_guard.resume(position["lr_guard"]["best_loss"], position["lr_guard"]["good"])
 
-    def _health_checks(self, train: Dataset, strategy: Strategy) -> tuple[Optional[AverageHealth], Optional[LRGuard]]:
-        """The check of every average, when the strategy averages at epoch ends on more than one worker,
-        and the guard of a scaled LR (dptrain.train.health)."""
-        if not self.check_averages or self.ctx.world_size == 1 or strategy.average_check is None:
+    def _health_checks(self, train: Dataset, strategy: Strategy,
+                       job: bool = False) -> tuple[Optional[AverageHealth], Optional[LRGuard]]:
+        """The check of every average, when the strategy averages at epoch ends on more than one worker (with
+        `job`, whatever the world now: a joiner's, as the job's workers made theirs), and the guard of a scaled LR
+        (dptrain.train.health)."""
+        if not self.check_averages or (self.ctx.world_size == 1 and not job) or strategy.average_check is None:
             return None, None
         log = self.recorder.log if strategy.average_check == "together" else self._rank_log
         health = AverageHealth(self.ctx, train, self.loss_fn, self.classify, strategy.average_check == "together",
