@@ -39,7 +39,7 @@ def test_a_lost_worker_is_replaced_by_a_new_one_that_heals_from_a_live_one(tmp_p
     run = tmp_path / "replaced"
     # --lr-scaling auto: the LR guard of a scaled LR is on, and a joiner must take rank 0's kept average with its
     # state, or the two decide differently whether a divergence can be taken back (a collective mismatch).
-    result = dptrain("train", "--dataset", "digits", "--strategy", "sync", "--workers", "2:3", "--epochs", "10",
+    result = dptrain("train", "--dataset", "digits", "--strategy", "sync", "--workers", "2:3", "--epochs", "14",
                      "--lr", "0.05", "--lr-scaling", "auto", "--no-progress", "--out", str(run), *SLOW_RANK_0,
                      cwd=tmp_path, env={"DPTRAIN_FAULT": "train-middle@1:2"})
     assert result.returncode == 0, result.stderr
