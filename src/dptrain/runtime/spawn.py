@@ -414,6 +414,10 @@ def _wait(exits: queue.Queue, world: int, begun: float, timeout: Optional[float]
         done.append(rank)
         if code == 0 and first_done_at is None:  # finished: after a stop (75) an async peer may still be in its epoch
             first_done_at, first_finished = time.perf_counter(), rank
+        running = [r for r in started if r not in done]
+        if code == 0 and running and all(r in joiners and not admitted(r) for r in running):
+            # the run is over: replacements still starting or waiting for a place have nothing to join (closed)
+            return RanksExit(time.perf_counter() - begun, preempted=preempted, lost=tuple(lost))
         # A lost rank leaves the others going on while at least (the first world - may_lose) members are left.
         if code == PREEMPTED and rank != keeper and may_lose and members_left(rank) >= world - may_lose:
             lost.append(rank)  # asked to stop alone, it left and the others go on (it said so itself); when the
