@@ -47,12 +47,13 @@ def main(args: argparse.Namespace) -> int:
     os.environ.update(MASTER_ADDR=host, MASTER_PORT=port, RANK=str(workers), WORLD_SIZE=str(workers),
                       LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", DPTRAIN_LAUNCHER="local", DPTRAIN_JOIN="new",
                       DPTRAIN_STORE_SERVED="1")
-    from dptrain.cli import dispatch
     from dptrain.runtime.prestart import quiet_cpp_logs_of_children
 
     quiet_cpp_logs_of_children()  # before torch is imported: as for the workers the launcher started
+    from dptrain.arguments import train_config
+    from dptrain.train.command import train
 
-    code = dispatch(["train", "--config", str(run_dir / "config.yaml")])
+    code = train(train_config(["--config", str(run_dir / "config.yaml")]))
     if code == 0:
         print(f"dptrain: this worker (rank {os.environ.get('RANK')}) trained with the others to the end of the "
               f"run in {run_dir}", flush=True)

@@ -25,7 +25,7 @@ from dptrain.errors import UserError
 from dptrain.runtime.env import DistEnv
 from dptrain.runtime.group import REPORTED, REPORTED_SEEN, Group, PeerFailure, abandoned
 from dptrain.runtime.heartbeat import Heartbeat, StoreUnanswered, bounded, default_store, store_abandoned
-from dptrain.runtime.spawn import STORE_FD, STORE_SERVED, job_store
+from dptrain.runtime.spawn import JOIN, STORE_FD, STORE_SERVED, job_store
 
 
 @dataclass
@@ -117,9 +117,6 @@ def init_process_group(env: DistEnv, *, device: str = "auto", timeout: float = 3
     return DistContext(rank=dist.get_rank(), world_size=world, local_rank=env.local_rank,
                        device=dev, backend=dist.get_backend(), timeout=timeout, launcher=env.launcher,
                        heartbeat=heartbeat, group=group)
-
-
-JOIN = "DPTRAIN_JOIN"  # a worker joining a running job: its rank of the job, or "new" to take one from the store
 
 
 def join_context(env: DistEnv, device: torch.device, backend: str, timeout: float) -> DistContext:

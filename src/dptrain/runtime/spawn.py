@@ -37,6 +37,7 @@ STORE_FD = "DPTRAIN_STORE_FD"
 # Set for every rank when the launcher serves the store itself (--min-workers): rank 0 joins it as the others
 # do, so that losing rank 0 does not take the store with it.
 STORE_SERVED = "DPTRAIN_STORE_SERVED"
+JOIN = "DPTRAIN_JOIN"  # a worker joining a running job: its rank of the job, or "new" to take one from the store
 # The prefixes of the default group's keys in the store: what init_process_group's store adds ("default_pg"), then
 # torch's for the group named "0" (the first group a process makes). Joiners and the launcher see the ranks' keys so.
 STORE_PREFIXES = ("default_pg", "0/")
@@ -246,7 +247,6 @@ class Ranks:
         Its rank, or None where this process serves no store (nothing to join)."""
         if self.store is None or self.spawned is None:
             return None
-        from dptrain.runtime.distributed import JOIN
         from dptrain.runtime.membership import take_rank
 
         world, port, threads, base, master_addr, launcher, log_dir = self.spawned
