@@ -74,8 +74,11 @@ def local_command_job(tmp_path: Path, grace: int = 30, **env: str) -> tuple[subp
     spec = JobSpec(scheduler="local", workdir=str(tmp_path), run_dir=str(run), command=(sys.executable, "rank.py"),
                    tasks_per_node=2, stop_before=grace)
     (tmp_path / "job.sh").write_text(local.render(spec))
+    # As from a user's shell: a suite started in the background without job control (`cmd &` in a script, nohup)
+    # inherits SIGINT ignored, and a shell cannot trap a signal ignored when it starts.
     proc = subprocess.Popen(["bash", "job.sh"], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env={**os.environ, "DPTRAIN_SRC": SRC, **env})
+                            text=True, env={**os.environ, "DPTRAIN_SRC": SRC, **env},
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     return proc, run
 
 
