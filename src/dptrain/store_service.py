@@ -29,8 +29,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    if args.world < 1 or not 0 < args.port < 65536:
-        raise UserError(f"--world {args.world} must be at least 1 and --port {args.port} between 1 and 65535")
+    if args.world < 1:
+        raise UserError(f"--world {args.world} must be at least 1 (the job's ranks)")
+    if not 0 < args.port < 65536:
+        raise UserError(f"--port {args.port} must be between 1 and 65535")
     import datetime
 
     import torch.distributed as dist

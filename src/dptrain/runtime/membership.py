@@ -172,19 +172,17 @@ def admit(store, joiners, generation: int, members, epoch: int) -> None:
         bounded(lambda: store.set(f"{PREFIX}admit/{rank}", decided))
 
 
-def admission(store, rank: int, alive=lambda: True) -> Optional[tuple[int, tuple[int, ...], int]]:
+def admission(store, rank: int) -> Optional[tuple[int, tuple[int, ...], int]]:
     """A joiner: wait until the run admits it: (generation, members, epoch to start from), or None when the run
     ended first. No deadline while the store answers (a spare waits for a place); a store that stops
     answering raises (StoreUnanswered, or the store's error: the run's launcher is gone)."""
     key = f"{PREFIX}admit/{rank}"
-    while alive():
-        if bounded(lambda: store.check([key])):
-            generation, members, epoch = bounded(lambda: store.get(key)).decode().split(";")
-            return int(generation), tuple(int(r) for r in members.split(",")), int(epoch)
+    while not bounded(lambda: store.check([key])):
         if bounded(lambda: store.check([FINISHED])):
             return None
         time.sleep(JOIN_POLL)
-    return None
+    generation, members, epoch = bounded(lambda: store.get(key)).decode().split(";")
+    return int(generation), tuple(int(r) for r in members.split(",")), int(epoch)
 
 
 def finished(store) -> None:

@@ -22,9 +22,7 @@ import os
 import sys
 from typing import Optional
 
-from dptrain.runtime.spawn import Ranks, start_ranks, store_listener
-
-PRESTARTED = "DPTRAIN_PRESTARTED"  # set in a pre-started worker's environment until it is released
+from dptrain.runtime.spawn import PRESTARTED, Ranks, start_ranks, store_listener
 
 
 def quiet_cpp_logs_of_children() -> None:

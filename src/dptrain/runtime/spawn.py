@@ -37,6 +37,7 @@ STORE_FD = "DPTRAIN_STORE_FD"
 # Set for every rank when the launcher serves the store itself (--min-workers): rank 0 joins it as the others
 # do, so that losing rank 0 does not take the store with it.
 STORE_SERVED = "DPTRAIN_STORE_SERVED"
+PRESTARTED = "DPTRAIN_PRESTARTED"  # set in a pre-started worker's environment until it is released (prestart)
 JOIN = "DPTRAIN_JOIN"  # a worker joining a running job: its rank of the job, or "new" to take one from the store
 # The prefixes of the default group's keys in the store: what init_process_group's store adds ("default_pg"), then
 # torch's for the group named "0" (the first group a process makes). Joiners and the launcher see the ranks' keys so.
@@ -183,7 +184,6 @@ def start_ranks(command: Sequence[str], world: int, *, port: int, master_addr: s
             signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         if listener is not None and serve_store:
             ranks.listener = listener
-            ranks.address = (master_addr, port)
             ranks.spawned = (world, port, threads, base, master_addr, launcher, log_dir)
         elif listener is not None:
             listener.close()  # rank 0 holds it now (or, if it did not start, nobody needs it)
@@ -217,7 +217,6 @@ class Ranks:
         self.interrupted = threading.Event()
         self.listener: Optional[socket.socket] = None  # where this process is to serve the ranks' store
         self.store = None  # the store this process serves (serve_store), kept while the ranks run
-        self.address: Optional[tuple[str, int]] = None  # where it listens (serve_store): `dptrain join` connects
         self.spawned: Optional[tuple] = None  # how the ranks were started, to start a joiner the same way
 
     def start(self, rank: int, argv: Sequence[str], env: dict[str, str], *, held: bool = False,
@@ -254,11 +253,16 @@ class Ranks:
         env = worker_env(rank, world, port, threads, base, master_addr=master_addr,
                          tty=False if log_dir is not None else None, launcher=launcher)
         env.update({STORE_SERVED: "1", JOIN: str(rank)})
-        env.pop("DPTRAIN_PRESTARTED", None)
+        env.pop(PRESTARTED, None)
         self.start(rank, [sys.executable, "-m", "dptrain", *argv], env, log_dir=log_dir)
         print(f"dptrain: starting worker rank {rank} in place of rank {replacing}; it joins the others at the "
               "next epoch end after it is ready", file=sys.stderr, flush=True)
         return rank
+
+    @property
+    def address(self) -> Optional[tuple[str, int]]:
+        """Where the store this process serves listens (start_ranks(serve_store=True)): `dptrain join` connects."""
+        return None if self.spawned is None else (self.spawned[4], self.spawned[1])
 
     def admitted(self, rank: int) -> bool:
         """Whether the ranks admitted joiner `rank` (dptrain.runtime.membership), as the store this process serves says."""

@@ -138,7 +138,6 @@ class Trainer:
         self._evaluation: Optional[tuple] = None  # (test set, (rank, world), its DataLoader)
         self._forward_mark: Optional[tuple] = None  # (the DDP model, its forward pre-hook) for _forward
         self._in_user_forward = False
-        self._healed: Optional[bytes] = None  # the state a joiner received (`_heal`), until it loads it
 
     def emulate_straggler(self, factor: float) -> "Trainer":
         """Make this rank's steps take `factor` times as long (benchmarks of unequal workers)."""
@@ -421,7 +420,7 @@ class Trainer:
         group = old.bounded(f"admitting rank{'s' if len(joiners) > 1 else ''} {names}",
                             lambda: old.rebuild(members, generation))
         try:
-            healed = self._heal(group, epoch + 1, step)
+            healed = len(self._heal(group, epoch + 1, step))
         except PeerFailure as failure:  # a joiner died before it trained: the others go on without it
             self.recorder.log(f"dptrain: {failure}; the workers agree on who is left")
             group, membership = regroup(group, generation + 1, epoch + 1, min_workers=self.min_workers,
@@ -433,9 +432,9 @@ class Trainer:
                           f"{_workers(group.world_size)} ({_ranks(members)} of the job)")
         return Membership(generation, members, epoch + 1, (), joiners, healed), train_model
 
-    def _heal(self, group: Group, epoch: int, step: int) -> int:
+    def _heal(self, group: Group, epoch: int, step: int) -> bytes:
         """Rank 0 of `group` hands its whole state to every other worker of it in one broadcast (the joiners load
-        it in `_join`; the others already hold theirs). Returns its size in bytes."""
+        it in `_join`; the others already hold theirs). Returns it, serialized."""
         state = None
         if group.rank == 0:
             state = {**self._snapshot(self._parts, step), "epoch": epoch, "world": self.ctx.world_size,
@@ -448,9 +447,7 @@ class Trainer:
             buffer = io.BytesIO()
             torch.save(state, buffer)
             state = buffer.getvalue()
-        data = group.bounded("healing the workers that join", lambda: group.broadcast_object("heal", state))
-        self._healed = data
-        return len(data)
+        return group.bounded("healing the workers that join", lambda: group.broadcast_object("heal", state))
 
     def _join(self, train: Dataset, strategy: Strategy, parts: dict) -> tuple[int, int, nn.Module]:
         """A worker joining a running job (ctx.joining: its rank of the job), prepared alone: say it is ready,
@@ -476,9 +473,7 @@ class Trainer:
             store, me, members, generation, device=ctx.device, backend=ctx.backend, timeout=self.timeout,
             heartbeat=ctx.heartbeat))
         group.watch = ctx.group.watch
-        self._heal(group, epoch, 0)
-        state = torch.load(io.BytesIO(self._healed), map_location=ctx.device, weights_only=False)
-        self._healed = None
+        state = torch.load(io.BytesIO(self._heal(group, epoch, 0)), map_location=ctx.device, weights_only=False)
         if state["strategy_name"] != strategy.name:  # --strategy auto: the choice recorded when the run began
             raise PeerFailure(f"rank {me}: the run trains with {state['strategy_name']}, this worker prepared "
                               f"{strategy.name}; it cannot join")
