@@ -49,8 +49,9 @@ def fork_server():
     return context
 
 
-def run_distributed(fn, world: int = 2, *args, timeout: float = 120.0) -> list:
-    """fn(rank, world, *args) on `world` processes; returns the results in rank order."""
+def run_distributed(fn, world: int = 2, *args, timeout: float = 120.0, lost: tuple[int, ...] = ()) -> list:
+    """fn(rank, world, *args) on `world` processes; returns the results in rank order. The ranks in `lost`
+    are expected to die (live membership tests): none of theirs is waited for, and their results are None."""
     context = fork_server()
     results = context.Queue()
     port = free_port()
@@ -59,19 +60,20 @@ def run_distributed(fn, world: int = 2, *args, timeout: float = 120.0) -> list:
         proc.start()
     collected: dict[int, object] = {}
     try:
-        for _ in range(world):
+        for _ in range(world - len(lost)):
             rank, status, value = results.get(timeout=timeout)
             if status == "error":
                 raise AssertionError(f"rank {rank} failed:\n{value}")
             collected[rank] = torch.load(io.BytesIO(value), weights_only=False)
     except queue.Empty:
-        raise AssertionError(f"ranks {sorted(set(range(world)) - set(collected))} gave no result within {timeout} s") from None
+        missing = sorted(set(range(world)) - set(collected) - set(lost))
+        raise AssertionError(f"ranks {missing} gave no result within {timeout} s") from None
     finally:
         for proc in procs:
             proc.join(timeout=10)
             if proc.is_alive():
                 proc.kill()
-    return [collected[rank] for rank in range(world)]
+    return [collected.get(rank) for rank in range(world)]
 
 
 def toy_data(n: int = 128):

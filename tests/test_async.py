@@ -4,6 +4,7 @@ formulas, compressed payloads are counted to the byte and resumes continue the s
 from __future__ import annotations
 
 import itertools
+import os
 import time
 
 import numpy as np
@@ -12,7 +13,7 @@ import torch
 from torch import nn
 
 from distributed import run_distributed
-from dptrain.strategies.asynchronous import Async, GlobalModel, flat_state
+from dptrain.strategies.asynchronous import ASYNC_MEMBERS, Async, GlobalModel, flat_state
 from dptrain.strategies.compression import ErrorFeedback, decode, payload_bytes
 from dptrain.train.trainer import Trainer
 
@@ -371,3 +372,42 @@ def test_one_round_over_two_real_ranks_is_the_nesterov_step_on_the_average_in_ei
         assert torch.allclose(r[2], base + 0.7 * (mean + 0.9 * mean), atol=1e-6)
     first = min(range(2), key=lambda rank: delays[rank])
     assert [results[rank][3] for rank in (first, 1 - first)] == [0, 1]  # the forced order did happen
+
+
+class LosingAsync(Async):
+    """Live membership: rank 2 dies before it ever merges; ranks 0 and 1 merge once the service has left it
+    out (the store holds generation 1), rank 1 after rank 0, and record what they sent."""
+
+    def merge_now(self):
+        if self.ctx.rank == 2:
+            os._exit(0)
+        store, waited = self.ctx.group.store, time.monotonic()
+        while not store.check([f"{ASYNC_MEMBERS}1"]):  # (a blocking wait would hold up this process's heartbeat)
+            assert time.monotonic() - waited < 30, "the service did not leave rank 2 out within 30 s"
+            time.sleep(0.1)
+        time.sleep(0.6 * self.ctx.rank)
+        self.sent = flat_state(self.model)
+        return super().merge_now()
+
+
+def _losing_worker(rank, world):
+    x, y = _data()
+    strategy = LosingAsync()
+    model = _model()
+    start = flat_state(model)
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "cross-entropy", strategy, batch_size=8,
+                      seed=5, verbose=False, min_workers=2)
+    summary = trainer.fit((x, y), epochs=1)
+    return start, strategy.sent, flat_state(model), summary.workers, summary.strategy_results["merges"]
+
+
+def test_after_a_worker_is_lost_the_global_model_averages_over_the_workers_left():
+    """Rank 2 of 3 dies unmerged: each merge then adds delta / 2, so the final model is the mean of the two
+    survivors' models, not start + (d0 + d1) / 3 as if rank 2's share were a zero change."""
+    results = run_distributed(_losing_worker, 3, lost=(2,))
+    (start, sent0, final0, workers, merges), (_, sent1, final1, _, _) = results[0], results[1]
+    assert results[2] is None
+    assert torch.allclose(final0, (sent0 + sent1) / 2, atol=1e-6)
+    assert not torch.allclose(final0, start + (sent0 - start + sent1 - start) / 3, atol=1e-4)
+    assert torch.equal(final0, final1)
+    assert workers == 2 and merges == [1, 1]

@@ -234,12 +234,13 @@ def test_streaming_gives_up_a_frozen_worker_and_drops_the_average_in_flight(tmp_
     ({"strategy": "sync", "workers": 3, "min_workers": 2, "checkpoint_every_steps": 5},
      "--min-workers goes back to the start of an epoch when a worker is lost"),
     ({"strategy": "allreduce", "workers": 3, "min_workers": 4}, "--min-workers 4 is more than --workers 3"),
-    ({"strategy": "async", "workers": 3, "min_workers": 2},
-     "'min_workers' in the settings applies to strategies allreduce, sync, streaming, fedavg and hierarchical, "
-     "not async"),
+    ({"strategy": "async", "workers": 3, "min_workers": 4}, "--min-workers 4 is more than --workers 3"),
+    ({"strategy": "async", "workers": "2:3"},
+     "--replace-workers \\(and --workers MIN:MAX\\) start a new worker that enters at an epoch end all workers "
+     "stand at, which async's never do; use --min-workers alone"),
     ({"strategy": "hierarchical", "workers": 3, "min_workers": 4}, "--min-workers 4 is more than --workers 3"),
-    ({"strategy": "auto", "workers": 3, "min_workers": 2, "auto_candidates": "all"},
-     "--min-workers does not apply to --auto-candidates all: it may pick async"),
+    ({"strategy": "auto", "workers": "2:3", "auto_candidates": "all"},
+     "--replace-workers \\(and --workers MIN:MAX\\) do not apply to --auto-candidates all: it may pick async"),
 ])
 def test_min_workers_is_refused_where_it_cannot_hold(values, message):
     with pytest.raises(UserError, match=message):
@@ -251,12 +252,12 @@ def test_the_python_api_refuses_min_workers_to_a_strategy_that_cannot_go_on_with
               "def main():\n"
               "    model = torch.nn.Linear(4, 2)\n"
               "    trainer = dptrain.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "
-              "strategy=dptrain.Async(), min_workers=1, verbose=False)\n"
+              "strategy=dptrain.strategies.Strategy(), min_workers=1, verbose=False)\n"
               "    trainer.fit((torch.zeros(8, 4), torch.zeros(8, dtype=torch.long)))\n"
               "dptrain.run(main)\n")
     done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done.stderr
-    assert done.stderr.strip() == ("dptrain: error: min_workers does not apply to strategy async: it cannot "
+    assert done.stderr.strip() == ("dptrain: error: min_workers does not apply to strategy local: it cannot "
                                    "go on without a lost worker")
 
 
@@ -276,3 +277,42 @@ def test_hierarchical_goes_on_without_a_node_leader_on_node_groups_made_again(tm
     summary = json.loads((run / "summary.json").read_text())
     assert summary["nodes"] == [[0, 1], [2]] and summary["averages"] == 4
     assert summary["workers"] == 3 and summary["test_accuracy"] > 0.8
+
+
+def test_async_goes_on_without_a_killed_worker_merging_over_the_others_without_going_back(tmp_path):
+    """async has no epoch end its workers stand at together: nobody goes back. The merge service leaves rank 2
+    out once the launcher sees it die, merges over 2 from then on, and the workers left share the data from the
+    first epoch each is sure to start after hearing of it (recorded there, once). Before that epoch each
+    survivor reads its third of the rows (rank 2's third is not trained); from it on every row once per epoch."""
+    run = tmp_path / "run"
+    argv = ["train", "--dataset", "digits", "--strategy", "async", "--workers", "3", "--min-workers", "2",
+            "--epochs", "40", "--lr", "0.05", "--no-progress", "--out", str(run)]
+    result = dptrain(*argv, cwd=tmp_path, env=KILL)
+    assert result.returncode == 0, result.stderr
+    history = records(run)
+    assert [record["epoch"] for record in history] == list(range(1, 41))
+    changes = [record for record in history if "membership" in record]
+    assert len(changes) == 1, [record.get("membership") for record in history]
+    switch = changes[0]["epoch"]
+    assert 2 < switch <= 40
+    assert changes[0]["membership"] == {"generation": 1, "members": [0, 1], "left": [2],
+                                        "continued_from_epoch": switch}
+    said = result.stdout + result.stderr
+    assert (f"dptrain: without rank 2: 2 workers share the data from epoch {switch} (ranks 0, 1 of the job); "
+            "async merged over them since the loss") in said
+    for record in history:
+        rows = [worker["samples"] for worker in record["workers"]]
+        assert rows == ([479, 479] if record["epoch"] < switch else [718, 719]), (record["epoch"], rows)
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["workers"] == 2 and len(summary["merges"]) == 2
+    assert summary["test_accuracy"] > 0.9
+
+
+def test_async_cannot_go_on_without_rank_0_and_says_so(tmp_path):
+    result = dptrain("train", "--dataset", "digits", "--strategy", "async", "--workers", "3", "--min-workers", "2",
+                     "--epochs", "40", "--lr", "0.05", "--no-progress", "--out", str(tmp_path / "run"), cwd=tmp_path,
+                     env={"DPTRAIN_FAULT": "train-middle@0:2"})
+    assert result.returncode != 0
+    assert ("async cannot go on without rank 0, which holds the global model: the run ends" in result.stderr), \
+        result.stderr
+    assert "GLHF" not in result.stderr and "pair.cc" not in result.stderr

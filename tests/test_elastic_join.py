@@ -131,6 +131,13 @@ def test_join_needs_a_running_job_that_takes_workers(tmp_path):
     assert result.stderr.strip() == (f"dptrain: error: no job in '{tmp_path}' takes workers now: only a run training "
                                      "on this machine with --min-workers N or --workers MIN:MAX does, while it runs "
                                      "(join.address says where)")
+    (tmp_path / "config.yaml").write_text("workers: 2\nstrategy: async\n")
+    (tmp_path / "join.address").write_text("127.0.0.1:1\n")
+    result = dptrain("join", str(tmp_path), cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.strip() == (f"dptrain: error: the run in '{tmp_path}' trains with strategy async, which "
+                                     "takes no new worker: its workers never stand at an epoch end together for one "
+                                     "to enter at")
 
 
 def test_workers_min_max_is_max_workers_going_on_down_to_min_each_lost_one_replaced():

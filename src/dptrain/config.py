@@ -149,10 +149,11 @@ class TrainConfig(BaseModel):
     grace: Optional[float] = Field(None, gt=0, description="local launcher: seconds the workers have, after a stop "
                                    "signal passed on to them, to save and exit; those still running then are killed "
                                    "and named (default: no limit)")
-    min_workers: Optional[int] = Field(None, ge=1, description="every strategy but async, local launcher or srun: "
-                                       "when a worker (rank 0 too) fails or freezes, the others go on without it "
-                                       "from the start of that epoch, as long as N remain; one warned alone leaves "
-                                       "at the epoch end (default: a failure ends the run)")
+    min_workers: Optional[int] = Field(None, ge=1, description="local launcher or srun: when a worker (rank 0 too) "
+                                       "fails or freezes, the others go on without it from the start of that "
+                                       "epoch, as long as N remain; one warned alone leaves at the epoch end; "
+                                       "async: without going back, and rank 0 must stay (default: a failure ends "
+                                       "the run)")
     replace_workers: bool = Field(False, description="with --min-workers, local launcher: start a new worker in "
                                   "place of each one that fails; it joins the others at an epoch end, healed from "
                                   "a live one (--workers MIN:MAX is short for --workers MAX --min-workers MIN "

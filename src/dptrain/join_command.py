@@ -42,7 +42,11 @@ def main(args: argparse.Namespace) -> int:
                         f"--min-workers N or --workers MIN:MAX does, while it runs ({JOIN_FILE} says where)") from None
     import yaml
 
-    workers = int(yaml.safe_load((run_dir / "config.yaml").read_text())["workers"])
+    settings = yaml.safe_load((run_dir / "config.yaml").read_text())
+    if settings.get("strategy") == "async":
+        raise UserError(f"the run in '{run_dir}' trains with strategy async, which takes no new worker: its workers "
+                        "never stand at an epoch end together for one to enter at")
+    workers = int(settings["workers"])
     # A worker of the job as its launcher starts one, taking its rank from the run's store (DPTRAIN_JOIN=new).
     os.environ.update(MASTER_ADDR=host, MASTER_PORT=port, RANK=str(workers), WORLD_SIZE=str(workers),
                       LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", DPTRAIN_LAUNCHER="local", DPTRAIN_JOIN="new",

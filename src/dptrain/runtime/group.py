@@ -24,6 +24,7 @@ a bug in a user's model keeps its own traceback.
 from __future__ import annotations
 
 import datetime
+import re
 import threading
 import time
 import warnings
@@ -455,9 +456,21 @@ class Group:
                 who = self.heartbeat.silent_peers() if self.heartbeat else "no heartbeat store to tell which peer"
             raise PeerFailure(
                 f"rank {self.rank}: {what} failed after {waited:.1f} s (timeout {self.timeout:g} s): {who}; "
-                f"cause: {_first_line(exc)}") from None
+                f"cause: {first_line(exc)}") from None
 
 
-def _first_line(exc: BaseException) -> str:
+# gloo's errors start with the C++ source line and end with advice to the reader ("This is typically caused by a
+# remote worker crashing. ... GLHF!"): a cause in dptrain's lines keeps what happened, with whom.
+_SOURCE_LINE = re.compile(r"^\[[^\]]+\.(?:cc|cpp|h):\d+\]\s*")
+_ADVICE = re.compile(r"\s*This is typically caused by .*$")
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of `exc`'s message, without a gloo error's source location and advice."""
     lines = [line for line in str(exc).splitlines() if line.strip()]
-    return lines[0] if lines else type(exc).__name__
+    if not lines:
+        return type(exc).__name__
+    return _ADVICE.sub("", _SOURCE_LINE.sub("", lines[0].strip())) or lines[0]
+
+
+

@@ -50,20 +50,39 @@ epoch end. A rank that is done (finished or stopped) says so; the service answer
 rank only when rank 0 concludes the run, with "finish" (adopt the final global model) or
 "stop" (exit to be continued), so that no rank exits while rank 0 still hosts the store and
 the service for the others.
+
+Live membership (`live`: the trainer's min_workers, --min-workers): nobody waits for a lost worker, so nobody needs to go
+back either. The service leaves out a worker whose process the launcher saw end, whose heartbeat
+stopped for STALL seconds (frozen) or whose exchange with it failed, and from then on merges over the
+W' workers left (`global += delta / W'`; delayed-nesterov's rounds count W' merges). What the lost worker
+trained since its last merge never reaches the global model: the result is that of a run where its
+unmerged epochs never happened. Each loss is a generation, written to the store
+(ASYNC_MEMBERS + generation: "MEMBERS;EPOCH;LEFT") and announced in every reply; EPOCH is the first epoch
+every worker left is sure to start after hearing of it (the latest epoch any of them reported, plus
+`every`), and from it they share the data among themselves (each its place among MEMBERS) and the LR rule
+counts W'. The lost worker's share of the epochs between is not trained (async has no epoch all workers
+stand at to hand it over). A frozen worker that wakes up is told it was left out (Evicted). At the end the
+workers left build a group of their own for the final model. Losing rank 0, which holds the global model
+and the service, ends the run.
 """
 
 from __future__ import annotations
 
 import copy
 import threading
+from dataclasses import replace
 from datetime import timedelta
 from typing import Optional
 
 import torch
 from torch import nn
 
+from dptrain.data.sampler import EpochPlan, shard_plan
 from dptrain.errors import Preempted
 from dptrain.runtime.distributed import DistContext, PeerFailure
+from dptrain.runtime.group import first_line
+from dptrain.runtime.heartbeat import STORE_DEADLINE, bounded
+from dptrain.runtime.membership import EXITED, PREFIX, STALL, Evicted, Membership
 from dptrain.strategies.base import Strategy
 from dptrain.strategies.collectives import broadcast_module, module_state, unflatten_into
 from dptrain.strategies.compression import COMPRESSIONS, ErrorFeedback, decode, payload_bytes
@@ -74,7 +93,12 @@ DELTA_MERGES = ("delta", "delayed-nesterov")  # merges of a change (which can be
 # Message kinds (first header field) and tags (one per message role, so they never cross).
 MERGE, VERSION, REFRESH, DONE = 1, 2, 3, 4
 TAG_REQUEST, TAG_PAYLOAD, TAG_REPLY, TAG_GLOBAL = 11, 12, 13, 14
-HEADER_SIZE = 4
+# A request: (kind, rank, base version, stopping[, the epoch the worker is in or starts next]);
+# a reply: (version, staleness, stop requested, membership generation[, left out]). The fields in
+# brackets travel with live membership only (LIVE_HEADER_SIZE), so that other runs send what they did.
+HEADER_SIZE, LIVE_HEADER_SIZE = 4, 5
+ASYNC_MEMBERS = PREFIX + "async/"  # + generation: "MEMBERS;EPOCH;LEFT" (live membership, see the docstring)
+LOST_POLL = 0.5  # seconds between the service's looks at the heartbeats and the launcher's exit notes
 # How rank 0 concludes the run for a rank that is done (the first field of the reply to DONE).
 FINISH, STOP = 1, 2
 # The service waits for requests without a deadline (see MergeService._receive_request).
@@ -180,79 +204,164 @@ class GlobalModel:
 
 
 class MergeService:
-    """Rank 0's thread: answers remote workers' merge, version and refresh requests until all are done."""
+    """Rank 0's thread: answers remote workers' merge, version and refresh requests until all are done.
 
-    def __init__(self, model: GlobalModel, group, ctx: DistContext, compression: str = "none") -> None:
+    With `live` (live membership), it also leaves out lost workers (`lose`) and goes on with the others."""
+
+    def __init__(self, model: GlobalModel, group, ctx: DistContext, compression: str = "none", every: int = 1,
+                 live: bool = False) -> None:
         self.model, self.group, self.ctx = model, group, ctx
-        self.compression = compression
+        self.compression, self.every, self.live = compression, every, live
         self.pending = set(range(1, ctx.world_size))
+        self.members = list(range(ctx.world_size))  # the workers merging now (ranks of the service group)
+        self.epochs: dict[int, int] = {}  # the epoch each worker last said it is in or starts next
+        self.generation = 0  # how many times the members changed
+        self.lost: list[tuple[int, str]] = []  # (rank, why), in the order they were lost
         self.finished: list[int] = []  # ranks done with training that wait for rank 0's conclusion
         self.error: Optional[str] = None
+        self.header_size = LIVE_HEADER_SIZE if live else HEADER_SIZE
+        self._closed = threading.Event()
+        self._watcher: Optional[threading.Thread] = None
         self._thread = threading.Thread(target=self._serve, name="dptrain-merge-service", daemon=True)
 
     def start(self) -> "MergeService":
         self._thread.start()
+        if self.live:
+            self._watcher = threading.Thread(target=self._watch, name="dptrain-merge-watch", daemon=True)
+            self._watcher.start()
         return self
 
     def _receive_request(self) -> torch.Tensor:
         # Blocks until some worker asks: the service group's timeout is effectively infinite,
         # since a worker may train for hours between merges. Liveness is judged from heartbeats
         # by join(), not by this wait.
-        header = torch.zeros(HEADER_SIZE, dtype=torch.int64)
+        header = torch.zeros(self.header_size, dtype=torch.int64)
         self.group.recv(header, tag=TAG_REQUEST)  # from any worker
         return header
+
+    def _fields(self, *values: int) -> torch.Tensor:
+        return torch.tensor(values[:self.header_size], dtype=torch.int64)
 
     def _serve(self) -> None:
         try:
             while self.pending:
                 header = self._receive_request()
-                kind, rank, base_version, stopping = (int(v) for v in header)
-                if kind == DONE:
-                    self.pending.discard(rank)
-                    if stopping:  # it has checkpointed and leaves now; the others stop at their next merge
-                        self.model.stop_requested = True
-                        self._conclude_for(rank, STOP)
-                    else:
-                        self.finished.append(rank)
-                    continue
-                if kind == MERGE:
-                    payload = self._receive_payload(rank)
-                    state, version, staleness = self.model.apply(rank, payload, base_version)
-                else:
-                    state, version = self.model.snapshot(copy=kind == REFRESH)
-                    staleness = version - base_version
-                reply = torch.tensor([version, staleness, int(self.model.stop_requested), 0], dtype=torch.int64)
-                self.group.send(reply, rank, TAG_REPLY)
-                if kind in (MERGE, REFRESH):
-                    self.group.send(state, rank, TAG_GLOBAL)
+                kind, rank, base_version, stopping, *rest = (int(v) for v in header)
+                epoch = rest[0] if rest else 0
+                try:
+                    self._answer(kind, rank, base_version, stopping, epoch)
+                except Exception as exc:  # noqa: BLE001 - with live membership, that worker is lost
+                    if not self.live:
+                        raise
+                    self.lose(rank, f"its exchange with the merge service failed: {first_line(exc)}")
         except Exception as exc:  # noqa: BLE001 - reported by rank 0's training thread
-            self.error = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            self.error = first_line(exc)
+
+    def _answer(self, kind: int, rank: int, base_version: int, stopping: int, epoch: int) -> None:
+        if rank not in self.members:  # left out while frozen, and awake again: it must stop
+            if kind == MERGE:
+                self._receive_payload(rank)
+            self._send(self._fields(0, 0, 0, self.generation, 1), rank, TAG_REPLY)
+            return
+        if kind == DONE:
+            self.pending.discard(rank)
+            if stopping:  # it has checkpointed and leaves now; the others stop at their next merge
+                self.model.stop_requested = True
+                self._conclude_for(rank, STOP)
+            else:
+                self.finished.append(rank)
+            return
+        self.epochs[rank] = epoch
+        if kind == MERGE:
+            payload = self._receive_payload(rank)
+            state, version, staleness = self.model.apply(rank, payload, base_version)
+        else:
+            state, version = self.model.snapshot(copy=kind == REFRESH)
+            staleness = version - base_version
+        reply = self._fields(version, staleness, int(self.model.stop_requested), self.generation, 0)
+        self._send(reply, rank, TAG_REPLY)
+        if kind in (MERGE, REFRESH):
+            self._send(state, rank, TAG_GLOBAL)
+
+    def _send(self, tensor: torch.Tensor, rank: int, tag: int) -> None:
+        """One message to `rank`; with live membership bounded by the run's timeout (a frozen worker)."""
+        if not self.live:
+            self.group.send(tensor, rank, tag)
+            return
+        self.group.isend(tensor, rank, tag).wait(timeout=timedelta(seconds=self.ctx.timeout))
 
     def _receive_payload(self, rank: int) -> torch.Tensor:
         """A worker's merge payload as float32: received as is, or as encoded bytes and decoded."""
         numel = self.model.state.numel()
         if self.compression == "none":
             payload = torch.empty_like(self.model.state)
+        else:
+            payload = torch.empty(payload_bytes(self.compression, numel), dtype=torch.uint8)
+        if self.live:  # a worker frozen in the middle of its merge holds the service up for --timeout at most
+            self.group.irecv(payload, rank, TAG_PAYLOAD).wait(timeout=timedelta(seconds=self.ctx.timeout))
+        else:
             self.group.recv(payload, rank, TAG_PAYLOAD)
-            return payload
-        encoded = torch.empty(payload_bytes(self.compression, numel), dtype=torch.uint8)
-        self.group.recv(encoded, rank, TAG_PAYLOAD)
-        return decode(self.compression, encoded, numel)
+        return payload if self.compression == "none" else decode(self.compression, payload, numel)
+
+    # -- live membership ------------------------------------------------------------------------
+    def _watch(self) -> None:
+        """Leave out workers whose process ended (the launcher's note) or whose heartbeat stopped."""
+        store, heartbeat = self.ctx.group.store, self.ctx.heartbeat
+        while not self._closed.wait(LOST_POLL):
+            others = [rank for rank in self.members if rank != 0]
+            try:
+                ended = [rank for rank in others if store is not None and bounded(
+                    lambda: store.check([f"{EXITED}{self.ctx.group.members[rank]}"]))]
+                quiet = heartbeat.stalled(others, STALL) if heartbeat is not None and others else []
+            except Exception:  # noqa: BLE001 - the store is going away: the run is ending
+                return
+            for rank in ended:
+                self.lose(rank, "its process ended")
+            for rank in quiet:
+                self.lose(rank, f"its heartbeat stopped for {STALL:g} s (frozen or gone)")
+
+    def lose(self, rank: int, why: str) -> None:
+        """Leave `rank` out: merge over the others from now on, and tell them (a new generation in the store)."""
+        with self.model.lock:
+            # once rank 0 concludes, the members are settled: the workers left build their final group of them
+            if rank not in self.members or rank == 0 or self._closed.is_set():
+                return
+            self.members.remove(rank)
+            self.pending.discard(rank)
+            self.finished = [done for done in self.finished if done != rank]
+            self.model.workers = len(self.members)
+            self.lost.append((rank, why))
+            # every worker left starts this epoch only after its next merge, which tells it
+            known = [self.epochs[member] for member in self.members if member in self.epochs]
+            epoch = max(known, default=0) + self.every
+            job = self.ctx.group.members
+            record = (f"{','.join(str(job[member]) for member in self.members)};{epoch};"
+                      f"{','.join(str(job[gone]) for gone, _ in self.lost)}")
+            bounded(lambda: self.ctx.group.store.set(f"{ASYNC_MEMBERS}{self.generation + 1}", record))
+            self.generation += 1  # announced in replies only once the store holds it
+        print(f"dptrain: the merge service left rank {job[rank]} out ({why}); it merges over "
+              f"{len(self.members)} workers from now on", flush=True)
 
     def _conclude_for(self, rank: int, outcome: int) -> None:
-        self.group.send(torch.tensor([outcome, 0, 0, 0], dtype=torch.int64), rank, TAG_REPLY)
+        self._send(self._fields(outcome, 0, 0, self.generation, 0), rank, TAG_REPLY)
 
     def conclude(self, outcome: int) -> None:
-        """Answer every finished rank (after join): FINISH, or STOP when the run stops to be continued."""
+        """Answer every finished rank (after join): FINISH, or STOP when the run stops to be continued.
+        From here on nobody is left out any more (each answer names the final generation)."""
+        with self.model.lock:
+            self._closed.set()
+        if self._watcher is not None:  # not inside a store call when the process group goes
+            self._watcher.join(timeout=STORE_DEADLINE)
         for rank in self.finished:
             self._conclude_for(rank, outcome)
         self.finished.clear()
 
     def join(self) -> None:
-        """Wait until every remote worker is done; fail naming those whose heartbeat stopped."""
-        while self._thread.is_alive():
-            self._thread.join(timeout=1.0)
-            if self.error or self.ctx.heartbeat is None:
+        """Wait until every remote worker is done (or, with live membership, lost); without live membership,
+        fail naming those whose heartbeat stopped."""
+        while self._thread.is_alive() and self.pending:  # with live membership, the last may be lost instead
+            self._thread.join(timeout=LOST_POLL if self.live else 1.0)
+            if self.error or self.ctx.heartbeat is None or self.live:
                 continue
             silent = self.ctx.heartbeat.stalled(sorted(self.pending), self.ctx.timeout)
             if silent:
@@ -270,6 +379,7 @@ class Async(AsyncRules, Strategy):
     # Other ranks may still merge after rank 0's last epoch, so finish() has a newer global model.
     final_model_is_last_evaluated = False
     average_check = "alone"
+    meets_at_epoch_ends = False  # live membership: a loss is heard of in the merges (`live_change`)
 
     def __init__(self, every: int = 1, merge: str = "delta", max_staleness: Optional[int] = None,
                  server_momentum: float = 0.9, server_lr: float = 1.0, compression: str = "none") -> None:
@@ -303,6 +413,13 @@ class Async(AsyncRules, Strategy):
         self._diverged = False
         self._stop_seen = False  # a reply said that some rank was asked to stop
         self._final: Optional[dict] = None
+        # Live membership (`live`, the trainer's min_workers): the epoch this worker is in or starts next, the last
+        # generation it heard of, what that generation says (Membership: members, the epoch they share the data
+        # from, the ranks lost) and the one the trainer took (`live_change`).
+        self._epoch = 0
+        self._generation = 0
+        self._heard: Optional[Membership] = None
+        self._taken: Optional[Membership] = None
 
     @classmethod
     def from_config(cls, config) -> "Async":
@@ -320,7 +437,8 @@ class Async(AsyncRules, Strategy):
             self.global_model = GlobalModel(self.base, ctx.world_size, self.merge, self.server_momentum,
                                             self.server_lr)
             if ctx.world_size > 1:
-                self.service = MergeService(self.global_model, self.group, ctx, self.compression).start()
+                self.service = MergeService(self.global_model, self.group, ctx, self.compression, self.every,
+                                            self.live).start()
         return model
 
     # -- talking to the service ----------------------------------------------------------------
@@ -329,18 +447,28 @@ class Async(AsyncRules, Strategy):
         """One exchange with the service: returns (global state or None, version, staleness);
         for DONE, (None, the outcome rank 0 concluded, 0)."""
         if self.ctx.rank == 0:  # the service lives in this process
+            if self.service is not None:
+                self.service.epochs[0] = self._epoch
+                self._hear(self.service.generation)
             if kind == MERGE:
                 if self.compression != "none":  # rounded as a remote worker's would be, but not sent
                     payload = decode(self.compression, payload, self.global_model.state.numel())
                 return self.global_model.apply(0, payload, self.base_version)
             state, version = self.global_model.snapshot(copy=kind == REFRESH)
             return state, version, version - self.base_version
-        header = torch.tensor([kind, self.ctx.rank, self.base_version, int(stopping)], dtype=torch.int64)
+        size = LIVE_HEADER_SIZE if self.live else HEADER_SIZE
+        header = torch.tensor([kind, self.ctx.rank, self.base_version, int(stopping), self._epoch][:size],
+                              dtype=torch.int64)
         self._exchange(self.group.isend, header, TAG_REQUEST)
         if kind == MERGE:
             self._exchange(self.group.isend, payload, TAG_PAYLOAD)
-        reply = torch.zeros(HEADER_SIZE, dtype=torch.int64)
+        reply = torch.zeros(size, dtype=torch.int64)
         self._exchange(self.group.irecv, reply, TAG_REPLY)
+        if self.live:
+            if int(reply[4]):
+                raise Evicted(f"rank {self.ctx.group.members[self.ctx.rank]}: the other workers went on without "
+                              "this one; it did not answer for a while (frozen or too slow)")
+            self._hear(int(reply[3]))
         if kind == DONE:
             return None, int(reply[0]), 0
         self._stop_seen = self._stop_seen or bool(reply[2])
@@ -352,12 +480,13 @@ class Async(AsyncRules, Strategy):
 
     def _exchange(self, operation, tensor: torch.Tensor, tag: int) -> None:
         """One point-to-point message with rank 0, bounded by the run's timeout; counted both ways."""
-        work = operation(tensor, 0, tag)
         try:
-            work.wait(timeout=timedelta(seconds=self.ctx.timeout))
+            operation(tensor, 0, tag).wait(timeout=timedelta(seconds=self.ctx.timeout))
         except RuntimeError as exc:
-            raise PeerFailure(f"rank {self.ctx.rank}: no answer from the merge service on rank 0 within "
-                              f"{self.ctx.timeout:g} s: {str(exc).splitlines()[0]}") from None
+            lost = (" (async cannot go on without rank 0, which holds the global model: the run ends)"
+                    if self.live else "")
+            raise PeerFailure(f"rank {self.ctx.group.members[self.ctx.rank]}: no answer from the merge service on "
+                              f"rank 0 within {self.ctx.timeout:g} s: {first_line(exc)}{lost}") from None
         self.comm_bytes += tensor.numel() * tensor.element_size()
 
     def merge_now(self) -> int:
@@ -388,13 +517,57 @@ class Async(AsyncRules, Strategy):
         self.base, self.base_version = state, version
         self.refreshes += 1
 
+    # -- live membership ------------------------------------------------------------------------
+    def _hear(self, generation: int) -> None:
+        """A reply named membership generation `generation`: read what it says if it is news."""
+        if generation <= self._generation:
+            return
+        store = self.ctx.group.store
+        record = bounded(lambda: store.get(f"{ASYNC_MEMBERS}{generation}")).decode()
+        members, epoch, left = record.split(";")
+        self._heard = Membership(self.ctx.group.generation + generation, tuple(int(r) for r in members.split(",")),
+                                 int(epoch), tuple(int(r) for r in left.split(",")))
+        self._generation = generation
+
+    def live_change(self, epoch: int) -> Optional[Membership]:
+        """The membership the workers left share the data in from `epoch` (from 0) on, once: when a worker was
+        lost and this epoch is where they all take it (see the module docstring); else None."""
+        heard = self._heard
+        if heard is None or heard is self._taken or epoch < heard.epoch:
+            return None
+        before = self._taken.members if self._taken is not None else tuple(self.ctx.group.members)
+        self._taken = heard
+        return replace(heard, left=tuple(rank for rank in before if rank not in heard.members))
+
+    def epoch_plan(self, ctx: DistContext, n_samples: int, labels, batch_size: int, seed: int, shuffle: str,
+                   block_size: Optional[int] = None) -> EpochPlan:
+        """The shared sharding, over the live members once the trainer took a change (`live_change`)."""
+        if self._taken is None:
+            return super().epoch_plan(ctx, n_samples, labels, batch_size, seed, shuffle, block_size)
+        members, me = self._taken.members, ctx.group.members[ctx.rank]
+        return shard_plan(n_samples, members.index(me), len(members), batch_size, seed, shuffle, block_size)
+
+    def _final_group(self) -> None:
+        """At the end, after rank 0 concluded: the workers left, in a group of their own, if any was lost."""
+        if self._generation == 0:
+            return
+        heard, ctx = self._heard, self.ctx
+        group = ctx.group.rebuild(heard.members, heard.generation)
+        assert group is not None, "a worker left out was told so in its last reply"
+        ctx.rank, ctx.world_size, ctx.group = group.rank, group.world_size, group
+
     # -- hooks ---------------------------------------------------------------------------------
+    def trains_in_epoch(self, epoch: int) -> bool:
+        self._epoch = epoch
+        return True
+
     def after_step(self, step: int) -> None:
         self._diverged = True
         if self.max_staleness is not None and self.ctx.world_size > 1:
             self._refresh_if_stale()
 
     def end_epoch(self, epoch: int) -> bool:
+        self._epoch = epoch + 1
         if (epoch + 1) % self.every == 0 and self._diverged:
             self.merge_now()
         return True  # a global model always exists: rank 0 evaluates it
@@ -428,6 +601,9 @@ class Async(AsyncRules, Strategy):
             if outcome == STOP:
                 raise Preempted(f"rank {self.ctx.rank}: another rank stopped the run before it finished; "
                                 "run the same command again to continue")
+            if self.ctx.rank == 0 and self.service is not None:
+                self._hear(self.service.generation)
+            self._final_group()
             self.comm_bytes += broadcast_module(self.model, group=self.ctx.group)
             counts = self.ctx.group.gather_objects("summary", (self.merges, self.refreshes, self.max_staleness_seen))
         else:

@@ -11,7 +11,7 @@ dptrain.strategies.rules when the strategy's own imports torch), and registering
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import numpy as np
 import torch
@@ -20,6 +20,9 @@ from torch import nn
 from dptrain.data.sampler import EpochPlan, shard_plan
 from dptrain.runtime.distributed import DistContext
 from dptrain.strategies.rules import StrategyRules
+
+if TYPE_CHECKING:
+    from dptrain.runtime.membership import Membership
 
 
 def check_period(every: int, every_steps: Optional[int]) -> None:
@@ -47,6 +50,12 @@ class Strategy(StrategyRules):
     # rank averages at the same epoch ends and sums the check), "alone" (each rank judges its own merges,
     # no barrier), or None (no epoch-end averages to check).
     average_check: Optional[str] = None
+    # Whether every worker stands at each epoch end together (live membership: a lost worker's epoch is redone
+    # by the others there, and joiners enter there); False for async, which hears of a loss in its merges
+    # (`live_change`) and goes on without going back.
+    meets_at_epoch_ends = True
+    # Set by the trainer before setup when the run has live membership (min_workers).
+    live = False
 
     def __init__(self) -> None:
         self.comm_bytes = 0
@@ -80,6 +89,12 @@ class Strategy(StrategyRules):
         self.ctx, self._failed = ctx, False
         assert self.model is not None, "setup() was not called"
         return self.model
+
+    def live_change(self, epoch: int) -> Optional[Membership]:
+        """A strategy that does not meet at epoch ends (`meets_at_epoch_ends` False): the membership the
+        workers train in from `epoch` (from 0) on, once, when it changed; the trainer then shares the data out
+        again (`epoch_plan`) and the LR rule follows the live world."""
+        return None
 
     def after_backward(self, model: nn.Module) -> None:
         """Called after loss.backward(), before the optimizer step (gradients exist)."""

@@ -29,7 +29,7 @@ from dptrain.data.sampler import PlanBatches, TrainData, as_dataset, evaluation_
 from dptrain.errors import Diverged, Interrupted, JoinedTooLate, Left, Preempted, UserError
 from dptrain.runtime.distributed import DistContext, init_process_group, store_served
 from dptrain.runtime import membership as joining
-from dptrain.runtime.group import Group, PeerFailure, PeerReported, _first_line
+from dptrain.runtime.group import Group, PeerFailure, PeerReported, first_line
 from dptrain.runtime.membership import STALL, Membership, note, regroup
 from dptrain.runtime.env import detect, launcher_reports_interrupts
 from dptrain.strategies.base import Strategy
@@ -189,6 +189,7 @@ class Trainer:
         if self.min_workers is not None and "min_workers" not in strategy.option_names():
             raise UserError(f"min_workers does not apply to strategy {strategy.name}: it cannot go on without a "
                             "lost worker")
+        strategy.live = self.min_workers is not None
         labels = lambda: labels_of(train, self.recorder.log)  # noqa: E731 - asked again after a membership change
         plan, batches, reader = self._plan(train, labels)
         scheduler = self.schedule(self.optimizer, plan.steps, epochs) if self.schedule else None
@@ -223,16 +224,20 @@ class Trainer:
         changed: Optional[Membership] = None  # the last membership change, recorded with the next epoch
         epoch = start_epoch
         while epoch < epochs:
-            if self.min_workers is not None:
+            if self.min_workers is not None and strategy.meets_at_epoch_ends:
                 snapshots = {e: saved for e, saved in snapshots.items() if e == epoch - 1}
                 snapshots[epoch] = self._snapshot(parts, step)
+            elif self.min_workers is not None and (heard := strategy.live_change(epoch)) is not None:
+                changed = self._follow(heard)  # async: a lost worker, heard of in a merge; nobody goes back
+                plan, batches, reader = self._plan(train, labels)
+                scheduler = self._reschedule(parts, scheduler, plan.steps, epoch, epochs)
             try:
                 (samples, train_loss, recovered, checked, stats, test_metrics, stop,
                  step) = self._epoch(train_model, reader, batches, epoch, epochs, step, scheduler, health, lr_guard,
                                      test, position)
             except PeerFailure as failure:
-                if self.min_workers is None or isinstance(failure, PeerReported):  # an error the job shares
-                    raise
+                if self.min_workers is None or isinstance(failure, PeerReported) or not strategy.meets_at_epoch_ends:
+                    raise  # an error the job shares, or one async cannot go on after (rank 0 lost)
                 changed, train_model = self._continue_without(failure, epoch, snapshots, parts)
                 epoch, step = changed.epoch, snapshots[changed.epoch]["step"]
                 plan, batches, reader = self._plan(train, labels)
@@ -269,6 +274,9 @@ class Trainer:
         if self.min_workers is not None and ctx.is_main:
             joining.finished(ctx.group.store)  # joiners still waiting for a place go home
         final = ctx.group.bounded("finish", strategy.finish)
+        if tuple(ctx.group.members) != (self.recorder.members or tuple(range(self.recorder.job_world))):
+            # async: a worker lost in the last epochs, after the others last shared the data out
+            self.recorder.follow(tuple(ctx.group.members))
         wall = time.perf_counter() - started
         final_metrics = None
         if test is not None:
@@ -333,7 +341,7 @@ class Trainer:
         while others were not (a scheduler warned one node) leave instead, at this epoch end (`_leaving`), when
         at least min_workers stay and none of them hosts the store (rank 0 where the launcher does not)."""
         ctx, requested = self.ctx, self.stop_signals.requested
-        if self.min_workers is None:
+        if self.min_workers is None or not self.strategy.meets_at_epoch_ends:
             return self.strategy.agree_stop(requested)
         # Rank 0 also says which joiners are ready, while fewer workers train than the job started with.
         ready = (joining.ready_joiners(ctx.group.store, self.recorder.job_world - ctx.world_size)
@@ -386,6 +394,17 @@ class Trainer:
             self._lr_guard.scale *= ratio
         self.recorder.log(f"dptrain: learning rate x {ratio:.3g} for {_workers(world)} instead of {world_before} "
                           f"(the LR rule follows the live world): {self.optimizer.param_groups[0]['lr']:g}")
+
+    def _follow(self, heard: Membership) -> Membership:
+        """async (no common epoch end): from this epoch on train in the live world `heard` of a merge reply
+        (the LR rule's W follows it; the trainer shares the data out again); the group stays until the end."""
+        before = self.recorder.members or range(self.recorder.job_world)
+        self._scale_lr(len(before), len(heard.members))
+        self.recorder.follow(heard.members)
+        self.recorder.log(f"dptrain: without {_ranks(heard.left)}: {_workers(len(heard.members))} share the data "
+                          f"from epoch {heard.epoch + 1} ({_ranks(heard.members)} of the job); async merged over "
+                          f"them since the loss")
+        return heard
 
     def _let_leave(self, epoch: int) -> tuple[Membership, nn.Module]:
         """After `epoch` (from 0) ended: the ranks asked to stop alone leave (Left, exit 75) and the others go
@@ -465,7 +484,7 @@ class Trainer:
                 raise JoinedTooLate(f"rank {me}: the run ended before a place was free; this worker did not "
                                     "join") from None
             raise PeerFailure(f"rank {me}: the run's store stopped answering while this worker waited to join "
-                              f"({_first_line(exc)}): the run has ended or its launcher is gone") from None
+                              f"({first_line(exc)}): the run has ended or its launcher is gone") from None
         if admitted is None:
             raise JoinedTooLate(f"rank {me}: the run ended before a place was free; this worker did not join")
         generation, members, epoch = admitted

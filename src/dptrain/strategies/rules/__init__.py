@@ -61,7 +61,7 @@ class StrategyRules:
 
 
 def check_min_workers(config: Any) -> None:
-    """--min-workers (allreduce, sync, fedavg, streaming; auto): ValueError where it cannot hold."""
+    """--min-workers (every strategy): ValueError where it cannot hold."""
     if config.min_workers is None:
         return
     if config.min_workers > config.workers:

@@ -6,7 +6,7 @@ from typing import Any, Literal, Optional
 
 from pydantic import Field
 
-from dptrain.strategies.rules import StrategyRules, refuse_step_checkpoints, trains_alone_for_epochs
+from dptrain.strategies.rules import StrategyRules, check_min_workers, refuse_step_checkpoints, trains_alone_for_epochs
 
 
 class AsyncRules(StrategyRules):
@@ -17,6 +17,7 @@ class AsyncRules(StrategyRules):
         server_momentum: float = Field(0.9, ge=0, lt=1)
         server_lr: float = Field(1.0, gt=0)
         compression: Literal["none", "fp16", "bf16", "int8"] = "none"
+        min_workers: Optional[int] = Field(None, ge=1)
 
     no_step_checkpoints = ("its workers never stand at the same step (no barrier) and merges are in flight "
                            "between them, so files written within an epoch are no one state of the run")
@@ -24,6 +25,10 @@ class AsyncRules(StrategyRules):
     @classmethod
     def check(cls, config: Any) -> None:
         refuse_step_checkpoints(cls, config)
+        check_min_workers(config)
+        if getattr(config, "replace_workers", False):
+            raise ValueError("--replace-workers (and --workers MIN:MAX) start a new worker that enters at an epoch "
+                             "end all workers stand at, which async's never do; use --min-workers alone")
         if config.merge == "ema" and config.compression != "none":
             raise ValueError(f"compression {config.compression} applies to async merges of deltas (delta, "
                              "delayed-nesterov), not to merge ema, which sends whole models")

@@ -30,9 +30,10 @@ class AutoRules(StrategyRules):
     @classmethod
     def check(cls, config: Any) -> None:
         check_min_workers(config)
-        if config.min_workers is not None and config.auto_candidates == "all":
-            raise ValueError("--min-workers does not apply to --auto-candidates all: it may pick async, which "
-                             "cannot go on without a lost worker; use --auto-candidates safe")
+        if config.replace_workers and config.auto_candidates == "all":
+            raise ValueError("--replace-workers (and --workers MIN:MAX) do not apply to --auto-candidates all: it "
+                             "may pick async, whose workers never stand at an epoch end together for a new one to "
+                             "enter at; use --auto-candidates safe")
         if config.compression == "int8":
             raise ValueError("compression int8 does not apply to strategy auto: it may pick allreduce, which "
                              "compresses its gradients with fp16 or bf16 only")
