@@ -162,6 +162,22 @@ def test_two_workers_killed_at_once_are_left_out_together(tmp_path):
     assert summary["comm_bytes"] == history[-1]["comm_bytes"] == sum(summary["comm_bytes_per_worker"]) + departed
 
 
+def test_a_worker_lost_while_the_others_build_the_new_group_is_left_out_at_once_not_after_the_timeout(tmp_path):
+    """Rank 3 is killed in epoch 2; rank 1 says it is alive, learns who is left, then dies before the new group
+    is built (the fault point regroup). Building a gloo group waits for every member for --timeout (here 600 s);
+    the others see rank 1's process end, give that group up and agree again: generation 2, ranks 0 and 2."""
+    argv = elastic_argv(tmp_path / "run") + ["--timeout", "600"]
+    argv[argv.index("--workers") + 1] = "4"
+    # (waiting for the timeout would take the run past this test's 300 s)
+    result = dptrain(*argv, cwd=tmp_path, env={"DPTRAIN_FAULT": "train-middle@3:2;regroup@1:2"}, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "continuing from epoch 2 with 2 workers (ranks 0, 2 of the job; without ranks 1, 3)" in result.stdout
+    history = records(tmp_path / "run")
+    assert [len(record["workers"]) for record in history] == [4, 2, 2, 2]
+    assert all(sum(worker["samples"] for worker in record["workers"]) == TRAIN_ROWS for record in history)
+    assert history[1]["membership"] == {"generation": 2, "members": [0, 2], "left": [1, 3], "continued_from_epoch": 2}
+
+
 @pytest.mark.slow
 def test_the_lr_rule_and_a_per_step_schedule_follow_the_live_world(tmp_path):
     # --lr-scaling linear: 3 x the LR on 3 workers, 2 x on 2; cosine over the run, whatever an epoch's length:

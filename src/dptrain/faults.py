@@ -7,13 +7,15 @@ named by DPTRAIN_FAULT_ONCE is created first, and a point whose marker exists do
 again (the restarted world runs through); DPTRAIN_FAULT_ACTION=freeze sends SIGSTOP instead of SIGKILL,
 DPTRAIN_FAULT_ACTION=stop SIGUSR1 (a scheduler's warning to that rank alone). RANK may name several
 ranks, train-middle@2,3:2, which each fault at that point (with DPTRAIN_FAULT_ONCE, each once: the
-marker of rank 3 is FILE.rank3).
+marker of rank 3 is FILE.rank3). Several faults are separated by ";": train-middle@3:2;regroup@1:2.
 Without DPTRAIN_FAULT nothing here does anything.
 
 Points: save-begin (before any file of the checkpoint), save-fsync (the data written, not yet
 flushed to disk), save-rename (on disk under the temporary name), save-end (this rank's files
 complete, before rank 0 prunes and before the other ranks have finished theirs); train-middle
-(halfway through the steps of epoch EPOCH, counted from 1); and step, where the number is not an
+(halfway through the steps of epoch EPOCH, counted from 1); regroup (live membership: this rank has said it
+is alive and learned who is left after a failure in epoch EPOCH, and the new group is not built yet: a
+second failure during the agreement); and step, where the number is not an
 epoch but a training step (counted from 1 over the run): step@1:37 kills rank 1 right after its
 37th optimizer step, which lands between checkpoints (--checkpoint-every-steps).
 """
@@ -26,6 +28,7 @@ import signal
 from typing import Optional
 
 POINTS = ("save-begin", "save-fsync", "save-rename", "save-end", "train-middle")  # a save's, and mid-epoch
+LIVE_POINTS = ("regroup",)  # reached only with live membership (--min-workers) after a failure
 STEP = "step"  # after a training step: its number is the step's, not an epoch's
 SPEC = re.compile(r"^(?P<point>[a-z-]+)@(?P<ranks>\d+(?:,\d+)*):(?P<epoch>\d+)$")
 
@@ -48,13 +51,18 @@ def step(rank: int, number: int) -> None:
 
 
 def _fire(name: str, rank: Optional[int], number: Optional[int]) -> None:
-    spec = os.environ.get("DPTRAIN_FAULT")
-    if not spec:
+    specs = os.environ.get("DPTRAIN_FAULT")
+    if not specs:
         return
+    for spec in specs.split(";"):
+        _fire_one(spec.strip(), name, rank, number)
+
+
+def _fire_one(spec: str, name: str, rank: Optional[int], number: Optional[int]) -> None:
     match = SPEC.match(spec)
-    if match is None or match["point"] not in (*POINTS, STEP):
+    if match is None or match["point"] not in (*POINTS, *LIVE_POINTS, STEP):
         raise ValueError(f"DPTRAIN_FAULT={spec!r} is not POINT@RANK:EPOCH (RANK: one rank or several, 2,3) with "
-                         f"POINT one of {', '.join(POINTS)} (or {STEP}@RANK:STEP)")
+                         f"POINT one of {', '.join((*POINTS, *LIVE_POINTS))} (or {STEP}@RANK:STEP)")
     ranks = [int(listed) for listed in match["ranks"].split(",")]
     if (match["point"], int(match["epoch"])) != (name, number) or rank not in ranks:
         return

@@ -11,8 +11,10 @@ A rank that meets a PeerFailure (a collective failed or timed out) calls `regrou
    old member that said it is alive, none whose heartbeat stopped for `stall` seconds (dead or
    frozen; at once for one whose process the launcher saw end), waiting at most `timeout` seconds for the
    others; it writes the members and the epoch to continue from;
-4. every member builds a fresh process group of the members (`Group.rebuild`, generation N);
-   a rank left out (evicted while frozen) gets Evicted.
+4. every member builds a fresh process group of the members (`Group.over_store`, generation N), watching
+   the others meanwhile: a member lost after it answered (its process ended, or its heartbeat stopped)
+   would hold the build for --timeout, so the others give that group up and agree again (generation
+   N+1, among the members of N); a rank left out (evicted while frozen) gets Evicted.
 
 The epoch to continue from is the earliest any survivor is ready to redo: a rank may have passed
 the epoch's last collective while another failed inside it (the dead rank contributed, then
@@ -37,11 +39,13 @@ Joining (a replacement the launcher starts for a lost worker, --replace-workers,
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 from typing import Optional
 
-from dptrain.runtime.group import Group, PeerFailure
+from dptrain import faults
+from dptrain.runtime.group import Group, PeerFailure, first_line
 from dptrain.runtime.heartbeat import bounded
 
 PREFIX = "dptrain/membership/"
@@ -68,10 +72,32 @@ def regroup(group: Group, generation: int, epoch: int, *, min_workers: int, time
     """Leave the failed `group` and make generation `generation` of the survivors (see the module's
     docstring): (the new group, the membership). `epoch` is the epoch this rank failed in (it can also
     redo the one before)."""
-    store, me, old = group.store, group.members[group.rank], list(group.members)
+    store, me, first = group.store, group.members[group.rank], list(group.members)
     if store is None:
         raise PeerFailure(f"rank {me}: no rendezvous store to agree on new members with")
     group.abandon()
+    group.close()
+    old = first
+    while True:
+        members, resume = _agree(group, store, me, old, generation, epoch, timeout, stall)
+        membership = Membership(generation, members, resume, tuple(r for r in first if r not in members))
+        if len(members) < min_workers:
+            raise PeerFailure(f"rank {me}: only {len(members)} worker{'s' if len(members) > 1 else ''} left "
+                              f"(ranks {', '.join(map(str, members))}), fewer than --min-workers {min_workers}; "
+                              f"lost rank{'s' if len(membership.left) > 1 else ''} "
+                              f"{', '.join(map(str, membership.left))}")
+        faults.point("regroup")
+        new = _build(group, store, me, members, generation, stall)
+        if new is not None:
+            return new, membership
+        # a member was lost after it answered: agree again among those of this generation
+        old, generation = list(members), generation + 1
+
+
+def _agree(group: Group, store, me: int, old: list[int], generation: int, epoch: int, timeout: float,
+           stall: float) -> tuple[tuple[int, ...], int]:
+    """Say this rank is alive for `generation` and learn the members the decider chose and the epoch to go on
+    from (Evicted when this rank is not among them)."""
     key = f"{PREFIX}{generation}/"
     bounded(lambda: store.set(f"{key}alive/{me}", str(epoch)))
     # The first survivor here decides; the store's compare-and-set makes it one rank for all.
@@ -88,19 +114,49 @@ def regroup(group: Group, generation: int, epoch: int, *, min_workers: int, time
         decided = bounded(lambda: store.get(f"{key}members")).decode()
     names, resume = decided.split(";")
     members = tuple(int(rank) for rank in names.split(","))
-    membership = Membership(generation, members, int(resume), tuple(r for r in old if r not in members))
     if me not in members:
         raise Evicted(f"rank {me}: the other workers went on without this one (generation {generation}: "
                       f"ranks {', '.join(map(str, members))}); it did not answer while they agreed who is left "
                       f"(frozen or too slow)")
-    if len(members) < min_workers:
-        raise PeerFailure(f"rank {me}: only {len(members)} worker{'s' if len(members) > 1 else ''} left "
-                          f"(ranks {', '.join(map(str, members))}), fewer than --min-workers {min_workers}; "
-                          f"lost rank{'s' if len(membership.left) > 1 else ''} "
-                          f"{', '.join(map(str, membership.left))}")
-    new = group.rebuild(members, generation)
-    assert new is not None
-    return new, membership
+    return members, int(resume)
+
+
+def _build(group: Group, store, me: int, members: tuple[int, ...], generation: int, stall: float) -> Optional[Group]:
+    """Generation `generation` of `members` (`Group.over_store`), or None when one of them is lost while it is
+    built (its process ended, or its heartbeat stopped for `stall` seconds): building a gloo group waits for
+    every member, for the run's whole --timeout, and a member that answered and then died would hold the
+    others that long. The abandoned build ends on its own at that timeout, in its thread."""
+    built: dict = {}
+    # Its own connection to the store: building waits in the store for every member's address, and a store
+    # client waits for one call at a time (this thread's checks and the heartbeat would wait behind it).
+    own = store.clone() if hasattr(store, "clone") else store
+
+    def build() -> None:
+        try:
+            built["group"] = Group.over_store(own, me, members, generation, device=group.device,
+                                              backend=group.backend, timeout=group.timeout,
+                                              heartbeat=group.heartbeat)
+        except Exception as exc:  # noqa: BLE001 - reported by the waiting thread
+            built["error"] = exc
+
+    thread = threading.Thread(target=build, name=f"dptrain-build-generation-{generation}", daemon=True)
+    thread.start()
+    others = [rank for rank in members if rank != me]
+    while thread.is_alive():
+        thread.join(timeout=0.1)
+        if not thread.is_alive():
+            break
+        lost = [rank for rank in others if bounded(lambda: store.check([f"{EXITED}{rank}"]))]
+        if group.heartbeat is not None and others:
+            lost += [rank for rank in group.heartbeat.stalled(others, stall) if rank not in lost]
+        if lost:
+            return None
+    if "error" in built:
+        raise PeerFailure(f"rank {me}: building the group of ranks {', '.join(map(str, members))} failed: "
+                          f"{first_line(built['error'])}")
+    new = built["group"]
+    new.watch = group.watch
+    return new
 
 
 def _decide(group: Group, store, key: str, old: list[int], timeout: float, stall: float) -> str:
