@@ -11,7 +11,8 @@ With --snapshot PATH it is the fault-tolerant script of PyTorch's torchrun tutor
 Distributed Training with torchrun"): it loads the snapshot if there is one and rank 0 saves one after
 every epoch, so that torchrun --max-restarts can restart every worker from it (benchmarks/elastic.py).
 DPTRAIN_BENCH_KILL=RANK:STEP kills that rank with SIGKILL after that many training steps, once (a marker
-file next to the snapshot remembers it).
+file next to the snapshot remembers it). With --snapshot rank 0 also prints `epoch N/EPOCHS done` at the end of each epoch, after its
+snapshot is saved, for benchmarks/elastic.py to time the epochs by.
 """
 
 import argparse
@@ -78,6 +79,8 @@ def main():
             torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epochs_run": epoch + 1},
                        args.snapshot + ".tmp")
             os.replace(args.snapshot + ".tmp", args.snapshot)
+        if args.snapshot and rank == 0:  # the epoch boundary benchmarks/elastic.py stamps
+            print(f"epoch {epoch + 1}/{args.epochs} done", flush=True)
 
     if rank == 0:  # the replicas are identical: one rank scores the test set
         model.eval()
