@@ -146,10 +146,7 @@ def _build(group: Group, store, me: int, members: tuple[int, ...], generation: i
         thread.join(timeout=0.1)
         if not thread.is_alive():
             break
-        lost = [rank for rank in others if bounded(lambda: store.check([f"{EXITED}{rank}"]))]
-        if group.heartbeat is not None and others:
-            lost += [rank for rank in group.heartbeat.stalled(others, stall) if rank not in lost]
-        if lost:
+        if gone(store, group.heartbeat, others, stall):
             return None
     if "error" in built:
         raise PeerFailure(f"rank {me}: building the group of ranks {', '.join(map(str, members))} failed: "
@@ -157,6 +154,19 @@ def _build(group: Group, store, me: int, members: tuple[int, ...], generation: i
     new = built["group"]
     new.watch = group.watch
     return new
+
+
+def gone(store, heartbeat, ranks, stall: float, *, in_store=lambda rank: rank) -> dict[int, str]:
+    """Which of `ranks` are gone, each with why: the launcher serving the store saw its process end (at
+    once, not after `stall` seconds of silence), or its heartbeat has not moved for `stall` seconds (frozen
+    or gone; `heartbeat.stalled` tracks counters across calls, so poll it). `in_store(rank)` is the rank
+    the launcher's exit note names (the job's rank, where `ranks` are ranks of a group of some of them)."""
+    lost = {rank: "its process ended" for rank in ranks
+            if store is not None and bounded(lambda: store.check([f"{EXITED}{in_store(rank)}"]))}
+    if heartbeat is not None and ranks:
+        for rank in heartbeat.stalled(ranks, stall):
+            lost.setdefault(rank, f"its heartbeat stopped for {stall:g} s (frozen or gone)")
+    return lost
 
 
 def _decide(group: Group, store, key: str, old: list[int], timeout: float, stall: float) -> str:
@@ -167,9 +177,7 @@ def _decide(group: Group, store, key: str, old: list[int], timeout: float, stall
         answered = {rank: int(bounded(lambda: store.get(f"{key}alive/{rank}")).decode())
                     for rank in old if bounded(lambda: store.check([f"{key}alive/{rank}"]))}
         waiting = [rank for rank in old if rank not in answered]
-        quiet = set(heartbeat.stalled(waiting, stall)) if heartbeat is not None and waiting else set()
-        # A rank whose process the launcher saw exit is gone now, not after `stall` seconds of silence.
-        quiet |= {rank for rank in waiting if bounded(lambda: store.check([f"{EXITED}{rank}"]))}
+        quiet = gone(store, heartbeat, waiting, stall)
         if all(rank in quiet for rank in waiting) or time.monotonic() >= deadline:
             members = sorted(answered)
             return f"{','.join(map(str, members))};{min(answered.values())}"

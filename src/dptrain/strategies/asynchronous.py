@@ -82,7 +82,7 @@ from dptrain.errors import Preempted
 from dptrain.runtime.distributed import DistContext, PeerFailure
 from dptrain.runtime.group import first_line
 from dptrain.runtime.heartbeat import STORE_DEADLINE, bounded
-from dptrain.runtime.membership import EXITED, PREFIX, STALL, Evicted, Membership
+from dptrain.runtime.membership import PREFIX, STALL, Evicted, Membership, gone
 from dptrain.strategies.base import Strategy
 from dptrain.strategies.collectives import broadcast_module, module_state, unflatten_into
 from dptrain.strategies.compression import COMPRESSIONS, ErrorFeedback, decode, payload_bytes
@@ -310,15 +310,11 @@ class MergeService:
         while not self._closed.wait(LOST_POLL):
             others = [rank for rank in self.members if rank != 0]
             try:
-                ended = [rank for rank in others if store is not None and bounded(
-                    lambda: store.check([f"{EXITED}{self.ctx.group.members[rank]}"]))]
-                quiet = heartbeat.stalled(others, STALL) if heartbeat is not None and others else []
+                lost = gone(store, heartbeat, others, STALL, in_store=lambda rank: self.ctx.group.members[rank])
             except Exception:  # noqa: BLE001 - the store is going away: the run is ending
                 return
-            for rank in ended:
-                self.lose(rank, "its process ended")
-            for rank in quiet:
-                self.lose(rank, f"its heartbeat stopped for {STALL:g} s (frozen or gone)")
+            for rank, why in lost.items():
+                self.lose(rank, why)
 
     def lose(self, rank: int, why: str) -> None:
         """Leave `rank` out: merge over the others from now on, and tell them (a new generation in the store)."""
