@@ -74,24 +74,24 @@ def wait_for(path, seconds: float = 60) -> None:
 
 def train_while_one_joins(tmp_path, run, argv: list[str], env: Optional[dict] = None):
     """`dptrain train --dataset digits ARGV` into `run`, and `dptrain join run` as soon as the run takes workers:
-    the join's CompletedProcess, once both ended well."""
+    the join's CompletedProcess and the run's output, once both ended well."""
     training = ForkedDptrain(["train", "--dataset", "digits", "--no-progress", "--out", str(run), *argv], cwd=tmp_path,
                              env={**os.environ, **(env or {})})
     try:
         wait_for(run / "join.address")
         joined = dptrain("join", str(run), cwd=tmp_path, timeout=180)
-        _, err = training.communicate(timeout=180)
+        out, err = training.communicate(timeout=180)
     finally:
         training.kill()
     assert training.returncode == 0, err
     assert joined.returncode == 0, joined.stderr
-    return joined
+    return joined, out
 
 
 @pytest.mark.slow
 def test_dptrain_join_adds_a_worker_that_takes_the_state_of_a_live_one_under_allreduce(tmp_path):
     run = tmp_path / "joined"
-    joined = train_while_one_joins(
+    joined, _ = train_while_one_joins(
         tmp_path, run, ["--strategy", "allreduce", "--workers", "3", "--min-workers", "2", "--epochs", "6",
                         "--lr", "0.05", "--slow-worker", "0:10"], {"DPTRAIN_FAULT": "train-middle@2:2"})
     assert "dptrain: rank 3 is ready to join the run" in joined.stdout
@@ -112,9 +112,28 @@ def test_dptrain_join_adds_a_worker_that_takes_the_state_of_a_live_one_under_all
 
 
 @pytest.mark.slow
+def test_max_workers_lets_a_joiner_grow_the_run_beyond_the_workers_it_started_with(tmp_path):
+    run = tmp_path / "grown"
+    joined, out = train_while_one_joins(
+        tmp_path, run, ["--strategy", "sync", "--workers", "2", "--min-workers", "2", "--max-workers", "3",
+                        "--epochs", "6", "--lr", "0.05", "--lr-scaling", "auto", "--slow-worker", "0:20"])
+    assert f"dptrain: this worker (rank 2) trained with the others to the end of the run in {run}" in joined.stdout
+    history = records(run)
+    first = grown(history, 2)  # the job's ranks 0 and 1, then the first joiner's: 2
+    change = history[first]["membership"]
+    assert change["members"] == [0, 1, 2] and change["left"] == [] and change["healed_bytes"] > PARAMETER_BYTES
+    assert [len(record["workers"]) for record in history] == [2] * first + [3] * (len(history) - first)
+    assert all(sum(worker["samples"] for worker in record["workers"]) == TRAIN_ROWS for record in history)
+    assert "learning rate x 1.5 for 3 workers instead of 2 (the LR rule follows the live world)" in out
+    assert "3 workers, 1 more than at the start (ranks 0, 1, 2)" in out
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["workers"] == 3 and summary["test_accuracy"] > 0.8
+
+
+@pytest.mark.slow
 def test_a_spare_that_finds_no_free_place_goes_home_when_the_run_ends(tmp_path):
     run = tmp_path / "full"
-    spare = train_while_one_joins(tmp_path, run, ["--strategy", "fedavg", "--workers", "2", "--min-workers", "1",
+    spare, _ = train_while_one_joins(tmp_path, run, ["--strategy", "fedavg", "--workers", "2", "--min-workers", "1",
                                                    "--epochs", "3", "--slow-worker", "0:20"])
     assert "dptrain: rank 2: the run ended before a place was free; this worker did not join" in spare.stderr
     assert [len(record["workers"]) for record in records(run)] == [2, 2, 2]
@@ -150,6 +169,11 @@ def test_workers_min_max_is_max_workers_going_on_down_to_min_each_lost_one_repla
     ({"workers": "3:2"}, "workers '3:2' must be MIN:MAX with 1 <= MIN <= MAX, e.g. 2:4"),
     ({"workers": "2:3", "min_workers": 2}, "workers 2:3 sets min_workers 2 already; drop min_workers"),
     ({"workers": 3, "replace_workers": True}, "replace_workers needs min_workers"),
+    ({"workers": 3, "max_workers": 4}, "max_workers needs min_workers"),
+    ({"workers": 3, "min_workers": 2, "max_workers": 2},
+     "max_workers 2 is fewer than workers 3, the workers the run starts with; give 3 or more"),
+    ({"workers": 3, "min_workers": 2, "max_workers": 4, "strategy": "async"},
+     "--max-workers lets dptrain join add a new worker that enters at an epoch end all workers stand at"),
 ])
 def test_bad_worker_ranges_are_one_line_naming_the_value(values, message):
     with pytest.raises(UserError, match=message):
@@ -180,3 +204,5 @@ def test_info_on_a_run_directory_shows_its_live_workers_and_each_change(tmp_path
     assert run_report(run)["state"] == "stopped"
     result = dptrain("info", str(run), cwd=tmp_path, env={"COLUMNS": "200"})
     assert result.returncode == 0 and "rank 3 joined: 3 workers from epoch 4" in result.stdout
+    (run / "config.yaml").write_text("strategy: sync\nepochs: 6\nworkers: 2\nmin_workers: 1\nmax_workers: 4\n")
+    assert run_report(run)["elastic"] == "goes on down to 1 worker, grows up to 4 with `dptrain join`"

@@ -158,6 +158,9 @@ class TrainConfig(BaseModel):
                                   "place of each one that fails; it joins the others at an epoch end, healed from "
                                   "a live one (--workers MIN:MAX is short for --workers MAX --min-workers MIN "
                                   "--replace-workers)")
+    max_workers: Optional[int] = Field(None, ge=1, description="with --min-workers, local launcher: workers added "
+                                       "by dptrain join enter while fewer than N train, so the run may grow beyond "
+                                       "the --workers it started with (Horovod's --max-np; default: --workers)")
 
     # Outputs
     out: Optional[str] = Field(None, description="run directory (default runs/STRATEGY-TIMESTAMP); must not hold a run already")
@@ -232,6 +235,12 @@ class TrainConfig(BaseModel):
         if self.replace_workers and self.min_workers is None:
             raise ValueError("replace_workers needs min_workers: the others go on while a replacement starts "
                              "(or give workers MIN:MAX)")
+        if self.max_workers is not None and self.min_workers is None:
+            raise ValueError("max_workers needs min_workers: workers enter a run whose membership changes "
+                             "(or give workers MIN:MAX)")
+        if self.max_workers is not None and self.max_workers < self.workers:
+            raise ValueError(f"max_workers {self.max_workers} is fewer than workers {self.workers}, the workers "
+                             f"the run starts with; give {self.workers} or more")
         for rank, factor in self.slow_workers().items():
             if factor < 1:
                 raise ValueError(f"slow_worker factor {factor} for rank {rank} must be at least 1")

@@ -75,8 +75,11 @@ def run_report(run_dir: Path) -> dict:
         report[f"membership {change['generation']}"] = (f"{'; '.join(what)}: {len(change['members'])} workers from "
                                                        f"epoch {change['continued_from_epoch']}")
     if config.get("min_workers") is not None:
-        report["elastic"] = (f"goes on down to {config['min_workers']} workers"
+        least = int(config["min_workers"])
+        report["elastic"] = (f"goes on down to {least} worker{'s' if least != 1 else ''}"
                              + (", each failed one replaced" if config.get("replace_workers") else "")
+                             + (f", grows up to {config['max_workers']} with `dptrain join`"
+                                if config.get("max_workers") else "")
                              + ("; `dptrain join` adds a worker now" if running and (run_dir / JOIN_FILE).exists()
                                 else ""))
     return report

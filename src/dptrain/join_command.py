@@ -4,7 +4,7 @@ A run started by `dptrain train --min-workers N` (or `--workers MIN:MAX`) goes o
 worker. While it runs, its launcher serves the workers' store and writes where in RUN_DIR/join.address.
 `dptrain join` runs one worker of that run in this process: it takes the next rank of the job,
 prepares everything that needs no other worker (data, model), then waits until a place is free
-(fewer workers than the run started with) and the run admits it at an epoch end. It then takes the
+(fewer workers than the run started with, or than its --max-workers) and the run admits it at an epoch end. It then takes the
 whole state of a live worker (model, optimizer, schedule, strategy state, epoch, history) over the
 new group, not from disk, and trains with the others to the end (dptrain.runtime.membership).
 

@@ -30,7 +30,7 @@ Joining (a replacement the launcher starts for a lost worker, --replace-workers,
    joiner), prepares everything that needs no other worker (imports, data, model) and says it is ready
    (`announce`, key `join/RANK`), beating its heartbeat from then on;
 2. at the next epoch end the members' rank 0 reads the joiners ready (`ready_joiners`) while there is room
-   (fewer live workers than the job started with) and tells the others in the epoch end's stop check;
+   (fewer live workers than --max-workers, by default than the job started with) and tells the others in the epoch end's stop check;
 3. every member and joiner builds the group of members + joiners (generation N); rank 0 tells each joiner
    its admission first (`admit/RANK`: "GENERATION;RANKS;EPOCH"), which the joiner waits for (`admission`);
 4. rank 0 hands its whole state (model, optimizer, schedule, strategy state, epoch, step, history) to the

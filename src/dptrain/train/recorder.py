@@ -121,10 +121,14 @@ class Recorder:
         self.members, self.world_size = tuple(members), len(members)
 
     def _live(self, before: str) -> str:
-        """The live membership where it differs from the job's start: "2 of 3 workers (ranks 0, 1)"."""
+        """The live membership where it differs from the job's start: "2 of 3 workers (ranks 0, 1)", or
+        "4 workers, 1 more than at the start (ranks 0, 1, 2, 3)" grown beyond it."""
         if self.members is None or len(self.members) == self.job_world:
             return ""
-        return f"{before}{len(self.members)} of {self.job_world} workers (ranks {', '.join(map(str, self.members))})"
+        ranks = ", ".join(map(str, self.members))
+        if len(self.members) > self.job_world:
+            return f"{before}{len(self.members)} workers, {len(self.members) - self.job_world} more than at the start (ranks {ranks})"
+        return f"{before}{len(self.members)} of {self.job_world} workers (ranks {ranks})"
 
     def _file(self, name: str) -> Optional[Path]:
         if not (self.is_main and self.out):

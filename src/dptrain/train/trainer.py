@@ -90,8 +90,9 @@ class Trainer:
     run directory receives metrics.jsonl, summary.json, model.pt and, every `checkpoint_every`
     epochs (and every `checkpoint_every_steps` steps within an epoch), checkpoints (`resume=True`
     continues from the newest, bit for bit). Nothing joins a process group before `fit`.
-    With `min_workers`, the run goes on without failed or departed workers down to that many;
-    `lr_rule(W)` (the factor your LR rule gives W workers) then has the LR follow the live world.
+    With `min_workers`, the run goes on without failed or departed workers down to that many, and
+    workers joining it (`dptrain join`) enter while fewer than `max_workers` train (default: the
+    world it started with); `lr_rule(W)` (the factor your LR rule gives W workers) then has the LR follow the live world.
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, loss: Union[str, LossFn] = "cross-entropy",
@@ -101,7 +102,8 @@ class Trainer:
                  verbose: bool = True, loader_workers: int = 0, checkpoint_every: int = 0,
                  keep_checkpoints: int = 2, resume: bool = False, check_averages: bool = True,
                  stop_on_collapse: bool = False, lr_scale: float = 1.0, checkpoint_every_steps: int = 0,
-                 min_workers: Optional[int] = None, lr_rule: Optional[Callable[[int], float]] = None) -> None:
+                 min_workers: Optional[int] = None, max_workers: Optional[int] = None,
+                 lr_rule: Optional[Callable[[int], float]] = None) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer over the model's parameters, "
                             f"not {type(optimizer).__name__}")
@@ -125,6 +127,9 @@ class Trainer:
         # Live membership: with min_workers, a failed or frozen worker is left behind at the epoch it failed in
         # and the others redo that epoch together (dptrain.runtime.membership); None: a failure ends the run.
         self.min_workers = min_workers
+        if max_workers is not None and min_workers is None:
+            raise ValueError("max_workers needs min_workers: workers enter a run whose membership changes")
+        self.max_workers = max_workers  # joiners enter while fewer train (None: the world the run started with)
         # The factor the LR rule gives W workers (dptrain.lr_policy.lr_scale): after a membership change the LR
         # follows the live world (None: it is kept).
         self.lr_rule = lr_rule
@@ -343,8 +348,9 @@ class Trainer:
         ctx, requested = self.ctx, self.stop_signals.requested
         if self.min_workers is None or not self.strategy.meets_at_epoch_ends:
             return self.strategy.agree_stop(requested)
-        # Rank 0 also says which joiners are ready, while fewer workers train than the job started with.
-        ready = (joining.ready_joiners(ctx.group.store, self.recorder.job_world - ctx.world_size)
+        # Rank 0 also says which joiners are ready, while fewer workers train than max_workers (or the job's start).
+        room = (self.max_workers or self.recorder.job_world) - ctx.world_size
+        ready = (joining.ready_joiners(ctx.group.store, room)
                  if ctx.is_main and ctx.group.store is not None else ())
         if ctx.world_size == 1:
             self._joining = ready

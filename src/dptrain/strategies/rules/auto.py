@@ -30,8 +30,9 @@ class AutoRules(StrategyRules):
     @classmethod
     def check(cls, config: Any) -> None:
         check_min_workers(config)
-        if config.replace_workers and config.auto_candidates == "all":
-            raise ValueError("--replace-workers (and --workers MIN:MAX) do not apply to --auto-candidates all: it "
+        if (config.replace_workers or config.max_workers is not None) and config.auto_candidates == "all":
+            flag = "--replace-workers (and --workers MIN:MAX) do" if config.replace_workers else "--max-workers does"
+            raise ValueError(f"{flag} not apply to --auto-candidates all: it "
                              "may pick async, whose workers never stand at an epoch end together for a new one to "
                              "enter at; use --auto-candidates safe")
         if config.compression == "int8":
