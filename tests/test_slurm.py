@@ -155,3 +155,35 @@ def test_with_min_workers_the_node_of_rank_0_dies_and_the_job_finishes_on_the_ot
     assert history[1]["membership"] == {"generation": 1, "members": [1], "left": [0], "continued_from_epoch": 2}
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["workers"] == 1 and summary["launcher"] == "srun"
+
+
+def test_with_replace_workers_a_new_srun_step_takes_the_place_of_a_lost_rank(slurm_cluster, tmp_path):
+    # --replace-workers under srun: the store service on the batch host reads the ranks the others left out
+    # and starts a new step of one task for each (srun --overlap ... dptrain join RUN_DIR); the new worker
+    # takes the next rank of the job (2), enters at an epoch end healed from rank 0, and trains to the end.
+    env = {**slurm_cluster.env, "DPTRAIN_FAULT": "train-middle@1:2"}
+    digits = [arg for arg in DIGITS if arg not in ("--epochs", "10")]
+    result = subprocess.run([sys.executable, "-m", "dptrain", "launch", "--scheduler", "slurm", "--nodes", "2",
+                             "--dptrain", f"{sys.executable} -m dptrain", "--submit", "--wait", "--wait-timeout",
+                             "200", "--", *digits, "--epochs", "14", "--strategy", "sync", "--min-workers", "1",
+                             "--replace-workers", "--slow-worker", "0:40", "--out", "run"],
+                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    output = result.stdout + result.stderr
+    run = tmp_path / "run"
+    assert result.returncode == 0, output + slurm_cluster.logs()
+    script = (run / "job.slurm").read_text()
+    assert "--replace 2 --replace-command 'srun --overlap --nodes=1 --ntasks=1" in script, script
+    job_output = next(run.glob("slurm-*.out")).read_text()
+    assert "dptrain: starting a new worker in place of rank 1 (1 more may be replaced)" in job_output, job_output
+    assert f"dptrain: this worker (rank 2) trained with the others to the end of the run in {run}" in job_output
+    assert "the ranks left finished the run without the ranks that failed" in job_output, job_output
+    history = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    admitted = [i for i, record in enumerate(history) if record.get("membership", {}).get("joined")]
+    assert len(admitted) == 1, [record.get("membership") for record in history]
+    first = admitted[0]
+    assert history[first]["membership"]["members"] == [0, 2] and history[first]["membership"]["joined"] == [2]
+    assert [len(record["workers"]) for record in history] == [2] + [1] * (first - 1) + [2] * (len(history) - first)
+    assert all(sum(worker["samples"] for worker in record["workers"]) == 1437 for record in history)
+    assert not (run / "join.address").exists()
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["workers"] == 2 and summary["launcher"] == "srun"

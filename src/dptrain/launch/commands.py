@@ -207,7 +207,8 @@ def build_spec(args: argparse.Namespace, workdir: Path) -> JobSpec:
                    job_name=args.job_name, container=container, binds=tuple(binds), dptrain=args.dptrain or "dptrain",
                    stop_before=args.stop_before, stop_signal=args.stop_signal, max_requeues=args.max_requeues,
                    image=args.image,
-                   volumes=tuple(args.volume), elastic=config is not None and config.min_workers is not None)
+                   volumes=tuple(args.volume), elastic=config is not None and config.min_workers is not None,
+                   replacements=args.nodes * args.tasks_per_node if config is not None and config.replace_workers else 0)
 
 
 def main(args: argparse.Namespace) -> int:

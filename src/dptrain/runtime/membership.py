@@ -50,6 +50,8 @@ from dptrain.runtime.heartbeat import bounded
 
 PREFIX = "dptrain/membership/"
 STALL = 3.0  # seconds without a heartbeat after which a member that did not answer is left out
+REPLACING = PREFIX + "replacing"  # set by a store service that starts new workers for lost ranks (serve-store --replace)
+LOST = PREFIX + "lost"  # how many ranks agreements left out so far; LOST/N (from 1): the Nth one's rank
 EXITED = PREFIX + "exited/"  # + rank: the launcher serving the store saw that rank's process end
 
 
@@ -105,6 +107,10 @@ def _agree(group: Group, store, me: int, old: list[int], generation: int, epoch:
     if decider == me:
         decided = _decide(group, store, key, old, timeout, stall)
         bounded(lambda: store.set(f"{key}members", decided))
+        chosen = [int(rank) for rank in decided.split(";")[0].split(",")]
+        for rank in (rank for rank in old if rank not in chosen):  # what a store service replacing them reads
+            index = int(bounded(lambda: store.add(LOST, 1)))
+            bounded(lambda: store.set(f"{LOST}/{index}", str(rank)))
     else:
         try:
             bounded(lambda: store.wait([f"{key}members"]), timeout + stall + 10)
@@ -182,6 +188,13 @@ def _decide(group: Group, store, key: str, old: list[int], timeout: float, stall
             members = sorted(answered)
             return f"{','.join(map(str, members))};{min(answered.values())}"
         time.sleep(0.1)
+
+
+def lost_since(store, seen: int) -> tuple[int, list[int]]:
+    """The ranks agreements left out after the first `seen` ones (`dptrain serve-store --replace` starts a
+    worker for each): (how many so far, those ranks)."""
+    count = int(bounded(lambda: store.add(LOST, 0)))
+    return count, [int(bounded(lambda: store.get(f"{LOST}/{index}")).decode()) for index in range(seen + 1, count + 1)]
 
 
 def note(membership: Optional[Membership]) -> Optional[dict]:

@@ -271,6 +271,18 @@ def run_worker(config: TrainConfig, env: DistEnv) -> Summary:
         held.close()
 
 
+def _check_replacing(ctx) -> None:
+    """--replace-workers under srun: the store service must be the one starting the new workers."""
+    from dptrain.runtime.heartbeat import bounded
+    from dptrain.runtime.membership import REPLACING
+
+    store = ctx.group.store
+    if store is None or not bounded(lambda: store.check([REPLACING])):
+        raise UserError("--replace-workers under srun needs the job's store served by `dptrain serve-store "
+                        "--replace N`, which starts the new workers, as the job script of dptrain launch --scheduler "
+                        "slurm does; launch the job so, or drop --replace-workers (the others still go on)")
+
+
 def train_in_group(config: TrainConfig, env: DistEnv, ctx, held: ExitStack) -> Summary:
     """One run on a process group already joined (`ctx`), which stays up afterwards: a process may train
     several runs in turn (benchmarks/robustness.py). `held` keeps rank 0's lock on the run directory."""
@@ -280,6 +292,8 @@ def train_in_group(config: TrainConfig, env: DistEnv, ctx, held: ExitStack) -> S
         raise UserError(f"--min-workers needs dptrain's own launcher (dptrain train --workers N) or srun, which let "
                         f"the others go on when a worker fails; under {env.launcher} drop it (--max-restarts "
                         f"restarts all)")
+    if config.replace_workers and env.launched and env.launcher != "local":
+        _check_replacing(ctx)
     if env.launcher != "local":
         config = _join_run_dir(config, env, ctx, held)
     # validate() checked the data before spawning (or running alone); under other launchers rank 0 does.

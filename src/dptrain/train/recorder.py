@@ -125,10 +125,10 @@ class Recorder:
         "4 workers, 1 more than at the start (ranks 0, 1, 2, 3)" grown beyond it."""
         if self.members is None or len(self.members) == self.job_world:
             return ""
-        ranks = ", ".join(map(str, self.members))
+        ranks = f"rank{'s' if len(self.members) != 1 else ''} {', '.join(map(str, self.members))}"
         if len(self.members) > self.job_world:
-            return f"{before}{len(self.members)} workers, {len(self.members) - self.job_world} more than at the start (ranks {ranks})"
-        return f"{before}{len(self.members)} of {self.job_world} workers (ranks {ranks})"
+            return f"{before}{len(self.members)} workers, {len(self.members) - self.job_world} more than at the start ({ranks})"
+        return f"{before}{len(self.members)} of {self.job_world} workers ({ranks})"
 
     def _file(self, name: str) -> Optional[Path]:
         if not (self.is_main and self.out):
