@@ -345,6 +345,8 @@ CASES = [
          "'udocker:'"),
     case("launch-apptainer-without-image", lambda s: launch("--scheduler", "pbs", "--container", "apptainer:"),
          "'apptainer:'"),
+    case("launch-pbs-replace-workers", lambda s: [*launch("--scheduler", "pbs"), "--min-workers", "1",
+                                                  "--replace-workers"], "--replace-workers under --scheduler pbs"),
     case("launch-unknown-container-runtime", lambda s: launch("--scheduler", "slurm", "--container", "docker:img"),
          "'docker:img'"),
     case("launch-local-on-two-nodes", lambda s: launch("--scheduler", "local", "--nodes", "2"), "not 2"),

@@ -191,7 +191,8 @@ FLAG = re.compile(r"(?<![\w-])--[a-z][a-z-]*")  # not the ------ of a table's se
 FOREIGN_FLAGS = {"--nproc-per-node": "torchrun", "--ntasks": "srun", "--nodes": "srun", "--nv": "apptainer",
                  "--allow-root": "udocker", "--signal": "sbatch", "--requeue": "sbatch", "--fault-runs": "pytest",
                  "--fault-report": "pytest", "--save-faults": "pytest", "--logdir": "tensorboard",
-                 "--index-url": "pip", "--strict": "mkdocs", "--site-dir": "mkdocs", "--kill-on-bad-exit": "srun"}
+                 "--index-url": "pip", "--strict": "mkdocs", "--site-dir": "mkdocs", "--kill-on-bad-exit": "srun",
+                 "--overlap": "srun", "--enable-recovery": "mpirun", "--max-np": "horovodrun"}
 TEXT = {page: page.read_text() for page in PAGES}
 
 

@@ -24,7 +24,8 @@ from typing import Mapping, Optional
 
 from dptrain.cluster.base import Job, Placement
 from dptrain.cluster.containers import rank_command
-from dptrain.cluster.spec import (JobSpec, command_environment, header, ignoring, process_environment, quote,
+from dptrain.cluster.spec import (STOP_SIGNALS, JobSpec, command_environment, header, ignoring, process_environment, quote,
+                                  serve_store,
                                   rank_environment)
 from dptrain.cluster.submit import JobStatus, run_tool
 
@@ -63,6 +64,17 @@ def render(spec: JobSpec) -> str:
         # mpirun signals each rank's whole process group: the container runtime must not die of it; the
         # rank inside handles it.
         command = ignoring(ignore) + command
+    port = "$((20000 + 10#0${PBS_JOBID//[!0-9]/} % 20000))"
+    elastic = bool(serve_store(spec, port))
+    exits = f"{spec.run_dir}/.exits-$PBS_JOBID"
+    if elastic:
+        # --enable-recovery: mpirun keeps the other ranks running when one fails, and then ends with 0
+        # whatever its ranks did, so each rank's own exit code is written beside the run (a shell that
+        # outlives the rank, and does not die of the stop signals mpirun passes on to its process group).
+        forwarded += " MASTER_PORT DPTRAIN_STORE_SERVED"
+        command = (f"bash -c 'trap \"\" {' '.join(STOP_SIGNALS)}; \"$@\"; code=$?; mkdir -p \"$DPTRAIN_EXITS\"; "
+                   f"echo \"$code\" > \"$DPTRAIN_EXITS/rank-$OMPI_COMM_WORLD_RANK\"; exit \"$code\"' rank " + command)
+        forwarded += " DPTRAIN_EXITS"
     lines = [
         *header(spec, "PBS job"),
         *(f"#PBS {d}" for d in directives),
@@ -76,7 +88,9 @@ def render(spec: JobSpec) -> str:
         "export MASTER_ADDR",
         *process_environment(spec),
         'echo "dptrain: job $PBS_JOBID on $(sort -u "$PBS_NODEFILE" | paste -sd,), rendezvous $MASTER_ADDR"',
-        *command_environment(spec, "$((20000 + 10#0${PBS_JOBID//[!0-9]/} % 20000))"),
+        *command_environment(spec, port),
+        *serve_store(spec, port),
+        *([f'export DPTRAIN_EXITS={quote([spec.run_dir])}/.exits-"$PBS_JOBID"'] if elastic else []),
         *([""] + setup if setup else []),
         "",
         "# Ranks on other nodes start in their own environment: mpirun hands them these variables, and",
@@ -86,14 +100,17 @@ def render(spec: JobSpec) -> str:
         '    if [ -n "${!name:-}" ]; then forward+=(-x "$name"); fi',
         "done",
         "",
-        "# One process per rank (one container each), started by the host's Open MPI.",
+        *(["# One process per rank, started by the host's Open MPI; --min-workers: when ranks fail, mpirun",
+           "# (--enable-recovery) keeps the others running and they go on without them."] if elastic else
+          ["# One process per rank (one container each), started by the host's Open MPI."]),
         f'mpirun -np {spec.world_size} --hostfile "$PBS_NODEFILE" --map-by ppr:{spec.tasks_per_node}:node '
-        f'--bind-to none "${{forward[@]}}" {command} &',
+        f'--bind-to none {"--enable-recovery " if elastic else ""}"${{forward[@]}}" {command} &',
         "launcher=$!",
         *warning(spec),
         "status=0",
         'wait "$launcher" || status=$?',
         *(['kill "$timer" 2>/dev/null || true'] if warning(spec) else []),
+        *(elastic_status(spec) if elastic else []),
         "",
         "# Ranks that saved their state and exited with 75 are resumed by the same script, submitted again to",
         f"# start after this job (qrerun needs PBS operator privilege); at most {spec.max_requeues} times (--max-requeues).",
@@ -109,6 +126,25 @@ def render(spec: JobSpec) -> str:
         'exit "$status"',
     ]
     return "\n".join(lines) + "\n"
+
+
+def elastic_status(spec: JobSpec) -> list[str]:
+    """Script lines that set the job's status from its ranks' own exit codes (mpirun --enable-recovery ends
+    with 0 whatever they did): 0 when the ranks left finished the run (summary.json), else 75 when a rank
+    stopped to be resumed, else the first failure's code."""
+    summary = quote([spec.run_dir + "/summary.json"])
+    return ['codes=$(cat "$DPTRAIN_EXITS"/rank-* 2>/dev/null || true)',
+            'rm -rf "$DPTRAIN_EXITS"',
+            f"if [ -f {summary} ]; then",
+            '    if [ -n "$codes" ] && grep -qvx 0 <<< "$codes"; then',
+            '        echo "dptrain: the ranks left finished the run without the ranks that failed (exit codes" $codes")"',
+            "    fi",
+            "    status=0",
+            'elif grep -qx 75 <<< "$codes"; then',
+            "    status=75",
+            'elif failed=$(grep -vx 0 <<< "$codes" | head -n 1) && [ -n "$failed" ]; then',
+            '    status=$failed',
+            "fi"]
 
 
 def warning(spec: JobSpec) -> list[str]:

@@ -17,7 +17,7 @@ import hostlist
 from dptrain.cluster.base import Job, Placement, integer
 from dptrain.cluster.containers import rank_command
 from dptrain.cluster.spec import (STOP_SIGNALS, JobSpec, command_environment, header, process_environment, quote,
-                                  rank_environment)
+                                  rank_environment, serve_store)
 from dptrain.cluster.submit import JobStatus, run_tool
 from dptrain.errors import UserError
 
@@ -88,7 +88,7 @@ def render(spec: JobSpec) -> str:
         *process_environment(spec),
         'echo "dptrain: job $SLURM_JOB_ID on $SLURM_JOB_NODELIST, rendezvous $MASTER_ADDR"',
         *command_environment(spec, "$((20000 + SLURM_JOB_ID % 20000))"),
-        *serve_store(spec),
+        *serve_store(spec, "$((20000 + SLURM_JOB_ID % 20000))", replace_step(spec)),
         *([""] + setup if setup else []),
         "",
         *(["# One process per rank (one container each). --min-workers: when ranks fail, srun keeps the others",
@@ -113,28 +113,12 @@ def render(spec: JobSpec) -> str:
     return "\n".join(lines) + "\n"
 
 
-def serve_store(spec: JobSpec) -> list[str]:
-    """Script lines that serve the ranks' store from the batch host (`dptrain serve-store`), so that any rank may be
-    lost, rank 0 too: for a dptrain train job with --min-workers outside a container."""
-    if not spec.elastic or spec.command or spec.container is not None:
-        return []
-    run_dir = quote([spec.run_dir])
-    replace = []
-    if spec.replacements:
-        # A new step of one task on a node of the allocation, sharing the CPUs of the ranks' step (--overlap:
-        # SLURM keeps a step's resources until all of its tasks end, the lost rank's too).
-        step = (f"srun --overlap --nodes=1 --ntasks=1 --cpus-per-task={spec.cpus_per_task} --kill-on-bad-exit=1 "
-                f"{spec.dptrain} join {run_dir}")
-        replace = [f"--replace {spec.replacements} --replace-command {quote([step])}"]
-    return ["",
-            "# --min-workers: the ranks' store is served here, not by rank 0, so that any rank may be lost;",
-            "# RUN_DIR/join.address says where while it runs (dptrain join RUN_DIR from any node of the job)"
-            + (", and it starts a new worker in place of each rank lost (--replace-workers)." if replace else "."),
-            "export MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000)) DPTRAIN_STORE_SERVED=1",
-            f'{spec.dptrain} serve-store --host "$MASTER_ADDR" --port "$MASTER_PORT" --world {spec.world_size} '
-            f"--run-dir {run_dir} {' '.join(replace)}".rstrip() + " &",
-            "store_pid=$!",
-            'trap \'kill "$store_pid" 2>/dev/null || true\' EXIT']
+def replace_step(spec: JobSpec) -> str:
+    """The job step that starts one new worker in place of a lost rank (--replace-workers): one task on a node
+    of the allocation, sharing the CPUs of the ranks' step (--overlap: SLURM keeps a step's resources until
+    all of its tasks end, the lost rank's too)."""
+    return (f"srun --overlap --nodes=1 --ntasks=1 --cpus-per-task={spec.cpus_per_task} --kill-on-bad-exit=1 "
+            f"{spec.dptrain} join {quote([spec.run_dir])}")
 
 
 def output_path(run_dir: Path, job_id: str) -> Path:

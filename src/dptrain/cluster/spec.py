@@ -61,6 +61,10 @@ class JobSpec:
         if self.scheduler not in registry.names("scheduler"):
             raise UserError(f"--scheduler {self.scheduler!r} is not known; "
                             f"use one of {', '.join(registry.names('scheduler'))}")
+        if self.replacements and self.scheduler not in ("slurm", "local"):
+            raise UserError(f"--replace-workers under --scheduler {self.scheduler}: only SLURM jobs (a new job step "
+                            "in place of a lost rank) and local ones start new workers; drop it (with --min-workers "
+                            "the others still go on)")
         for name in ("nodes", "tasks_per_node", "cpus_per_task"):
             if getattr(self, name) < 1:
                 raise UserError(f"--{name.replace('_', '-')} {getattr(self, name)} must be at least 1")
@@ -131,6 +135,27 @@ def command_environment(spec: JobSpec, port: str) -> list[str]:
             "# MASTER_PORT, WORLD_SIZE and RANK (each rank's own, set as it starts; LOCAL_RANK too).",
             f"export MASTER_PORT={port} WORLD_SIZE={spec.world_size} LOCAL_WORLD_SIZE={spec.tasks_per_node} "
             f"DPTRAIN_RUN_DIR={quote([spec.run_dir])}"]
+
+
+def serve_store(spec: JobSpec, port: str, replace_step: str = "") -> list[str]:
+    """Script lines that serve the ranks' store from the batch host (`dptrain serve-store`, at MASTER_ADDR and
+    the shell arithmetic `port`), so that any rank may be lost, rank 0 too: for a dptrain train job with
+    --min-workers outside a container. With `replace_step` (a command line that starts one worker, `dptrain
+    join RUN_DIR` in a new job step) it starts one in place of each rank lost, up to spec.replacements."""
+    if not spec.elastic or spec.command or spec.container is not None:
+        return []
+    run_dir = quote([spec.run_dir])
+    replace = (f" --replace {spec.replacements} --replace-command {quote([replace_step])}"
+               if spec.replacements and replace_step else "")
+    return ["",
+            "# --min-workers: the ranks' store is served here, not by rank 0, so that any rank may be lost;",
+            "# RUN_DIR/join.address says where while it runs (dptrain join RUN_DIR from any node of the job)"
+            + (", and it starts a new worker in place of each rank lost (--replace-workers)." if replace else "."),
+            f"export MASTER_PORT={port} DPTRAIN_STORE_SERVED=1",
+            f'{spec.dptrain} serve-store --host "$MASTER_ADDR" --port "$MASTER_PORT" --world {spec.world_size} '
+            f"--run-dir {run_dir}{replace} &",
+            "store_pid=$!",
+            'trap \'kill "$store_pid" 2>/dev/null || true\' EXIT']
 
 
 def rank_environment(rank: str, local_rank: str, *, ignore: str = "") -> str:

@@ -191,7 +191,14 @@ def build_spec(args: argparse.Namespace, workdir: Path) -> JobSpec:
             if without_out(train_args) != train_args:
                 raise UserError("--out is given twice, before and after '--'; give the run directory once")
             train_args += ["--out", args.out]
-        config = train_config(train_args)
+        # The job's ranks are its --workers (a scheduler's launcher starts them, dptrain train spawns nothing):
+        # --min-workers is checked against them, here and on the ranks, who are told so where it is given.
+        world = (["--workers", str(args.nodes * args.tasks_per_node)]
+                 if args.nodes >= 1 and args.tasks_per_node >= 1 and not any(
+                     word == "--workers" or word.startswith("--workers=") for word in train_args) else [])
+        config = train_config(train_args + world)
+        if config.min_workers is not None:
+            train_args += world
         check_files(config, workdir)
         from dptrain.train.rundir import default_run_dir
 

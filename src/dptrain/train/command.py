@@ -28,7 +28,7 @@ from dptrain.io import write_text
 from dptrain.models import build_model, check_output_shape
 from dptrain.models import check_name as check_model_name
 from dptrain.runtime.distributed import (choose_device, destroy_process_group, init_process_group, report_error,
-                                         set_cpu_threads)
+                                         set_cpu_threads, store_served)
 from dptrain.runtime.env import DistEnv, detect
 from dptrain.runtime.launcher import NOT_RESTARTED, launch_local
 from dptrain.runtime.prestart import prestart, quiet_cpp_logs_of_children
@@ -271,6 +271,16 @@ def run_worker(config: TrainConfig, env: DistEnv) -> Summary:
         held.close()
 
 
+def _goes_on_without_a_rank(env: DistEnv) -> bool:
+    """Whether the launcher keeps the other ranks running when one fails (--min-workers): dptrain's own, srun
+    (the job script's --kill-on-bad-exit=0), Open MPI's mpirun with --enable-recovery (4.x says so to its
+    ranks) around a store that rank 0 does not serve."""
+    if env.launcher in ("local", "srun"):
+        return True
+    return (env.launcher == "mpirun" and os.environ.get("OMPI_MCA_orte_enable_recovery") == "1"
+            and store_served())
+
+
 def _check_replacing(ctx) -> None:
     """--replace-workers under srun: the store service must be the one starting the new workers."""
     from dptrain.runtime.heartbeat import bounded
@@ -286,12 +296,16 @@ def _check_replacing(ctx) -> None:
 def train_in_group(config: TrainConfig, env: DistEnv, ctx, held: ExitStack) -> Summary:
     """One run on a process group already joined (`ctx`), which stays up afterwards: a process may train
     several runs in turn (benchmarks/robustness.py). `held` keeps rank 0's lock on the run directory."""
-    if config.min_workers is not None and env.launched and env.launcher not in ("local", "srun"):
-        # mpirun and torchrun's agent stop every rank when one fails; srun keeps them with --kill-on-bad-exit=0,
-        # as dptrain launch's job script runs it with --min-workers.
-        raise UserError(f"--min-workers needs dptrain's own launcher (dptrain train --workers N) or srun, which let "
-                        f"the others go on when a worker fails; under {env.launcher} drop it (--max-restarts "
-                        f"restarts all)")
+    if config.min_workers is not None and env.launched and not _goes_on_without_a_rank(env):
+        # torchrun's agent stops every rank when one fails; srun keeps them with --kill-on-bad-exit=0, Open MPI's
+        # mpirun with --enable-recovery, as dptrain launch's job scripts run them with --min-workers.
+        if env.launcher == "mpirun":
+            raise UserError("--min-workers under mpirun needs mpirun --enable-recovery (else it stops every rank "
+                            "when one fails) and the ranks' store served by dptrain serve-store (DPTRAIN_STORE_SERVED=1"
+                            "), as the job script of dptrain launch --scheduler pbs does; or drop --min-workers")
+        raise UserError(f"--min-workers needs dptrain's own launcher (dptrain train --workers N), srun or mpirun "
+                        f"--enable-recovery, which let the others go on when a worker fails; under {env.launcher} "
+                        f"drop it (--max-restarts restarts all)")
     if config.replace_workers and env.launched and env.launcher != "local":
         _check_replacing(ctx)
     if env.launcher != "local":
