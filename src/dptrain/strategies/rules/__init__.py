@@ -66,7 +66,8 @@ def check_min_workers(config: Any) -> None:
         return
     if config.min_workers > config.workers:
         raise ValueError(f"--min-workers {config.min_workers} is more than --workers {config.workers}; "
-                         f"use 1 to {config.workers}")
+                         f"use 1 to {config.workers} (started by srun or mpirun yourself, give --workers as the "
+                         "job's ranks)")
     if config.checkpoint_every_steps:
         raise ValueError("--min-workers goes back to the start of an epoch when a worker is lost, which "
                          "--checkpoint-every-steps does not keep yet; drop one of them")
