@@ -16,8 +16,11 @@ Kinds of run (--kinds picks some; default all):
 - replace: --workers 3:4 (torchrun's MIN:MAX): as survive, and the launcher starts a new worker in place
   of the failed one, which joins at an epoch end and heals from rank 0; --replace-runs per strategy
   (default 10; none under async, which refuses --workers MIN:MAX). Each result says whether a worker
-  joined (a metrics.jsonl record whose "membership" has "joined") and how many workers were live at the
-  end (summary.json "workers");
+  joined (a metrics.jsonl record whose "membership" has "joined"), how long after the kill rank 0 said it
+  joined (join_seconds: the stamp of its `rank N joined after epoch E` line less the kill time) and how
+  many workers were live at the end (summary.json "workers"). A replacement starts a Python process
+  that imports torch and loads the data, seconds of work: give runs long enough for it (--epochs 60, and
+  --kill-within 0.5 to kill in the first half of the run only);
 - restart: --max-restarts 1: the launcher stops every worker and starts all four again from the last
   complete checkpoint; --reference-runs per strategy;
 - torchrun-clean and torchrun-restart: PyTorch's own fault-tolerant recipe, a textbook DDP script that
@@ -79,6 +82,7 @@ TIMEOUT = 600  # seconds a run may take before it counts as hung (its process gr
 
 
 BOUNDARY = re.compile(r"\bepoch (\d+)/(\d+)(?:\s+train_loss| done\b)")  # dptrain's epoch line, textbook_ddp's
+JOINED = re.compile(r"\brank \d+ joined after epoch (\d+)")  # rank 0's line when a replacement entered
 
 
 def stream(pipe, lines: list, stamps: list | None) -> None:
@@ -188,6 +192,8 @@ def run_once(kind: str, strategy: str, out: Path, rank: int, step: int) -> dict:
         result.update(time_lost(out_lines, stamps, kill, step, steps_per_epoch, began_wall))
     if kind == "replace":
         result["joined"] = joined
+        entered = next((stamp for line, stamp in zip(out_lines, stamps) if JOINED.search(line)), None)
+        result["join_seconds"] = entered - kill if entered is not None and kill is not None else None
     if code != 0 or accuracy is None:
         result["stdout_tail"], result["stderr_tail"] = stdout[-2000:], stderr[-4000:]
     return result
@@ -248,8 +254,10 @@ def report(results: list[dict], strategy: str, kinds: list[str]) -> str:
     if replaced:
         full = sum(r["workers_at_end"] == WORKERS for r in replaced)
         joined = sum(bool(r.get("joined")) for r in replaced)
+        waits = [r["join_seconds"] for r in replaced if r.get("join_seconds") is not None]
         lines += ["", f"replace: {full} of {len(replaced)} runs ended with {WORKERS} workers; a worker joined in "
-                      f"{joined}."]
+                      f"{joined}" + (f", {number(median(waits), '.1f')} s after the kill (median; "
+                                     f"{min(waits):.1f}–{max(waits):.1f} s)." if waits else ".")]
     elif strategy == "async" and "replace" in kinds:
         lines += ["", "replace: not run (async refuses --workers MIN:MAX)."]
     lines += ["", f"Time lost against survive: restart / survive {ratio(measured['restart']['lost'], survive)}x, "
@@ -283,6 +291,7 @@ def write(out: Path, results: list[dict], strategies: list[str], kinds: list[str
 
 
 def main() -> None:
+    global EPOCHS
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=20, help="faulted survive runs per strategy (default 20)")
     parser.add_argument("--replace-runs", type=int, default=10, help="replace runs per strategy (default 10)")
@@ -292,9 +301,15 @@ def main() -> None:
     parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=STRATEGIES)
     parser.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS,
                         help="kinds of run to make (default all); the others are not run")
+    parser.add_argument("--epochs", type=int, default=EPOCHS, help=f"epochs of every run (default {EPOCHS})")
+    parser.add_argument("--kill-within", type=float, default=1.0, metavar="FRACTION",
+                        help="kill after a step drawn from this first part of the run only (default 1: all of it)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "elastic"))
     args = parser.parse_args()
+    if args.epochs < 2 or not 0 < args.kill_within <= 1:
+        parser.error(f"--epochs {args.epochs} must be 2 or more and --kill-within {args.kill_within:g} in (0, 1]")
+    EPOCHS = args.epochs
     kinds = [kind for kind in KINDS if kind in args.kinds]
     counts = {"clean": args.reference_runs, "survive": args.runs, "replace": args.replace_runs,
               "restart": args.reference_runs, "torchrun-clean": args.reference_runs,
@@ -309,7 +324,7 @@ def main() -> None:
         for strategy in [*args.strategies, None]:
             # async holds the global model on rank 0: losing it is fatal by design, so a worker rank is drawn
             rank = rng.randint(1 if strategy == "async" else 0, WORKERS - 1)
-            step = rng.randint(1, EPOCHS * STEPS_PER_EPOCH - 1)
+            step = rng.randint(1, max(1, int(args.kill_within * EPOCHS * STEPS_PER_EPOCH) - 1))
             for kind in KINDS:
                 if strategy == "async" and kind == "replace":
                     continue  # async refuses --workers MIN:MAX

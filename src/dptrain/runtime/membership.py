@@ -24,13 +24,21 @@ Under dptrain's launcher with --min-workers the launcher serves the store (dptra
 STORE_SERVED), so any rank may be lost, rank 0 included: the lowest rank left becomes rank 0 of the
 new group and writes the results from then on. Where rank 0 hosts the store, losing it ends the run.
 
+No majority vote is needed against split brain: each generation has one decider (the store's
+compare-and-set) and one list of members, so two parts of the job can never both go on as the run; a
+rank that cannot reach the store cannot answer and is left out. The price is the store's host, which
+must stay up (dptrain's launcher, or `dptrain serve-store` on a job's batch host; torchft's lighthouse
+is the same single point). Each rank the agreements leave out is recorded (`LOST`, `lost_since`) for a
+store service that starts new workers in their place (`dptrain serve-store --replace N`, SLURM).
+
 Joining (a replacement the launcher starts for a lost worker, --replace-workers, or `dptrain join RUN_DIR`):
 
 1. the joiner takes the next rank of the job (`take_rank`: the job's first WORLD ranks, then one more per
    joiner), prepares everything that needs no other worker (imports, data, model) and says it is ready
    (`announce`, key `join/RANK`), beating its heartbeat from then on;
 2. at the next epoch end the members' rank 0 reads the joiners ready (`ready_joiners`) while there is room
-   (fewer live workers than --max-workers, by default than the job started with) and tells the others in the epoch end's stop check;
+   (fewer live workers than --max-workers, by default than the job started with) and tells the others
+   in the epoch end's stop check;
 3. every member and joiner builds the group of members + joiners (generation N); rank 0 tells each joiner
    its admission first (`admit/RANK`: "GENERATION;RANKS;EPOCH"), which the joiner waits for (`admission`);
 4. rank 0 hands its whole state (model, optimizer, schedule, strategy state, epoch, step, history) to the
