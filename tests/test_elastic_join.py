@@ -195,11 +195,18 @@ def test_info_on_a_run_directory_shows_its_live_workers_and_each_change(tmp_path
     with lock_run_dir(str(run)):  # a launcher holds it while its workers run, and says where joiners connect
         (run / "join.address").write_text("127.0.0.1:1234\n")
         report = run_report(run)
+        # a worker lost since: a place is free again
+        lost = {"epoch": 5, "membership": {**left, "generation": 3, "continued_from_epoch": 5}}
+        (run / "metrics.jsonl").write_text("".join(json.dumps(record) + "\n" for record in [*records, lost]))
+        assert run_report(run)["elastic"] == ("goes on down to 2 workers, each failed one replaced; `dptrain join` "
+                                              "adds a worker now (2 of 3 train)")
+        (run / "metrics.jsonl").write_text("".join(json.dumps(record) + "\n" for record in records))
     assert report == {"run": str(run), "state": "running", "strategy": "sync", "epochs recorded": "4 of 6",
                       "live workers": "3 (ranks 0, 2, 3 of the job)",
                       "membership 1": "without rank 1: 2 workers from epoch 2",
                       "membership 2": "rank 3 joined: 3 workers from epoch 4",
-                      "elastic": "goes on down to 2 workers, each failed one replaced; `dptrain join` adds a worker now"}
+                      "elastic": "goes on down to 2 workers, each failed one replaced; `dptrain join` waits as a spare "
+                                 "now (3 of 3 train)"}
     (run / "join.address").unlink()
     assert run_report(run)["state"] == "stopped"
     result = dptrain("info", str(run), cwd=tmp_path, env={"COLUMNS": "200"})

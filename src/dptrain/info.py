@@ -80,9 +80,16 @@ def run_report(run_dir: Path) -> dict:
                              + (", each failed one replaced" if config.get("replace_workers") else "")
                              + (f", grows up to {config['max_workers']} with `dptrain join`"
                                 if config.get("max_workers") else "")
-                             + ("; `dptrain join` adds a worker now" if running and (run_dir / JOIN_FILE).exists()
-                                else ""))
+                             + (_takes_one(config, members) if running and (run_dir / JOIN_FILE).exists() else ""))
     return report
+
+
+def _takes_one(config: dict, members: list) -> str:
+    """Whether a worker `dptrain join` adds enters at the next epoch end, or waits as a spare for a place."""
+    most = int(config.get("max_workers") or config.get("workers", 1))
+    if len(members) < most:
+        return f"; `dptrain join` adds a worker now ({len(members)} of {most} train)"
+    return f"; `dptrain join` waits as a spare now ({most} of {most} train)"
 
 
 def _ranks(ranks) -> str:
