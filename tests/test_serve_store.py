@@ -73,6 +73,27 @@ def test_it_says_where_it_serves_and_starts_a_new_worker_for_each_rank_left_out_
     assert not (run / "join.address").exists()  # removed when it stops
 
 
+def test_a_new_worker_that_cannot_start_is_said_once_and_the_store_goes_on_serving(tmp_path):
+    port = free_port()
+    service = subprocess.Popen([sys.executable, "-m", "dptrain", "serve-store", "--host", "127.0.0.1", "--port",
+                                str(port), "--world", "2", "--replace", "2", "--replace-command",
+                                str(tmp_path / "no-such-program")], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True)
+    try:
+        store = job_store(dist.TCPStore("127.0.0.1", port, None, False, datetime.timedelta(seconds=30)))
+        store.set(f"{LOST}/{store.add(LOST, 1)}", "1")
+        time.sleep(2)
+        store.set("still", "serving")
+        assert store.get("still") == b"serving"
+        service.send_signal(signal.SIGTERM)
+        out, err = service.communicate(timeout=30)
+    finally:
+        service.kill()
+    assert service.returncode == 0, err
+    assert out.splitlines()[2:] == [f"dptrain: no more new workers in place of lost ranks: FileNotFoundError: [Errno 2] "
+                                    f"No such file or directory: '{tmp_path / 'no-such-program'}'"]
+
+
 @pytest.mark.parametrize("args, message", [
     (["--world", "0"], "--world 0 must be at least 1 (the job's ranks)"),
     (["--port", "0"], "--port 0 must be between 1 and 65535"),

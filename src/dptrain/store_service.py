@@ -91,16 +91,27 @@ def main(args: argparse.Namespace) -> int:
         while not stop.wait(POLL if deadline is None else max(0.0, min(POLL, deadline - time.monotonic()))):
             if deadline is not None and time.monotonic() >= deadline:
                 break
+            # The store must outlive anything going wrong here: each failure is said once, and serving goes on.
             if join_file is not None and not written and (run_dir / "config.yaml").is_file():
-                write_text(join_file, f"{args.host}:{args.port}\n")
-                written = True
+                try:
+                    write_text(join_file, f"{args.host}:{args.port}\n")
+                    written = True
+                except OSError as exc:
+                    print(f"dptrain: cannot write {join_file} ({exc.strerror or exc}); dptrain join will not find "
+                          "this run", flush=True)
+                    join_file = None
             if left > 0:
-                seen, lost = lost_since(ranks, seen)
-                for rank in lost[:left]:
-                    left -= 1
-                    print(f"dptrain: starting a new worker in place of rank {rank} ({left} more may be "
-                          f"replaced): {args.replace_command}", flush=True)
-                    started.append(subprocess.Popen(shlex.split(args.replace_command)))
+                try:
+                    seen, lost = lost_since(ranks, seen)
+                    for rank in lost[:left]:
+                        left -= 1
+                        print(f"dptrain: starting a new worker in place of rank {rank} ({left} more may be "
+                              f"replaced): {args.replace_command}", flush=True)
+                        started.append(subprocess.Popen(shlex.split(args.replace_command)))
+                except Exception as exc:  # noqa: BLE001 - a command that cannot start, a store call that fails
+                    print(f"dptrain: no more new workers in place of lost ranks: {type(exc).__name__}: {exc}",
+                          flush=True)
+                    left = 0
     finally:
         if written:
             join_file.unlink(missing_ok=True)
