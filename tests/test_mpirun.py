@@ -65,8 +65,9 @@ def pbs_environment(tmp_path, slots: int) -> dict:
 def pbs_job(tmp_path, *train_args: str, fault: str) -> tuple[subprocess.CompletedProcess, str]:
     """`dptrain launch --scheduler pbs` writes the job script of 3 ranks on one node, which runs here as PBS
     would run it (no qsub: the script itself, with PBS's variables): (how it ended, its output)."""
+    digits = DIGITS if "--epochs" not in train_args else [arg for arg in DIGITS if arg not in ("--epochs", "10")]
     written = subprocess.run([sys.executable, "-m", "dptrain", "launch", "--scheduler", "pbs", "--nodes", "1",
-                              "--tasks-per-node", "3", "--dptrain", f"{sys.executable} -m dptrain", "--", *DIGITS,
+                              "--tasks-per-node", "3", "--dptrain", f"{sys.executable} -m dptrain", "--", *digits,
                               *train_args, "--out", "run"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert written.returncode == 0, written.stderr
     result = subprocess.run(["bash", str(tmp_path / "run" / "job.pbs")], cwd=tmp_path, capture_output=True, text=True,
@@ -91,6 +92,26 @@ def test_a_pbs_job_with_min_workers_goes_on_under_mpirun_without_a_killed_rank(t
     assert history[1]["membership"] == {"generation": 1, "members": [0, 2], "left": [1], "continued_from_epoch": 2}
     assert summary(tmp_path / "run")["launcher"] == "mpirun"
     assert not list((tmp_path / "run").glob(".exits-*"))  # the ranks' exit codes are read, then removed
+
+
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="not installed on this machine: mpirun (openmpi-bin)")
+def test_a_pbs_job_with_replace_workers_starts_a_new_worker_in_place_of_a_killed_rank(tmp_path):
+    # The store service on the first node starts `dptrain join RUN_DIR` there in place of rank 1: it takes the
+    # next rank of the job (3), enters at an epoch end healed from rank 0, and trains to the end.
+    result, output = pbs_job(tmp_path, "--strategy", "sync", "--min-workers", "2", "--replace-workers", "--epochs",
+                             "14", "--slow-worker", "0:40", fault="train-middle@1:2")
+    assert result.returncode == 0, output
+    assert "dptrain: starting a new worker in place of rank 1 (2 more may be replaced)" in output, output
+    assert f"dptrain: this worker (rank 3) trained with the others to the end of the run in {tmp_path / 'run'}" \
+        in output, output
+    history = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    admitted = [i for i, record in enumerate(history) if record.get("membership", {}).get("joined")]
+    assert len(admitted) == 1, [record.get("membership") for record in history]
+    first = admitted[0]
+    assert history[first]["membership"]["members"] == [0, 2, 3]
+    assert [len(record["workers"]) for record in history] == [3] + [2] * (first - 1) + [3] * (len(history) - first)
+    assert all(sum(worker["samples"] for worker in record["workers"]) == 1437 for record in history)
+    assert summary(tmp_path / "run")["workers"] == 3
 
 
 @pytest.mark.skipif(shutil.which("mpirun") is None, reason="not installed on this machine: mpirun (openmpi-bin)")

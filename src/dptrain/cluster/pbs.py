@@ -65,7 +65,10 @@ def render(spec: JobSpec) -> str:
         # rank inside handles it.
         command = ignoring(ignore) + command
     port = "$((20000 + 10#0${PBS_JOBID//[!0-9]/} % 20000))"
-    elastic = bool(serve_store(spec, port))
+    # --replace-workers: a new worker in place of a lost rank runs on this first node of the job, beside the
+    # store (PBS counts it among the job's processes there); it shares that node's CPUs with its ranks.
+    replace = f"{spec.dptrain} join {quote([spec.run_dir])}"
+    elastic = bool(serve_store(spec, port, replace))
     exits = f"{spec.run_dir}/.exits-$PBS_JOBID"
     if elastic:
         # --enable-recovery: mpirun keeps the other ranks running when one fails, and then ends with 0
@@ -89,7 +92,7 @@ def render(spec: JobSpec) -> str:
         *process_environment(spec),
         'echo "dptrain: job $PBS_JOBID on $(sort -u "$PBS_NODEFILE" | paste -sd,), rendezvous $MASTER_ADDR"',
         *command_environment(spec, port),
-        *serve_store(spec, port),
+        *serve_store(spec, port, replace),
         *([f'export DPTRAIN_EXITS={quote([spec.run_dir])}/.exits-"$PBS_JOBID"'] if elastic else []),
         *([""] + setup if setup else []),
         "",

@@ -61,10 +61,9 @@ class JobSpec:
         if self.scheduler not in registry.names("scheduler"):
             raise UserError(f"--scheduler {self.scheduler!r} is not known; "
                             f"use one of {', '.join(registry.names('scheduler'))}")
-        if self.replacements and self.scheduler not in ("slurm", "local"):
-            raise UserError(f"--replace-workers under --scheduler {self.scheduler}: only SLURM jobs (a new job step "
-                            "in place of a lost rank) and local ones start new workers; drop it (with --min-workers "
-                            "the others still go on)")
+        if self.replacements and self.scheduler not in ("slurm", "pbs", "local"):
+            raise UserError(f"--replace-workers under --scheduler {self.scheduler}: only SLURM, PBS and local jobs "
+                            "start new workers in place of lost ones; drop it")
         for name in ("nodes", "tasks_per_node", "cpus_per_task"):
             if getattr(self, name) < 1:
                 raise UserError(f"--{name.replace('_', '-')} {getattr(self, name)} must be at least 1")
