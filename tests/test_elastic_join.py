@@ -116,7 +116,7 @@ def test_max_workers_lets_a_joiner_grow_the_run_beyond_the_workers_it_started_wi
     run = tmp_path / "grown"
     joined, out = train_while_one_joins(
         tmp_path, run, ["--strategy", "sync", "--workers", "2", "--min-workers", "2", "--max-workers", "3",
-                        "--epochs", "6", "--lr", "0.05", "--lr-scaling", "auto", "--slow-worker", "0:20"])
+                        "--epochs", "6", "--lr", "0.05", "--lr-scaling", "auto", *SLOW_RANK_0])
     assert f"dptrain: this worker (rank 2) trained with the others to the end of the run in {run}" in joined.stdout
     history = records(run)
     first = grown(history, 2)  # the job's ranks 0 and 1, then the first joiner's: 2
