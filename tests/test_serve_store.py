@@ -119,6 +119,6 @@ def test_replace_workers_under_srun_needs_a_store_service_that_replaces():
     ctx = SimpleNamespace(group=SimpleNamespace(store=store))
     with pytest.raises(UserError, match=r"--replace-workers under srun needs the job's store served by `dptrain "
                                         r"serve-store --replace N`"):
-        _check_replacing(ctx)
+        _check_replacing(ctx, "srun")
     store.set(REPLACING, "2")
-    _check_replacing(ctx)
+    _check_replacing(ctx, "srun")

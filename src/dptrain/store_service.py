@@ -12,7 +12,8 @@ config.yaml is there), so that `dptrain join RUN_DIR` adds a worker from any nod
 removes the file when it stops. With --replace N it also starts a new worker for each of up to N ranks
 the others went on without (the ranks record each one they leave out in the store): it runs
 --replace-command, which the SLURM job script makes a new step (`srun --overlap --nodes=1 --ntasks=1
-... dptrain join RUN_DIR`); the new worker enters at the next epoch end, healed from a live one.
+... dptrain join RUN_DIR`) and the PBS one `dptrain join RUN_DIR` on its first node; the new worker
+enters at the next epoch end, healed from a live one.
 """
 
 from __future__ import annotations
@@ -65,11 +66,11 @@ def main(args: argparse.Namespace) -> int:
 
     import torch.distributed as dist
 
-    from dptrain.runtime.distributed import _listen
     from dptrain.io import write_text
+    from dptrain.runtime.distributed import _listen
     from dptrain.runtime.membership import REPLACING, WORLD, lost_since
-    from dptrain.train.rundir import JOIN_FILE
     from dptrain.runtime.spawn import job_store
+    from dptrain.train.rundir import JOIN_FILE
 
     where = f"the job's store at {args.host}:{args.port}"
     listener = _listen(args.host, args.port, where)

@@ -24,9 +24,8 @@ from typing import Mapping, Optional
 
 from dptrain.cluster.base import Job, Placement
 from dptrain.cluster.containers import rank_command
-from dptrain.cluster.spec import (STOP_SIGNALS, JobSpec, command_environment, header, ignoring, process_environment, quote,
-                                  serve_store,
-                                  rank_environment)
+from dptrain.cluster.spec import (STOP_SIGNALS, JobSpec, command_environment, header, ignoring, process_environment,
+                                  quote, rank_environment, serve_store)
 from dptrain.cluster.submit import JobStatus, run_tool
 
 SCRIPT_NAME = "job.pbs"
@@ -69,15 +68,13 @@ def render(spec: JobSpec) -> str:
     # store (PBS counts it among the job's processes there); it shares that node's CPUs with its ranks.
     replace = f"{spec.dptrain} join {quote([spec.run_dir])}"
     elastic = bool(serve_store(spec, port, replace))
-    exits = f"{spec.run_dir}/.exits-$PBS_JOBID"
     if elastic:
         # --enable-recovery: mpirun keeps the other ranks running when one fails, and then ends with 0
         # whatever its ranks did, so each rank's own exit code is written beside the run (a shell that
         # outlives the rank, and does not die of the stop signals mpirun passes on to its process group).
-        forwarded += " MASTER_PORT DPTRAIN_STORE_SERVED"
+        forwarded += " MASTER_PORT DPTRAIN_STORE_SERVED DPTRAIN_EXITS"
         command = (f"bash -c 'trap \"\" {' '.join(STOP_SIGNALS)}; \"$@\"; code=$?; mkdir -p \"$DPTRAIN_EXITS\"; "
                    f"echo \"$code\" > \"$DPTRAIN_EXITS/rank-$OMPI_COMM_WORLD_RANK\"; exit \"$code\"' rank " + command)
-        forwarded += " DPTRAIN_EXITS"
     lines = [
         *header(spec, "PBS job"),
         *(f"#PBS {d}" for d in directives),

@@ -55,7 +55,7 @@ class JobSpec:
     stop_signal: str = "USR1"  # which signal tells them (one of STOP_SIGNALS)
     max_requeues: int = 10  # local and PBS: how often a job whose ranks exit with 75 starts again
     elastic: bool = False  # dptrain train --min-workers: the ranks left go on when one fails (SLURM: srun keeps them)
-    replacements: int = 0  # --replace-workers: new workers started at most, each in place of a lost one (SLURM)
+    replacements: int = 0  # --replace-workers: new workers started at most, each in place of a lost one
 
     def __post_init__(self):
         if self.scheduler not in registry.names("scheduler"):

@@ -173,6 +173,7 @@ def check_files(config: TrainConfig, workdir: Path) -> None:
 
 def build_spec(args: argparse.Namespace, workdir: Path) -> JobSpec:
     train_args, command = split_words(list(args.train_args))
+    ranks = args.nodes * args.tasks_per_node
     if not train_args and not command:  # nothing to run: a default digits job is never what was meant
         raise UserError("nothing to run after '--'; give dptrain train's arguments (e.g. -- --dataset digits "
                         "--epochs 3) or a command (e.g. -- python train.py)")
@@ -193,7 +194,7 @@ def build_spec(args: argparse.Namespace, workdir: Path) -> JobSpec:
             train_args += ["--out", args.out]
         # The job's ranks are its --workers (a scheduler's launcher starts them, dptrain train spawns nothing):
         # --min-workers is checked against them, here and on the ranks, who are told so where it is given.
-        world = (["--workers", str(args.nodes * args.tasks_per_node)]
+        world = (["--workers", str(ranks)]
                  if args.nodes >= 1 and args.tasks_per_node >= 1 and not any(
                      word == "--workers" or word.startswith("--workers=") for word in train_args) else [])
         config = train_config(train_args + world)
@@ -215,7 +216,7 @@ def build_spec(args: argparse.Namespace, workdir: Path) -> JobSpec:
                    stop_before=args.stop_before, stop_signal=args.stop_signal, max_requeues=args.max_requeues,
                    image=args.image,
                    volumes=tuple(args.volume), elastic=config is not None and config.min_workers is not None,
-                   replacements=args.nodes * args.tasks_per_node if config is not None and config.replace_workers else 0)
+                   replacements=ranks if config is not None and config.replace_workers else 0)
 
 
 def main(args: argparse.Namespace) -> int:

@@ -29,7 +29,7 @@ compare-and-set) and one list of members, so two parts of the job can never both
 rank that cannot reach the store cannot answer and is left out. The price is the store's host, which
 must stay up (dptrain's launcher, or `dptrain serve-store` on a job's batch host; torchft's lighthouse
 is the same single point). Each rank the agreements leave out is recorded (`LOST`, `lost_since`) for a
-store service that starts new workers in their place (`dptrain serve-store --replace N`, SLURM).
+store service that starts new workers in their place (`dptrain serve-store --replace N`, SLURM and PBS).
 
 Joining (a replacement the launcher starts for a lost worker, --replace-workers, or `dptrain join RUN_DIR`):
 
@@ -115,10 +115,6 @@ def _agree(group: Group, store, me: int, old: list[int], generation: int, epoch:
     if decider == me:
         decided = _decide(group, store, key, old, timeout, stall)
         bounded(lambda: store.set(f"{key}members", decided))
-        chosen = [int(rank) for rank in decided.split(";")[0].split(",")]
-        for rank in (rank for rank in old if rank not in chosen):  # what a store service replacing them reads
-            index = int(bounded(lambda: store.add(LOST, 1)))
-            bounded(lambda: store.set(f"{LOST}/{index}", str(rank)))
     else:
         try:
             bounded(lambda: store.wait([f"{key}members"]), timeout + stall + 10)
@@ -128,6 +124,10 @@ def _agree(group: Group, store, me: int, old: list[int], generation: int, epoch:
         decided = bounded(lambda: store.get(f"{key}members")).decode()
     names, resume = decided.split(";")
     members = tuple(int(rank) for rank in names.split(","))
+    if decider == me:  # what a store service replacing lost ranks reads (`lost_since`)
+        for rank in (rank for rank in old if rank not in members):
+            index = int(bounded(lambda: store.add(LOST, 1)))
+            bounded(lambda: store.set(f"{LOST}/{index}", str(rank)))
     if me not in members:
         raise Evicted(f"rank {me}: the other workers went on without this one (generation {generation}: "
                       f"ranks {', '.join(map(str, members))}); it did not answer while they agreed who is left "

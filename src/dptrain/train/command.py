@@ -281,16 +281,17 @@ def _goes_on_without_a_rank(env: DistEnv) -> bool:
             and store_served())
 
 
-def _check_replacing(ctx) -> None:
-    """--replace-workers under srun: the store service must be the one starting the new workers."""
+def _check_replacing(ctx, launcher: str) -> None:
+    """--replace-workers under `launcher` (srun, mpirun): the store service must be the one starting the new
+    workers."""
     from dptrain.runtime.heartbeat import bounded
     from dptrain.runtime.membership import REPLACING
 
     store = ctx.group.store
     if store is None or not bounded(lambda: store.check([REPLACING])):
-        raise UserError("--replace-workers under srun needs the job's store served by `dptrain serve-store "
-                        "--replace N`, which starts the new workers, as the job script of dptrain launch --scheduler "
-                        "slurm does; launch the job so, or drop --replace-workers (the others still go on)")
+        raise UserError(f"--replace-workers under {launcher} needs the job's store served by `dptrain serve-store "
+                        "--replace N`, which starts the new workers, as the job scripts of dptrain launch --scheduler "
+                        "slurm and pbs do; launch the job so, or drop --replace-workers (the others still go on)")
 
 
 def train_in_group(config: TrainConfig, env: DistEnv, ctx, held: ExitStack) -> Summary:
@@ -307,7 +308,7 @@ def train_in_group(config: TrainConfig, env: DistEnv, ctx, held: ExitStack) -> S
                         f"--enable-recovery, which let the others go on when a worker fails; under {env.launcher} "
                         f"drop it (--max-restarts restarts all)")
     if config.replace_workers and env.launched and env.launcher != "local":
-        _check_replacing(ctx)
+        _check_replacing(ctx, env.launcher)
     if env.launcher != "local":
         config = _join_run_dir(config, env, ctx, held)
     # validate() checked the data before spawning (or running alone); under other launchers rank 0 does.

@@ -26,9 +26,9 @@ class AsyncRules(StrategyRules):
     def check(cls, config: Any) -> None:
         refuse_step_checkpoints(cls, config)
         check_min_workers(config)
-        if getattr(config, "replace_workers", False) or getattr(config, "max_workers", None) is not None:
-            flag = "--replace-workers (and --workers MIN:MAX) start" if getattr(config, "replace_workers", False) else \
-                "--max-workers lets dptrain join add"
+        replacing = getattr(config, "replace_workers", False)
+        if replacing or getattr(config, "max_workers", None) is not None:
+            flag = "--replace-workers (and --workers MIN:MAX) start" if replacing else "--max-workers lets dptrain join add"
             raise ValueError(f"{flag} a new worker that enters at an epoch end all workers stand at, which "
                              "async's never do; use --min-workers alone")
         if config.merge == "ema" and config.compression != "none":
