@@ -14,15 +14,21 @@ import torch
 from dptrain.runtime.env import free_port
 
 
-def _child(fn, rank, world, port, results, args):
+def _child(fn, rank, world, port, results, args, served=False):
     os.environ["OMP_NUM_THREADS"] = "1"
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=60))
+        wait = datetime.timedelta(seconds=60)
+        if served:  # the parent serves the store, as dptrain's launcher does with --min-workers
+            os.environ["DPTRAIN_STORE_SERVED"] = "1"
+            store = dist.PrefixStore("default_pg", dist.TCPStore("127.0.0.1", port, world, False, wait))
+            dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=wait)
+        else:
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                    timeout=wait)
         # Tensors go through torch.save bytes: torch's shared-memory pickling would hand the
         # parent file descriptors that vanish when this process exits.
         buffer = io.BytesIO()
@@ -49,13 +55,20 @@ def fork_server():
     return context
 
 
-def run_distributed(fn, world: int = 2, *args, timeout: float = 120.0, lost: tuple[int, ...] = ()) -> list:
+def run_distributed(fn, world: int = 2, *args, timeout: float = 120.0, lost: tuple[int, ...] = (),
+                    served: bool = False) -> list:
     """fn(rank, world, *args) on `world` processes; returns the results in rank order. The ranks in `lost`
-    are expected to die (live membership tests): none of theirs is waited for, and their results are None."""
+    are expected to die (live membership tests): none of theirs is waited for, and their results are None.
+    `served`: this process serves the rendezvous store (DPTRAIN_STORE_SERVED), so that rank 0 may be lost."""
+    import torch.distributed as dist
+
     context = fork_server()
     results = context.Queue()
     port = free_port()
-    procs = [context.Process(target=_child, args=(fn, rank, world, port, results, args)) for rank in range(world)]
+    store = (dist.TCPStore("127.0.0.1", port, None, True, datetime.timedelta(seconds=60), wait_for_workers=False)
+             if served else None)
+    procs = [context.Process(target=_child, args=(fn, rank, world, port, results, args, served))
+             for rank in range(world)]
     for proc in procs:
         proc.start()
     collected: dict[int, object] = {}
@@ -73,6 +86,7 @@ def run_distributed(fn, world: int = 2, *args, timeout: float = 120.0, lost: tup
             proc.join(timeout=10)
             if proc.is_alive():
                 proc.kill()
+        del store  # (served: the store goes once every worker is done with it)
     return [collected.get(rank) for rank in range(world)]
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import signal
 import time
 
 import numpy as np
@@ -13,7 +14,8 @@ import torch
 from torch import nn
 
 from distributed import run_distributed
-from dptrain.strategies.asynchronous import ASYNC_MEMBERS, Async, GlobalModel, flat_state
+from dptrain.runtime.membership import Evicted
+from dptrain.strategies.asynchronous import Async, GlobalModel, flat_state, members_key
 from dptrain.strategies.compression import ErrorFeedback, decode, payload_bytes
 from dptrain.train.trainer import Trainer
 
@@ -382,7 +384,7 @@ class LosingAsync(Async):
         if self.ctx.rank == 2:
             os._exit(0)
         store, waited = self.ctx.group.store, time.monotonic()
-        while not store.check([f"{ASYNC_MEMBERS}1"]):  # (a blocking wait would hold up this process's heartbeat)
+        while not store.check([members_key(0, 1)]):  # (a blocking wait would hold up this process's heartbeat)
             assert time.monotonic() - waited < 30, "the service did not leave rank 2 out within 30 s"
             time.sleep(0.1)
         time.sleep(0.6 * self.ctx.rank)
@@ -411,3 +413,105 @@ def test_after_a_worker_is_lost_the_global_model_averages_over_the_workers_left(
     assert not torch.allclose(final0, start + (sent0 - start + sent1 - start) / 3, atol=1e-4)
     assert torch.equal(final0, final1)
     assert workers == 2 and merges == [1, 1]
+
+
+class LeaderLosingAsync(Async):
+    """Live membership over a served store: in epoch 1 the three ranks merge in the order 0, 1, 2; in epoch 2
+    rank 0 dies (or freezes: `action`) as it is about to merge, and ranks 1 and 2 merge only once it did. A frozen
+    rank 0 is woken by rank 2 after its last merge. Records each merge's base and what it sent."""
+
+    def merge_now(self):
+        store, epoch = self.ctx.group.store, self.merges + 1
+        me = self.ctx.group.members[self.ctx.rank]
+        if epoch == 2 and me == 0:
+            wait_for(store, "test/epoch-1-merged")
+            if self.action == "kill-last":  # once the others are done: they take over as they wait for the end
+                wait_for(store, "test/epoch-2-merged-1")
+                wait_for(store, "test/epoch-2-merged-2")
+            store.set("test/rank-0-dies", str(os.getpid()))
+            if self.action != "freeze":
+                os._exit(0)
+            os.kill(os.getpid(), signal.SIGSTOP)
+        if epoch == 1 or self.action == "kill-last":
+            time.sleep(0.6 * me)
+        else:
+            wait_for(store, "test/rank-0-dies")
+            time.sleep(0.3)
+        self.bases.append((self.base.clone(), self.base_version))
+        self.sent.append(flat_state(self.model))
+        staleness = super().merge_now()
+        self.after = (self.base.clone(), self.base_version)
+        if epoch == 1 and me == 2:
+            store.set("test/epoch-1-merged", "1")
+        if epoch == 2:
+            store.set(f"test/epoch-2-merged-{me}", "1")
+        if epoch == 2 and me == 2 and self.action == "freeze":
+            os.kill(int(store.get("test/rank-0-dies")), signal.SIGCONT)
+        return staleness
+
+
+def wait_for(store, key):
+    """(A blocking store wait would hold up this process's heartbeat.)"""
+    waited = time.monotonic()
+    while not store.check([key]):
+        assert time.monotonic() - waited < 30, f"{key} was not set within 30 s"
+        time.sleep(0.05)
+
+
+def _leader_losing_worker(rank, world, merge, action):
+    x, y = _data()
+    strategy = LeaderLosingAsync(merge=merge)
+    strategy.bases, strategy.sent, strategy.action = [], [], action
+    model = _model()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "cross-entropy", strategy, batch_size=8,
+                      seed=5, verbose=False, min_workers=2)
+    try:
+        summary = trainer.fit((x, y), epochs=2)
+    except Evicted as evicted:  # rank 0, frozen and woken once the others took over
+        return str(evicted)
+    return (strategy.bases, strategy.sent, flat_state(model), summary.workers, summary.strategy_results["merges"],
+            strategy.after)
+
+
+@pytest.mark.parametrize("merge,action", [("delta", "kill"), ("delayed-nesterov", "kill"), ("delta", "freeze")])
+def test_when_rank_0_is_lost_the_others_take_over_from_the_newest_global_model_any_of_them_had(merge, action):
+    """Rank 0 holds the global model; once it is gone (its store served elsewhere), ranks 1 and 2 regroup, the
+    lower serves, and the global model starts again from the newest one either was given: rank 2's, after the
+    three merges of epoch 1 (version 3). Their epoch-2 deltas, each against its own base, are then merged over 2
+    workers: final = g3 + (local1 - g2) / 2 + (local2 - g3) / 2. delayed-nesterov's momentum, lost with rank 0,
+    starts again at zero, and both survivors' merges make up its first round of 2.
+
+    A frozen rank 0 is left out after its heartbeat stopped for 3 s, as a dead one; woken after the others took
+    over, it finds that in the store and stops (Evicted), so that it never goes on as a second global model."""
+    results = run_distributed(_leader_losing_worker, 3, merge, action, lost=(0,) if action == "kill" else (),
+                              served=True)
+    if action == "kill":
+        assert results[0] is None
+    else:
+        assert results[0] == ("rank 0: the other workers went on without this one and its merge service (they "
+                              "judged it gone: no heartbeat, frozen or too slow) and took the global model over; "
+                              "it stops")
+    (bases1, sent1, final1, workers, merges, _), (bases2, sent2, final2, _, _, _) = results[1], results[2]
+    assert [version for _, version in bases1] == [0, 2] and [version for _, version in bases2] == [0, 3]
+    g2, g3 = bases1[1][0], bases2[1][0]
+    delta = (sent1[1] - g2) + (sent2[1] - g3)
+    if merge == "delta":
+        expected = g3 + delta / 2
+    else:  # the round's last merge: global += lr * (d / W + beta * m), m = A / W, from a fresh zero momentum
+        expected = g3 + (delta / 2) + 0.9 * (delta / 2)
+    assert torch.allclose(final1, expected, atol=1e-6)
+    assert not torch.allclose(final1, g3 + delta / 3, atol=1e-4)  # not merged as if rank 0 still counted
+    assert torch.equal(final1, final2)
+    assert workers == 2 and merges == [2, 2]
+
+
+def test_when_rank_0_is_lost_after_the_others_last_merged_they_take_over_as_they_wait_for_the_end():
+    """Ranks 1 and 2 merge their last epoch (1 at version 4, then 2 at 5) and wait for rank 0 to conclude the run;
+    rank 0 dies instead, before its own last merge. They take over there: the final model is the global model of
+    version 5, which rank 2 was given, and rank 0's last epoch is not in it."""
+    results = run_distributed(_leader_losing_worker, 3, "delta", "kill-last", lost=(0,), served=True)
+    assert results[0] is None
+    (_, _, final1, workers, merges, after1), (_, _, final2, _, _, after2) = results[1], results[2]
+    assert after1[1] == 4 and after2[1] == 5
+    assert torch.equal(final1, after2[0]) and torch.equal(final2, after2[0])
+    assert workers == 2 and merges == [2, 2]

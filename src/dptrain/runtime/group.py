@@ -82,6 +82,11 @@ class QuietPeer(PeerFailure):
     """A watched collective gave up on members whose heartbeat stopped (its message names them already)."""
 
 
+class Evicted(PeerFailure):
+    """This rank was left out of the next generation (it froze or came too late); it must stop
+    (dptrain.runtime.membership). Its message says so already."""
+
+
 def payload_bytes(tensor: torch.Tensor) -> int:
     """The bytes a rank hands over when it gives `tensor` to a collective."""
     return tensor.numel() * tensor.element_size()
@@ -184,9 +189,12 @@ class Group:
         return self._count(tensor)
 
     def recv(self, tensor: torch.Tensor, src: Optional[int] = None, tag: int = 0) -> int:
-        """Receive into `tensor` from `src` (any rank when None); returns the sender's rank in the group."""
-        sender = dist.recv(tensor, group=self.handle, tag=tag, **self._peer("src", src))
-        return sender if self.handle is None else dist.get_group_rank(self.handle, sender)
+        """Receive into `tensor` from `src` (any rank when None); returns the sender's rank in the group.
+        (Through the work's source rank, not torch's recv, which maps it to a rank of the default group: a
+        group made by `rebuild` has none.)"""
+        work = dist.irecv(tensor, group=self.handle, tag=tag, **self._peer("src", src))
+        work.wait()
+        return work._source_rank() if src is None else src
 
     def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Any:
         work = dist.isend(tensor, group=self.handle, tag=tag, **self._peer("dst", dst))
@@ -436,7 +444,7 @@ class Group:
         begun = time.perf_counter()
         try:
             return action()
-        except QuietPeer:
+        except (QuietPeer, Evicted):  # each says what happened already
             raise
         except (dist.DistError, RuntimeError) as exc:  # a PeerFailure inside too: named with `what`
             if self.world_size == 1:

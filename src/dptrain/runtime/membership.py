@@ -53,7 +53,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from dptrain import faults
-from dptrain.runtime.group import Group, PeerFailure, first_line
+from dptrain.runtime.group import Evicted, Group, PeerFailure, first_line  # noqa: F401 - Evicted: its home for callers
 from dptrain.runtime.heartbeat import bounded
 
 PREFIX = "dptrain/membership/"
@@ -61,10 +61,6 @@ STALL = 3.0  # seconds without a heartbeat after which a member that did not ans
 REPLACING = PREFIX + "replacing"  # set by a store service that starts new workers for lost ranks (serve-store --replace)
 LOST = PREFIX + "lost"  # how many ranks agreements left out so far; LOST/N (from 1): the Nth one's rank
 EXITED = PREFIX + "exited/"  # + rank: the launcher serving the store saw that rank's process end
-
-
-class Evicted(PeerFailure):
-    """This rank was left out of the next generation (it froze or came too late); it must stop."""
 
 
 @dataclass(frozen=True)

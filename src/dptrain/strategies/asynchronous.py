@@ -70,6 +70,7 @@ from __future__ import annotations
 
 import copy
 import threading
+import time
 from dataclasses import replace
 from datetime import timedelta
 from typing import Optional
@@ -79,10 +80,10 @@ from torch import nn
 
 from dptrain.data.sampler import EpochPlan, shard_plan
 from dptrain.errors import Preempted
-from dptrain.runtime.distributed import DistContext, PeerFailure
+from dptrain.runtime.distributed import DistContext, PeerFailure, store_served
 from dptrain.runtime.group import first_line
 from dptrain.runtime.heartbeat import STORE_DEADLINE, bounded
-from dptrain.runtime.membership import PREFIX, STALL, Evicted, Membership, gone
+from dptrain.runtime.membership import PREFIX, STALL, Evicted, Membership, gone, regroup
 from dptrain.strategies.base import Strategy
 from dptrain.strategies.collectives import broadcast_module, module_state, unflatten_into
 from dptrain.strategies.compression import COMPRESSIONS, ErrorFeedback, decode, payload_bytes
@@ -97,12 +98,34 @@ TAG_REQUEST, TAG_PAYLOAD, TAG_REPLY, TAG_GLOBAL = 11, 12, 13, 14
 # a reply: (version, staleness, stop requested, membership generation[, left out]). The fields in
 # brackets travel with live membership only (LIVE_HEADER_SIZE), so that other runs send what they did.
 HEADER_SIZE, LIVE_HEADER_SIZE = 4, 5
-ASYNC_MEMBERS = PREFIX + "async/"  # + generation: "MEMBERS;EPOCH;LEFT" (live membership, see the docstring)
+ASYNC_MEMBERS = PREFIX + "async/"  # + "GROUP/GENERATION": "MEMBERS;EPOCH;LEFT" (live membership, see the docstring)
 LOST_POLL = 0.5  # seconds between the service's looks at the heartbeats and the launcher's exit notes
 # How rank 0 concludes the run for a rank that is done (the first field of the reply to DONE).
 FINISH, STOP = 1, 2
 # The service waits for requests without a deadline (see MergeService._receive_request).
 SERVICE_GROUP_TIMEOUT = timedelta(days=7)
+
+
+def members_key(group_generation: int, generation: int) -> str:
+    """Where a merge service serving the workers of group generation `group_generation` writes its generation
+    `generation` (from 1) of members: each service (the first, and one per take-over) has keys of its own."""
+    return f"{ASYNC_MEMBERS}{group_generation}/{generation}"
+
+
+def takeover_generation(group) -> int:
+    """The generation of the group the workers of `group` make when they take over from its rank 0: past every
+    generation its merge service can name (one per worker lost, fewer than its world size)."""
+    return group.generation + group.world_size
+
+
+def taken_over(rank: int) -> str:
+    """What a service host left out by a take-over says (it was frozen, or its heartbeat was late)."""
+    return (f"rank {rank}: the other workers went on without this one and its merge service (they judged it "
+            "gone: no heartbeat, frozen or too slow) and took the global model over; it stops")
+
+
+class ServiceLost(PeerFailure):
+    """The merge service's host (rank 0) is gone: the workers left take over (`Async._take_over`)."""
 
 
 def flat_state(module: nn.Module) -> torch.Tensor:
@@ -209,9 +232,13 @@ class MergeService:
     With `live` (live membership), it also leaves out lost workers (`lose`) and goes on with the others."""
 
     def __init__(self, model: GlobalModel, group, ctx: DistContext, compression: str = "none", every: int = 1,
-                 live: bool = False) -> None:
+                 live: bool = False, takeover: Optional[str] = None) -> None:
         self.model, self.group, self.ctx = model, group, ctx
         self.compression, self.every, self.live = compression, every, live
+        self.group_generation = ctx.group.generation  # names this service's keys in the store (`members_key`)
+        # The store key the other workers set when they judge this rank gone and take over (None: they cannot):
+        # once it is there, this rank is out of the run, even if it was only frozen (`taken_over`).
+        self.takeover, self.taken_over = takeover, False
         self.pending = set(range(1, ctx.world_size))
         self.members = list(range(ctx.world_size))  # the workers merging now (ranks of the service group)
         self.epochs: dict[int, int] = {}  # the epoch each worker last said it is in or starts next
@@ -306,11 +333,14 @@ class MergeService:
     # -- live membership ------------------------------------------------------------------------
     def _watch(self) -> None:
         """Leave out workers whose process ended (the launcher's note) or whose heartbeat stopped."""
-        store, heartbeat = self.ctx.group.store, self.ctx.heartbeat
+        store, heartbeat, job = self.ctx.group.store, self.ctx.heartbeat, list(self.ctx.group.members)
         while not self._closed.wait(LOST_POLL):
             others = [rank for rank in self.members if rank != 0]
             try:
-                lost = gone(store, heartbeat, others, STALL, in_store=lambda rank: self.ctx.group.members[rank])
+                if self.takeover is not None and bounded(lambda: store.check([self.takeover])):
+                    self.taken_over = True  # the training thread stops at its next look (`Async._check_service`)
+                    return
+                lost = gone(store, heartbeat, others, STALL, in_store=lambda rank: job[rank])
             except Exception:  # noqa: BLE001 - the store is going away: the run is ending
                 return
             for rank, why in lost.items():
@@ -333,7 +363,8 @@ class MergeService:
             job = self.ctx.group.members
             record = (f"{','.join(str(job[member]) for member in self.members)};{epoch};"
                       f"{','.join(str(job[gone]) for gone, _ in self.lost)}")
-            bounded(lambda: self.ctx.group.store.set(f"{ASYNC_MEMBERS}{self.generation + 1}", record))
+            key = members_key(self.group_generation, self.generation + 1)
+            bounded(lambda: self.ctx.group.store.set(key, record))
             self.generation += 1  # announced in replies only once the store holds it
         print(f"dptrain: the merge service left rank {job[rank]} out ({why}); it merges over "
               f"{len(self.members)} workers from now on", flush=True)
@@ -357,6 +388,8 @@ class MergeService:
         fail naming those whose heartbeat stopped."""
         while self._thread.is_alive() and self.pending:  # with live membership, the last may be lost instead
             self._thread.join(timeout=LOST_POLL if self.live else 1.0)
+            if self.taken_over:
+                raise Evicted(taken_over(self.ctx.group.members[0]))
             if self.error or self.ctx.heartbeat is None or self.live:
                 continue
             silent = self.ctx.heartbeat.stalled(sorted(self.pending), self.ctx.timeout)
@@ -416,6 +449,8 @@ class Async(AsyncRules, Strategy):
         self._generation = 0
         self._heard: Optional[Membership] = None
         self._taken: Optional[Membership] = None
+        self._first: tuple[int, ...] = ()  # the ranks of the job the run started with
+        self._looked = 0.0  # when this worker last looked whether the service's host is gone (`_look_for_loss`)
 
     @classmethod
     def from_config(cls, config) -> "Async":
@@ -429,23 +464,49 @@ class Async(AsyncRules, Strategy):
             self.group = ctx.group.subgroup(range(ctx.world_size), backend="gloo",
                                             timeout=SERVICE_GROUP_TIMEOUT.total_seconds(), name="the merge service")
         self.base = flat_state(model)
+        self._first = tuple(ctx.group.members)
         if ctx.rank == 0:
-            self.global_model = GlobalModel(self.base, ctx.world_size, self.merge, self.server_momentum,
-                                            self.server_lr)
-            if ctx.world_size > 1:
-                self.service = MergeService(self.global_model, self.group, ctx, self.compression, self.every,
-                                            self.live).start()
+            self._serve(GlobalModel(self.base, ctx.world_size, self.merge, self.server_momentum, self.server_lr))
         return model
+
+    def _serve(self, model: GlobalModel) -> None:
+        """Rank 0: hold the global model and, with other workers, the merge service."""
+        self.global_model = model
+        if self.ctx.world_size > 1:
+            takeover = f"{PREFIX}{takeover_generation(self.ctx.group)}/decider" if self._can_take_over() else None
+            self.service = MergeService(model, self.group, self.ctx, self.compression, self.every, self.live,
+                                        takeover).start()
+
+    def _can_take_over(self) -> bool:
+        """Whether the workers left can go on when rank 0 is lost: live membership, over a store rank 0 does not
+        host (dptrain's launcher, or `dptrain serve-store`, serves it)."""
+        return self.live and store_served() and self.ctx.group.store is not None
 
     # -- talking to the service ----------------------------------------------------------------
     def _request(self, kind: int, payload: Optional[torch.Tensor] = None,
                  stopping: bool = False) -> tuple[Optional[torch.Tensor], int, int]:
         """One exchange with the service: returns (global state or None, version, staleness);
-        for DONE, (None, the outcome rank 0 concluded, 0)."""
+        for DONE, (None, the outcome rank 0 concluded, 0). When the service's host is lost on the way, the
+        workers left take over (`_take_over`) and this worker asks the new service again; if it hosts it now,
+        a DONE returns (None, 0, 0): the caller concludes as rank 0."""
+        while True:
+            try:
+                return self._request_once(kind, payload, stopping)
+            except ServiceLost as lost:
+                self._take_over(str(lost))
+            if kind == DONE and self.ctx.rank == 0:
+                return None, 0, 0
+
+    def _request_once(self, kind: int, payload: Optional[torch.Tensor],
+                      stopping: bool) -> tuple[Optional[torch.Tensor], int, int]:
         if self.ctx.rank == 0:  # the service lives in this process
+            self._check_service()
             if self.service is not None:
-                self.service.epochs[0] = self._epoch
-                self._hear(self.service.generation)
+                # under the lock `lose` holds: a loss it announces either saw this epoch or is heard now
+                with self.global_model.lock:
+                    self.service.epochs[0] = self._epoch
+                    generation = self.service.generation
+                self._hear(generation)
             if kind == MERGE:
                 if self.compression != "none":  # rounded as a remote worker's would be, but not sent
                     payload = decode(self.compression, payload, self.global_model.state.numel())
@@ -475,12 +536,27 @@ class Async(AsyncRules, Strategy):
         return state, int(reply[0]), int(reply[1])
 
     def _exchange(self, operation, tensor: torch.Tensor, tag: int) -> None:
-        """One point-to-point message with rank 0, bounded by the run's timeout; counted both ways."""
+        """One point-to-point message with rank 0, bounded by the run's timeout; counted both ways. Where the
+        workers can take over (`_can_take_over`), ServiceLost as soon as rank 0 is judged gone."""
+        watching = self._can_take_over()
+        deadline = time.monotonic() + self.ctx.timeout
         try:
-            operation(tensor, 0, tag).wait(timeout=timedelta(seconds=self.ctx.timeout))
+            work = operation(tensor, 0, tag)
+            while True:
+                wait = min(LOST_POLL, deadline - time.monotonic()) if watching else self.ctx.timeout
+                try:
+                    work.wait(timeout=timedelta(seconds=max(wait, 0.001)))
+                    break
+                except RuntimeError as exc:
+                    if not watching or "timed out" not in str(exc) or time.monotonic() >= deadline:
+                        raise
+                self._look_for_loss(now=True)
         except RuntimeError as exc:
-            lost = (" (async cannot go on without rank 0, which holds the global model: the run ends)"
-                    if self.live else "")
+            if watching:  # a message to a rank that died fails at once: whether it is gone takes a look or two
+                self._look_for_loss(until=time.monotonic() + STALL + 2 * LOST_POLL)
+            lost = ("" if not self.live else " (async cannot go on without rank 0, which holds the global model, "
+                    "where rank 0 also hosts the run's store: the run ends)" if not watching else
+                    " (rank 0 is not judged gone: its heartbeat goes on)")
             raise PeerFailure(f"rank {self.ctx.group.members[self.ctx.rank]}: no answer from the merge service on "
                               f"rank 0 within {self.ctx.timeout:g} s: {first_line(exc)}{lost}") from None
         self.comm_bytes += tensor.numel() * tensor.element_size()
@@ -514,12 +590,83 @@ class Async(AsyncRules, Strategy):
         self.refreshes += 1
 
     # -- live membership ------------------------------------------------------------------------
+    def _look_for_loss(self, *, now: bool = False, until: Optional[float] = None) -> None:
+        """A worker other than rank 0, where the workers can take over: ServiceLost if rank 0 is judged gone
+        (the launcher saw its process end, or its heartbeat stopped for STALL seconds) or another worker began
+        to take over. Looks at most every LOST_POLL seconds, unless `now`; with `until`, keeps looking until
+        then (heartbeats are judged across looks)."""
+        if self.ctx.rank == 0 or not self._can_take_over():
+            return
+        group = self.ctx.group
+        store, host = group.store, group.members[0]
+        begun = f"{PREFIX}{takeover_generation(group)}/decider"
+        while True:
+            moment = time.monotonic()
+            if now or until is not None or moment - self._looked >= LOST_POLL:
+                self._looked = moment
+                why = gone(store, self.ctx.heartbeat, [host], STALL).get(host)
+                if why is None and bounded(lambda: store.check([begun])):
+                    why = "another worker found it gone"
+                if why is not None:
+                    raise ServiceLost(f"rank {host}, which holds the global model and the merge service, is gone "
+                                      f"({why})")
+            if until is None or moment >= until:
+                return
+            time.sleep(LOST_POLL)
+
+    def _check_service(self) -> None:
+        """Rank 0: Evicted once the other workers took over from it (it was frozen, or judged so)."""
+        if self.service is not None and self.service.taken_over:
+            raise Evicted(taken_over(self.ctx.group.members[0]))
+
+    def _take_over(self, why: str) -> None:
+        """Rank 0 is gone, and with it the global model and the merge service: the workers left regroup
+        through the store (each arrives at its next exchange with the service or its next look, within a step
+        or two), the lowest becomes rank 0 and holds as the global model the newest one any of them was given
+        (the highest version: it holds every merge a worker left was answered; what the lost rank merged last,
+        unseen by any, and a merge whose answer was lost with rank 0, which its worker sends again, are not in
+        it), and serves the others; they share the data from the first epoch after every one's present one."""
+        ctx, old = self.ctx, self.ctx.group
+        me, host, first = old.members[old.rank], old.members[0], tuple(old.members)
+        if self.group is not None:  # (not closed: a message to the lost rank may still wait in it)
+            self.group.abandon()
+        group, _ = regroup(old, takeover_generation(old), self._epoch, min_workers=self.min_workers or 1,
+                           timeout=ctx.timeout)
+        ctx.rank, ctx.world_size, ctx.group = group.rank, group.world_size, group
+        self.group = group.subgroup(range(group.world_size), backend="gloo",
+                                    timeout=SERVICE_GROUP_TIMEOUT.total_seconds(), name="the merge service")
+        told = group.gather_objects("take-over", (self.base_version, self._epoch, self._stop_seen))
+        versions = [version for version, _, _ in told]
+        holder = versions.index(max(versions))
+        state = self.base.clone()
+        if group.world_size > 1:
+            self.comm_bytes += self.group.broadcast(state, holder)
+        epoch = max(epoch for _, epoch, _ in told) + 1  # every worker left is sure to start it after this
+        stop = any(stopping for _, _, stopping in told)
+        self._stop_seen = self._stop_seen or stop
+        self._generation = 0  # the new service counts its generations from here
+        self._heard = Membership(group.generation, tuple(group.members), epoch,
+                                 tuple(rank for rank in self._first if rank not in group.members))
+        self.global_model = self.service = None
+        if ctx.rank != 0:
+            return
+        model = GlobalModel(state, group.world_size, self.merge, self.server_momentum, self.server_lr)
+        model.version, model.stop_requested = max(versions), stop
+        self._serve(model)
+        if self.service is not None:
+            self.service.epochs = {rank: epoch for rank, (_, epoch, _) in enumerate(told)}
+        momentum = "; its server momentum starts again from zero" if self.merge == "delayed-nesterov" else ""
+        print(f"dptrain: {why}: rank {me} takes over with {group.world_size} worker"
+              f"{'s' if group.world_size > 1 else ''} (ranks {', '.join(map(str, group.members))} of the job), "
+              f"from the newest global model any of them had (version {model.version}, from rank "
+              f"{group.members[holder]}){momentum}; they share the data from epoch {epoch + 1}", flush=True)
+
     def _hear(self, generation: int) -> None:
         """A reply named membership generation `generation`: read what it says if it is news."""
         if generation <= self._generation:
             return
         store = self.ctx.group.store
-        record = bounded(lambda: store.get(f"{ASYNC_MEMBERS}{generation}")).decode()
+        record = bounded(lambda: store.get(members_key(self.ctx.group.generation, generation))).decode()
         members, epoch, left = record.split(";")
         self._heard = Membership(self.ctx.group.generation + generation, tuple(int(r) for r in members.split(",")),
                                  int(epoch), tuple(int(r) for r in left.split(",")))
@@ -531,7 +678,7 @@ class Async(AsyncRules, Strategy):
         heard = self._heard
         if heard is None or heard is self._taken or epoch < heard.epoch:
             return None
-        before = self._taken.members if self._taken is not None else tuple(self.ctx.group.members)
+        before = self._taken.members if self._taken is not None else self._first
         self._taken = heard
         return replace(heard, left=tuple(rank for rank in before if rank not in heard.members))
 
@@ -559,6 +706,12 @@ class Async(AsyncRules, Strategy):
 
     def after_step(self, step: int) -> None:
         self._diverged = True
+        if self.ctx.world_size > 1 and self.live:
+            self._check_service()
+            try:
+                self._look_for_loss()
+            except ServiceLost as lost:
+                self._take_over(str(lost))
         if self.max_staleness is not None and self.ctx.world_size > 1:
             self._refresh_if_stale()
 
@@ -587,20 +740,24 @@ class Async(AsyncRules, Strategy):
         if self._diverged:
             self.merge_now()
         if self.ctx.world_size > 1:
+            outcome = self._request(DONE)[1] if self.ctx.rank != 0 else 0  # rank 0 now, after a take-over: 0
             if self.ctx.rank == 0:
-                self.service.join()
-                outcome = STOP if self.global_model.stop_requested else FINISH
-                self.service.conclude(outcome)
+                if self.service is not None:  # (none when this worker alone was left)
+                    self.service.join()
+                    self._check_service()
+                    outcome = STOP if self.global_model.stop_requested else FINISH
+                    self.service.conclude(outcome)
+                else:
+                    outcome = STOP if self.global_model.stop_requested else FINISH
                 load_flat_state(self.model, self.global_model.snapshot()[0])
-            else:
-                _, outcome, _ = self._request(DONE)
             if outcome == STOP:
                 raise Preempted(f"rank {self.ctx.rank}: another rank stopped the run before it finished; "
                                 "run the same command again to continue")
             if self.ctx.rank == 0 and self.service is not None:
                 self._hear(self.service.generation)
             self._final_group()
-            self.comm_bytes += broadcast_module(self.model, group=self.ctx.group)
+            if self.ctx.world_size > 1:
+                self.comm_bytes += broadcast_module(self.model, group=self.ctx.group)
             counts = self.ctx.group.gather_objects("summary", (self.merges, self.refreshes, self.max_staleness_seen))
         else:
             load_flat_state(self.model, self.global_model.snapshot()[0])
@@ -625,11 +782,11 @@ class Async(AsyncRules, Strategy):
         """Rank 0 keeps the store and the service up until every other rank is done, then stops them all."""
         if self.ctx.world_size == 1:
             return
-        if self.ctx.rank == 0:
+        if self.ctx.rank != 0:
+            self._request(DONE, stopping=True)
+        if self.ctx.rank == 0 and self.service is not None:  # (rank 0 now, after a take-over, too)
             self.service.join()
             self.service.conclude(STOP)
-        else:
-            self._request(DONE, stopping=True)
 
     def workers_history(self, history: list[dict]) -> Optional[dict[int, list[dict]]]:
         """Every worker's numbers of each epoch, gathered once at the end (live records hold only this rank's)."""

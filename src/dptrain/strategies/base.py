@@ -54,8 +54,9 @@ class Strategy(StrategyRules):
     # by the others there, and joiners enter there); False for async, which hears of a loss in its merges
     # (`live_change`) and goes on without going back.
     meets_at_epoch_ends = True
-    # Set by the trainer before setup when the run has live membership (min_workers).
+    # Set by the trainer before setup when the run has live membership: its min_workers (live: whether it has).
     live = False
+    min_workers: Optional[int] = None
 
     def __init__(self) -> None:
         self.comm_bytes = 0

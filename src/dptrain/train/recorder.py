@@ -7,6 +7,7 @@ first write.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from dataclasses import asdict, dataclass, field
@@ -89,6 +90,7 @@ class Recorder:
         # Bytes the workers gone from the run had communicated (in the record of the last epoch they trained in):
         # part of every total from then on, as the bytes they sent went over the network all the same.
         self.departed_bytes = 0
+        self.rank: Optional[int] = None  # this rank of the job, once it took over from a lost rank 0 (`take_over`)
         self._recorded_by: dict[int, tuple[int, ...]] = {}  # epoch -> the members (ranks of the job) recording it
         self._verbose_asked = verbose
         self._progress_asked = progress and (sys.stderr.isatty() or os.environ.get("DPTRAIN_TTY") == "1")
@@ -108,6 +110,27 @@ class Recorder:
         """Whether this rank writes the files and lines from now on (it became rank 0 of a new group)."""
         self.is_main = is_main
         self.verbose, self.show_progress = self._verbose_asked and is_main, self._progress_asked and is_main
+
+    def take_over(self, rank: int) -> None:
+        """Write the files and lines from now on, in place of a rank 0 lost while the others went on without it
+        (async): metrics.jsonl becomes this rank's history, with the evaluations the lost rank had written
+        (the global model was on it; this rank's own records hold none before now). `rank`: this rank of the job."""
+        self.lead(True)
+        self.rank = rank
+        path = self._file("metrics.jsonl")
+        written = {}
+        if path is not None and path.exists():
+            for line in path.read_text().splitlines():
+                try:
+                    record = json.loads(line)
+                except ValueError:  # a line cut short as its writer died
+                    continue
+                written[record.get("epoch")] = record
+        for record in self.history:
+            before = written.get(record["epoch"])
+            if before is not None and before.get("evaluated") and not record["evaluated"]:
+                record.update(test_loss=before["test_loss"], test_accuracy=before["test_accuracy"], evaluated=True)
+        self.replace_history(self.history)
 
     def follow(self, members: tuple[int, ...]) -> None:
         """The live membership changed: `members`, the ranks of the job that train on (dptrain.runtime.membership).
@@ -157,7 +180,8 @@ class Recorder:
         test_loss = f"  test_loss {test['test_loss']:.4f}" if test else ""
         # Without a barrier (async) an epoch's record holds this rank's numbers only, until the run
         # ends and fills in every worker's: the line says whose they are, as the file does.
-        whose = "" if len(per_worker) == self.world_size else f"  (rank {per_worker[0].rank} alone)"
+        alone = per_worker[0].rank if self.rank is None else self.rank
+        whose = "" if len(per_worker) == self.world_size else f"  (rank {alone} alone)"
         self.log(f"epoch {epoch + 1}/{epochs}  train_loss {record['train_loss']:.4f}{test_loss}{accuracy}  "
                  f"{record['epoch_seconds']:.2f} s  {record['samples_per_second']:,.0f} samples/s  "
                  f"comm {record['comm_bytes'] / 1e6:,.3f} MB so far{whose}{self._live('  ')}")

@@ -194,7 +194,7 @@ class Trainer:
         if self.min_workers is not None and "min_workers" not in strategy.option_names():
             raise UserError(f"min_workers does not apply to strategy {strategy.name}: it cannot go on without a "
                             "lost worker")
-        strategy.live = self.min_workers is not None
+        strategy.live, strategy.min_workers = self.min_workers is not None, self.min_workers
         labels = lambda: labels_of(train, self.recorder.log)  # noqa: E731 - asked again after a membership change
         plan, batches, reader = self._plan(train, labels)
         scheduler = self.schedule(self.optimizer, plan.steps, epochs) if self.schedule else None
@@ -250,6 +250,7 @@ class Trainer:
                 continue
             finally:
                 position = None
+            self._lead_if_taken_over()
             evaluated = test_metrics is not None
             if recovered is not None:
                 checked = {**checked, "lr_backoff": recovered}
@@ -279,6 +280,7 @@ class Trainer:
         if self.min_workers is not None and ctx.is_main:
             joining.finished(ctx.group.store)  # joiners still waiting for a place go home
         final = ctx.group.bounded("finish", strategy.finish)
+        self._lead_if_taken_over()
         if tuple(ctx.group.members) != (self.recorder.members or tuple(range(self.recorder.job_world))):
             # async: a worker lost in the last epochs, after the others last shared the data out
             self.recorder.follow(tuple(ctx.group.members))
@@ -290,6 +292,12 @@ class Trainer:
             reuse = evaluated and strategy.final_model_is_last_evaluated
             final_metrics = self.recorder.last_evaluation() if reuse else self.evaluate(final, test)
         return self._summarise(final, epochs, wall, final_metrics)
+
+    def _lead_if_taken_over(self) -> None:
+        """async: this rank became rank 0 when the others took over from a lost rank 0 (it holds the global
+        model now): it writes the files and lines from here on."""
+        if self.ctx.is_main and not self.recorder.is_main and not self.strategy.meets_at_epoch_ends:
+            self.recorder.take_over(self.ctx.group.members[self.ctx.rank])
 
     def _reschedule(self, parts: dict, scheduler, steps: int, epoch: int, epochs: int):
         """After a membership change, before `epoch` (from 0) starts in the new world: the schedule made again
