@@ -5,9 +5,13 @@
 Each dptrain run is a real `dptrain train` (digits, 4 workers, 20 epochs of 12 steps, a checkpoint every
 epoch) under each of --strategies (default: sync, fedavg, allreduce, streaming, hierarchical with
 --ranks-per-node 2, i.e. 2 emulated nodes of 2, and async). In a faulted run one worker (rank 0, 1, 2 or 3:
-rank 0 too, since the launcher serves the store; under async rank 1, 2 or 3 only, since its rank 0 holds the
-global model and losing it is fatal by design) is killed with SIGKILL after a random training step of the whole
-run (DPTRAIN_FAULT=step@RANK:STEP, once); the faulted kinds of one strategy and round share that (rank, step).
+rank 0 too, since the launcher serves the store; under async, whose rank 0 holds the global model, the others
+then take it over) is killed with SIGKILL after a random training step of the whole run
+(DPTRAIN_FAULT=step@RANK:STEP, once); the faulted kinds of one strategy and round share that (rank, step).
+(Results made before 2026-12-02's async take-over drew rank 1, 2 or 3 only under async, and so other draws.)
+An async run that lost rank 0 also keeps takeover_seconds (the stamp of the new rank 0's `took over` line less
+the kill time: noticing the loss, while the survivors still train, then regrouping) and took_over_in (the
+seconds that line says the regrouping held the survivors up: what they lost).
 Kinds of run (--kinds picks some; default all):
 
 - clean: no fault (the reference accuracy); --reference-runs per strategy (default 5);
@@ -83,6 +87,7 @@ TIMEOUT = 600  # seconds a run may take before it counts as hung (its process gr
 
 BOUNDARY = re.compile(r"\bepoch (\d+)/(\d+)(?:\s+train_loss| done\b)")  # dptrain's epoch line, textbook_ddp's
 JOINED = re.compile(r"\brank \d+ joined after epoch (\d+)")  # rank 0's line when a replacement entered
+TOOK_OVER = re.compile(r"\brank \d+ took over in ([\d.]+) s\b")  # async: the new rank 0's line after rank 0 was lost
 
 
 def stream(pipe, lines: list, stamps: list | None) -> None:
@@ -190,6 +195,11 @@ def run_once(kind: str, strategy: str, out: Path, rank: int, step: int) -> dict:
     if faulted:
         kill = marker.stat().st_mtime if marker.exists() else None  # created right before the SIGKILL
         result.update(time_lost(out_lines, stamps, kill, step, steps_per_epoch, began_wall))
+    if faulted and strategy == "async" and rank == 0:
+        took = next(((stamp, float(match[1])) for line, stamp in zip(out_lines, stamps)
+                     if (match := TOOK_OVER.search(line))), None)
+        result["takeover_seconds"] = took[0] - kill if took is not None and kill is not None else None
+        result["took_over_in"] = took[1] if took is not None else None
     if kind == "replace":
         result["joined"] = joined
         entered = next((stamp for line, stamp in zip(out_lines, stamps) if JOINED.search(line)), None)
@@ -260,6 +270,15 @@ def report(results: list[dict], strategy: str, kinds: list[str]) -> str:
                                      f"{min(waits):.1f}–{max(waits):.1f} s)." if waits else ".")]
     elif strategy == "async" and "replace" in kinds:
         lines += ["", "replace: not run (async refuses --workers MIN:MAX)."]
+    taken = [r for r in measured["survive"]["runs"] if r.get("rank") == 0]
+    if strategy == "async" and taken:
+        held = [r["took_over_in"] for r in taken if r.get("took_over_in") is not None]
+        noticed = [r["takeover_seconds"] for r in taken if r.get("takeover_seconds") is not None]
+        lines += ["", f"survive with rank 0 killed: {len(taken)} runs, {sum(r['exit'] == 0 for r in taken)} exited 0; "
+                      f"the others took over in {len(held)}"
+                      + (f", {number(median(noticed), '.1f')} s after the kill (median; {min(noticed):.1f}–"
+                         f"{max(noticed):.1f} s), regrouping held them up {number(median(held), '.1f')} s "
+                         f"(median; {min(held):.1f}–{max(held):.1f} s)." if held and noticed else ".")]
     lines += ["", f"Time lost against survive: restart / survive {ratio(measured['restart']['lost'], survive)}x, "
                   f"torchrun-restart / survive {ratio(measured['torchrun-restart']['lost'], survive)}x, "
                   f"replace / survive {ratio(measured['replace']['lost'], survive)}x."]
@@ -304,11 +323,15 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=EPOCHS, help=f"epochs of every run (default {EPOCHS})")
     parser.add_argument("--kill-within", type=float, default=1.0, metavar="FRACTION",
                         help="kill after a step drawn from this first part of the run only (default 1: all of it)")
+    parser.add_argument("--kill-ranks", type=int, nargs="+", default=None, metavar="RANK",
+                        help="draw the killed worker among these ranks only (default: any of the 4)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "elastic"))
     args = parser.parse_args()
     if args.epochs < 2 or not 0 < args.kill_within <= 1:
         parser.error(f"--epochs {args.epochs} must be 2 or more and --kill-within {args.kill_within:g} in (0, 1]")
+    if args.kill_ranks is not None and not set(args.kill_ranks) <= set(range(WORKERS)):
+        parser.error(f"--kill-ranks {' '.join(map(str, args.kill_ranks))}: the ranks are 0 to {WORKERS - 1}")
     EPOCHS = args.epochs
     kinds = [kind for kind in KINDS if kind in args.kinds]
     counts = {"clean": args.reference_runs, "survive": args.runs, "replace": args.replace_runs,
@@ -322,8 +345,7 @@ def main() -> None:
     plan = []  # (index, strategy or None for the torchrun kinds, kind, rank, step)
     for index in range(rounds):
         for strategy in [*args.strategies, None]:
-            # async holds the global model on rank 0: losing it is fatal by design, so a worker rank is drawn
-            rank = rng.randint(1 if strategy == "async" else 0, WORKERS - 1)
+            rank = rng.choice(args.kill_ranks) if args.kill_ranks else rng.randint(0, WORKERS - 1)
             step = rng.randint(1, max(1, int(args.kill_within * EPOCHS * STEPS_PER_EPOCH) - 1))
             for kind in KINDS:
                 if strategy == "async" and kind == "replace":

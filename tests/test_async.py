@@ -432,8 +432,11 @@ class LeaderLosingAsync(Async):
             if self.action != "freeze":
                 os._exit(0)
             os.kill(os.getpid(), signal.SIGSTOP)
-        if epoch == 1 or self.action == "kill-last":
+        if epoch == 1:
             time.sleep(0.6 * me)
+        elif self.action == "kill-last":  # 1, then 2, after all three merged epoch 1
+            wait_for(store, "test/epoch-1-merged")
+            time.sleep(0.6 * (me - 1))
         else:
             wait_for(store, "test/rank-0-dies")
             time.sleep(0.3)

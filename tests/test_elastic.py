@@ -339,7 +339,8 @@ def test_async_goes_on_without_rank_0_the_next_rank_takes_the_global_model_over_
     assert result.returncode == 0, result.stderr
     said = result.stdout + result.stderr
     took = re.search(r"\[rank1\] dptrain: rank 0, which holds the global model and the merge service, is gone \("
-                     r"[^)]*\): rank 1 takes over with 2 workers \(ranks 1, 2 of the job\), from the newest global model "
+                     r"[^)]*\): rank 1 took over in \d+\.\d s, with 2 workers \(ranks 1, 2 of the job\), from the newest "
+                     r"global model "
                      r"any of them had \(version \d+, from rank [12]\); they share the data from epoch (\d+)", said)
     assert took, said
     history = records(run)

@@ -53,7 +53,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from dptrain import faults
-from dptrain.runtime.group import Evicted, Group, PeerFailure, first_line  # noqa: F401 - Evicted: its home for callers
+from dptrain.runtime.group import Evicted, Group, PeerFailure, first_line  # noqa: F401 - Evicted, for callers
 from dptrain.runtime.heartbeat import bounded
 
 PREFIX = "dptrain/membership/"

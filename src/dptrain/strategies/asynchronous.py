@@ -62,8 +62,22 @@ every worker left is sure to start after hearing of it (the latest epoch any of 
 `every`), and from it they share the data among themselves (each its place among MEMBERS) and the LR rule
 counts W'. The lost worker's share of the epochs between is not trained (async has no epoch all workers
 stand at to hand it over). A frozen worker that wakes up is told it was left out (Evicted). At the end the
-workers left build a group of their own for the final model. Losing rank 0, which holds the global model
-and the service, ends the run.
+workers left build a group of their own for the final model.
+
+Losing rank 0 (`_take_over`), which holds the global model and the service: where the store is served apart
+from it (dptrain's launcher with --min-workers, `dptrain serve-store` under a scheduler), the workers left
+notice it at their next exchange with the service, or within LOST_POLL seconds in training (the launcher's
+note that its process ended, or 3 s without its heartbeat). They regroup through the store at once, each from
+wherever it is (no epoch end is needed: nobody goes back), and the lowest becomes rank 0: it serves, as the
+global model, the newest one any of them was given (the highest version). That version holds every merge a
+worker left was answered; what the lost rank merged that no one was answered after, and a merge whose answer
+was lost with it (its worker sends it again, to the new service: merged once), are not in it. Each worker's next
+merge is against its own base, as any stale merge (staleness counts from that version). delayed-nesterov's
+momentum and round, which only rank 0 held, start again from zero. The workers share the data from the first
+epoch after every one's present one; the new rank 0 writes the results from the epoch it took over in, keeping
+the evaluations the lost one had written. A frozen rank 0 that wakes up finds the take-over in the store and
+stops (Evicted): it never goes on as a second global model. Where rank 0 hosts the store, losing it ends the
+run, as before.
 """
 
 from __future__ import annotations
@@ -626,8 +640,9 @@ class Async(AsyncRules, Strategy):
         (the highest version: it holds every merge a worker left was answered; what the lost rank merged last,
         unseen by any, and a merge whose answer was lost with rank 0, which its worker sends again, are not in
         it), and serves the others; they share the data from the first epoch after every one's present one."""
+        begun = time.perf_counter()
         ctx, old = self.ctx, self.ctx.group
-        me, host, first = old.members[old.rank], old.members[0], tuple(old.members)
+        me = old.members[old.rank]
         if self.group is not None:  # (not closed: a message to the lost rank may still wait in it)
             self.group.abandon()
         group, _ = regroup(old, takeover_generation(old), self._epoch, min_workers=self.min_workers or 1,
@@ -656,8 +671,8 @@ class Async(AsyncRules, Strategy):
         if self.service is not None:
             self.service.epochs = {rank: epoch for rank, (_, epoch, _) in enumerate(told)}
         momentum = "; its server momentum starts again from zero" if self.merge == "delayed-nesterov" else ""
-        print(f"dptrain: {why}: rank {me} takes over with {group.world_size} worker"
-              f"{'s' if group.world_size > 1 else ''} (ranks {', '.join(map(str, group.members))} of the job), "
+        print(f"dptrain: {why}: rank {me} took over in {time.perf_counter() - begun:.1f} s, with "
+              f"{group.world_size} worker{'s' if group.world_size > 1 else ''} (ranks {', '.join(map(str, group.members))} of the job), "
               f"from the newest global model any of them had (version {model.version}, from rank "
               f"{group.members[holder]}){momentum}; they share the data from epoch {epoch + 1}", flush=True)
 
