@@ -363,6 +363,34 @@ def test_async_goes_on_without_rank_0_the_next_rank_takes_the_global_model_over_
     assert "GLHF" not in result.stderr and "pair.cc" not in result.stderr and "Traceback" not in said
 
 
+def test_after_a_take_over_the_new_service_leaves_out_the_next_lost_worker_as_the_first_did(tmp_path):
+    """4 workers: rank 0 killed in epoch 2 (ranks 1, 2, 3 take over), then rank 3 in its epoch 6: the merge service
+    on rank 1 leaves it out and the two left share the data from the next epoch it names. Both changes are
+    recorded once, in order; rank 0's and rank 3's numbers went with them."""
+    run = tmp_path / "run"
+    result = dptrain("train", "--dataset", "digits", "--strategy", "async", "--workers", "4", "--min-workers", "2",
+                     "--epochs", "40", "--lr", "0.05", "--no-progress", "--out", str(run), cwd=tmp_path,
+                     env={"DPTRAIN_FAULT": "train-middle@0:2;train-middle@3:6"})
+    assert result.returncode == 0, result.stderr
+    said = result.stdout + result.stderr
+    assert "rank 1 took over in" in said and "with 3 workers (ranks 1, 2, 3 of the job)" in said
+    assert "[rank1] dptrain: the merge service left rank 3 out (its process ended); it merges over 2 workers" in said
+    history = records(run)
+    assert [record["epoch"] for record in history] == list(range(1, 41))
+    changes = [(record["epoch"], record["membership"]) for record in history if "membership" in record]
+    assert [(change["members"], change["left"]) for _, change in changes] == [([1, 2, 3], [0]), ([1, 2], [3])]
+    (first, _), (second, _) = changes
+    assert 2 < first < second <= 40
+    for record in history:  # a quarter of 1437 rows is 359 or 360, a third 479
+        rows = sorted(worker["samples"] for worker in record["workers"])
+        if record["epoch"] < first:
+            assert len(rows) == 2 and set(rows) <= {359, 360}, (record["epoch"], rows)
+        else:
+            assert rows == ([479, 479] if record["epoch"] < second else [718, 719]), (record["epoch"], rows)
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["workers"] == 2 and summary["test_accuracy"] > 0.9
+
+
 def test_async_cannot_go_on_without_rank_0_where_rank_0_hosts_the_store_and_says_so():
     """Without a store served beside the ranks (here: rank 0 hosts it, as under torchrun), nobody can take over."""
     results = run_distributed(_async_losing_rank_0, 3, lost=(0,))

@@ -147,3 +147,27 @@ def _peer_gone(rank, world):
 def test_a_wait_on_a_rank_that_left_is_a_peer_failure_naming_what_waited():
     said = run_distributed(_peer_gone, 2)[0]
     assert said.startswith("rank 0: the stop check failed after ") and "cause: " in said, said
+
+
+def test_gone_reads_the_exit_notes_and_heartbeats_of_the_job_ranks_behind_a_groups_ranks():
+    """A merge service made after rank 0 was lost serves job ranks 1 and 2 as its ranks 0 and 1: whether its rank 1
+    is gone is job rank 2's exit note and heartbeat, not job rank 1's (the service's own host)."""
+    import time
+
+    import torch.distributed as dist
+
+    from dptrain.runtime.heartbeat import PREFIX, Heartbeat
+    from dptrain.runtime.membership import EXITED, gone
+
+    store = dist.HashStore()
+    for job_rank in (1, 2):
+        store.set(f"{PREFIX}{job_rank}", "1")
+    heartbeat = Heartbeat(store, 1, 3)  # (not started: the test moves the counters)
+    job = [1, 2]
+    assert gone(store, heartbeat, [1], 0.2, in_store=lambda rank: job[rank]) == {}
+    time.sleep(0.3)
+    store.add(f"{PREFIX}1", 1)  # job rank 1 beats, job rank 2 does not
+    assert gone(store, heartbeat, [0, 1], 0.2, in_store=lambda rank: job[rank]) == {
+        1: "its heartbeat stopped for 0.2 s (frozen or gone)"}
+    store.set(f"{EXITED}2", "1")
+    assert gone(store, heartbeat, [1], 0.2, in_store=lambda rank: job[rank]) == {1: "its process ended"}

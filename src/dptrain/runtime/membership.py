@@ -170,12 +170,14 @@ def gone(store, heartbeat, ranks, stall: float, *, in_store=lambda rank: rank) -
     """Which of `ranks` are gone, each with why: the launcher serving the store saw its process end (at
     once, not after `stall` seconds of silence), or its heartbeat has not moved for `stall` seconds (frozen
     or gone; `heartbeat.stalled` tracks counters across calls, so poll it). `in_store(rank)` is the rank
-    the launcher's exit note names (the job's rank, where `ranks` are ranks of a group of some of them)."""
+    the launcher's exit note and the heartbeat name (the job's rank, where `ranks` are ranks of a group of
+    some of them)."""
     lost = {rank: "its process ended" for rank in ranks
             if store is not None and bounded(lambda: store.check([f"{EXITED}{in_store(rank)}"]))}
     if heartbeat is not None and ranks:
-        for rank in heartbeat.stalled(ranks, stall):
-            lost.setdefault(rank, f"its heartbeat stopped for {stall:g} s (frozen or gone)")
+        of_job = {in_store(rank): rank for rank in ranks}
+        for quiet in heartbeat.stalled(list(of_job), stall):
+            lost.setdefault(of_job[quiet], f"its heartbeat stopped for {stall:g} s (frozen or gone)")
     return lost
 
 

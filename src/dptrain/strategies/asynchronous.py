@@ -483,13 +483,16 @@ class Async(AsyncRules, Strategy):
             self._serve(GlobalModel(self.base, ctx.world_size, self.merge, self.server_momentum, self.server_lr))
         return model
 
-    def _serve(self, model: GlobalModel) -> None:
-        """Rank 0: hold the global model and, with other workers, the merge service."""
+    def _serve(self, model: GlobalModel, epochs: Optional[dict[int, int]] = None) -> None:
+        """Rank 0: hold the global model and, with other workers, the merge service (`epochs`: where each worker
+        is, after a take-over)."""
         self.global_model = model
         if self.ctx.world_size > 1:
             takeover = f"{PREFIX}{takeover_generation(self.ctx.group)}/decider" if self._can_take_over() else None
             self.service = MergeService(model, self.group, self.ctx, self.compression, self.every, self.live,
-                                        takeover).start()
+                                        takeover)
+            self.service.epochs.update(epochs or {})
+            self.service.start()
 
     def _can_take_over(self) -> bool:
         """Whether the workers left can go on when rank 0 is lost: live membership, over a store rank 0 does not
@@ -667,13 +670,11 @@ class Async(AsyncRules, Strategy):
             return
         model = GlobalModel(state, group.world_size, self.merge, self.server_momentum, self.server_lr)
         model.version, model.stop_requested = max(versions), stop
-        self._serve(model)
-        if self.service is not None:
-            self.service.epochs = {rank: epoch for rank, (_, epoch, _) in enumerate(told)}
+        self._serve(model, {rank: epoch for rank, (_, epoch, _) in enumerate(told)})
         momentum = "; its server momentum starts again from zero" if self.merge == "delayed-nesterov" else ""
-        print(f"dptrain: {why}: rank {me} took over in {time.perf_counter() - begun:.1f} s, with "
-              f"{group.world_size} worker{'s' if group.world_size > 1 else ''} (ranks {', '.join(map(str, group.members))} of the job), "
-              f"from the newest global model any of them had (version {model.version}, from rank "
+        plural = "s" if group.world_size > 1 else ""
+        print(f"dptrain: {why}: rank {me} took over in {time.perf_counter() - begun:.1f} s, with {group.world_size} "
+              f"worker{plural} (rank{plural} {', '.join(map(str, group.members))} of the job), from the newest global model any of them had (version {model.version}, from rank "
               f"{group.members[holder]}){momentum}; they share the data from epoch {epoch + 1}", flush=True)
 
     def _hear(self, generation: int) -> None:
