@@ -271,6 +271,11 @@ CASES = [
     case("config-batch-larger-than-shard", lambda s: train("--batch-size", "17"),
          "--batch-size 17", "shard of 16 samples"),
     case("config-unknown-strategy", lambda s: train("--strategy", "gossip"), "--strategy", "'gossip'"),
+    case("config-commit-without-min-workers", lambda s: train("--commit-every-steps", "4"),
+         "--commit-every-steps 4 needs --min-workers"),
+    case("config-commit-under-sync", lambda s: train("--strategy", "sync", "--min-workers", "1",
+                                                     "--commit-every-steps", "4"),
+         "--commit-every-steps applies to strategy allreduce, not sync"),
     case("config-unknown-flag", lambda s: train("--learning-rate", "0.1"), "--learning-rate", "did you mean --lr"),
     # data
     case("data-missing-file", lambda s: train(data="missing.npz"), "'missing.npz' does not exist"),

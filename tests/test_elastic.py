@@ -233,6 +233,49 @@ def test_allreduce_goes_on_without_a_killed_worker_on_a_new_ddp(tmp_path):
     assert summary["comm_bytes_per_worker"] == [history[-1]["workers"][0]["comm_bytes"]] * 2
 
 
+@pytest.fixture(scope="module")
+def committed_runs(tmp_path_factory):
+    """allreduce with a commit every 4 steps: rank 2 killed (or frozen) before step 8 of epoch 2's 15."""
+    root = tmp_path_factory.mktemp("commits")
+    runs = []
+    for name, action in (("killed", "kill"), ("frozen", "freeze")):
+        argv = [*argv_for("allreduce", root / name), "--commit-every-steps", "4"]
+        runs.append((root / name, dptrain(*argv, cwd=root, env={**KILL, "DPTRAIN_FAULT_ACTION": action})))
+    return runs
+
+
+def test_allreduce_goes_on_from_its_last_commit_with_the_rest_of_the_epoch_shared_over_the_survivors(committed_runs):
+    """The survivors go back to step 4 of epoch 2 (their last commit), not to its start: the rows nobody had read by
+    then (1437 - 3 x 128) are shared over the two, and rank 2's 128 rows of steps 1-4 stay trained. Every row
+    is read once in every epoch, epoch 2 included, and it is recorded once."""
+    run, result = committed_runs[0]
+    assert result.returncode == 0, result.stderr
+    assert ("continuing from epoch 2 at step 4 of it (its last commit; the rest of its rows shared over them) with "
+            "2 workers (ranks 0, 1 of the job; without rank 2)") in result.stdout
+    history = records(run)
+    assert [record["epoch"] for record in history] == [1, 2, 3, 4]
+    assert [len(record["workers"]) for record in history] == [3, 2, 2, 2]
+    assert history[1]["membership"] == {"generation": 1, "members": [0, 1], "left": [2], "continued_from_epoch": 2,
+                                        "continued_from_step": 4, "rows_read_by_the_lost": 128}
+    assert sorted(worker["samples"] for worker in history[1]["workers"]) == [128 + 526, 128 + 527]
+    for record in history:
+        lost = record.get("membership", {}).get("rows_read_by_the_lost", 0)
+        assert sum(worker["samples"] for worker in record["workers"]) + lost == TRAIN_ROWS
+    # DDP's start-up broadcast and one gradient of every step kept: 15 of epoch 1, 4 + 17 of epoch 2 (the 3 after
+    # the commit went with the state the survivors returned to), 23 of each epoch after
+    assert [[worker["comm_bytes"] for worker in record["workers"]] for record in history[1:]] == [
+        [PARAMETER_BYTES * (1 + 15 + 21 + 23 * k)] * 2 for k in range(3)]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["workers"] == 2 and summary["test_accuracy"] > 0.8
+
+
+def test_from_a_commit_a_kill_and_a_freeze_at_the_same_step_give_the_same_weights(committed_runs):
+    (killed, kill), (frozen, freeze) = committed_runs
+    assert kill.returncode == 0 and freeze.returncode == 0, freeze.stderr
+    first, second = (torch.load(run / "model.pt") for run in (killed, frozen))
+    assert first.keys() == second.keys() and all(torch.equal(first[key], second[key]) for key in first)
+
+
 @pytest.mark.slow
 def test_streaming_gives_up_a_frozen_worker_and_drops_the_average_in_flight(tmp_path):
     run = tmp_path / "streaming"
@@ -278,6 +321,20 @@ def test_the_python_api_refuses_min_workers_to_a_strategy_that_cannot_go_on_with
     assert done.returncode == 2, done.stderr
     assert done.stderr.strip() == ("dptrain: error: min_workers does not apply to strategy local: it cannot "
                                    "go on without a lost worker")
+
+
+def test_the_python_api_refuses_commits_to_a_strategy_whose_workers_do_not_meet_at_every_step(tmp_path):
+    from dptrain.strategies.sync import Sync
+    from dptrain.train.trainer import Trainer
+
+    model = torch.nn.Linear(4, 2)
+    with pytest.raises(ValueError, match="commit_every_steps needs min_workers"):
+        Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), commit_every_steps=4)
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), strategy=Sync(), min_workers=1,
+                      commit_every_steps=4, verbose=False)
+    with pytest.raises(UserError, match="^commit_every_steps does not apply to strategy sync: its workers do not "
+                                        "meet at every step"):
+        trainer.fit((torch.zeros(8, 4), torch.zeros(8, dtype=torch.long)))
 
 
 @pytest.mark.slow

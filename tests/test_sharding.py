@@ -133,3 +133,31 @@ def test_derive_seed_is_reproducible_63_bit_and_distinct_for_small_tuples():
 def test_seeds_of_2_to_the_32_and_above_get_their_own_global_orders():
     assert derive_seed(2**32, 0) != derive_seed(0, 1)
     assert not np.array_equal(epoch_indices(100, 0, 1, 0, 2**32, "global"), epoch_indices(100, 0, 1, 1, 0, "global"))
+
+
+def test_the_rest_of_an_epoch_after_a_commit_holds_every_row_not_read_yet_once_over_the_new_world():
+    """allreduce's commits (--commit-every-steps): after 4 of 15 steps over 3 workers, rank 2 is lost; the rest
+    of the epoch is every row none of them had read, shared over the 2 left; after 3 more of its steps rank 1 is
+    lost too, and the rest of that goes to rank 0 alone. Every row of the epoch is read exactly once."""
+    import numpy as np
+
+    from dptrain.data.sampler import EpochPlan, PlanBatches, Rest
+
+    whole = Rest.whole(1, 1437, (0, 1, 2), 32, 0, "global")
+    assert whole.steps == 15 and [len(part) for part in whole.parts] == [479, 479, 479]
+    first = whole.after(4, (0, 1), 32)
+    read_before = [np.concatenate(np.array_split(part, 15)[:4]) for part in whole.parts]
+    assert first.read == ((0, 128), (1, 128), (2, 128)) and first.read_by((2,)) == 128
+    assert [len(part) for part in first.parts] == [527, 526] and first.steps == 17 and first.done == 4
+    second = first.after(7, (0,), 32)
+    assert second.read_by((1, 2)) == 128 + 128 + sum(len(b) for b in np.array_split(first.parts[1], 17)[:3])
+    rows = np.concatenate([*read_before, *(np.concatenate(np.array_split(part, 17)[:3]) for part in first.parts),
+                           *second.parts])
+    assert len(rows) == 1437 and len(np.unique(rows)) == 1437
+    # a reader of the rest: the steps before the commit are skipped, the rest's come with the epoch's step numbers
+    plan = EpochPlan(steps=23, rows=lambda epoch: np.arange(10), rest=first, rank=1)
+    batches = PlanBatches(plan)
+    batches.set_epoch(1, 4)
+    assert len(batches) == 17 and np.array_equal(np.concatenate(list(batches)), first.parts[1])
+    batches.set_epoch(2)
+    assert len(batches) == 23 and np.array_equal(np.concatenate(list(batches)), np.arange(10))

@@ -151,9 +151,9 @@ class TrainConfig(BaseModel):
                                    "and named (default: no limit)")
     min_workers: Optional[int] = Field(None, ge=1, description="local launcher or srun: when a worker (rank 0 too) "
                                        "fails or freezes, the others go on without it from the start of that "
-                                       "epoch, as long as N remain; one warned alone leaves at the epoch end; "
-                                       "async: without going back, and rank 0 must stay (default: a failure ends "
-                                       "the run)")
+                                       "epoch (allreduce: from their last commit, --commit-every-steps), as long "
+                                       "as N remain; one warned alone leaves at the epoch end; async: without "
+                                       "going back, rank 0 too (default: a failure ends the run)")
     replace_workers: bool = Field(False, description="with --min-workers, local launcher: start a new worker in "
                                   "place of each one that fails; it joins the others at an epoch end, healed from "
                                   "a live one (--workers MIN:MAX is short for --workers MAX --min-workers MIN "
@@ -161,6 +161,11 @@ class TrainConfig(BaseModel):
     max_workers: Optional[int] = Field(None, ge=1, description="with --min-workers, local launcher: workers added "
                                        "by dptrain join enter while fewer than N train, so the run may grow beyond "
                                        "the --workers it started with (Horovod's --max-np; default: --workers)")
+    commit_every_steps: Optional[int] = Field(None, ge=1, description="with --min-workers: every N steps each "
+                                              "worker keeps its state in memory, and when one is lost the others "
+                                              "go on from their latest such commit, the rest of the epoch's rows "
+                                              "shared over them, instead of from the epoch's start (default: the "
+                                              "epoch's start)")
 
     # Outputs
     out: Optional[str] = Field(None, description="run directory (default runs/STRATEGY-TIMESTAMP); must not hold a run already")

@@ -29,10 +29,55 @@ ArrayLike = Union[DSTensor, np.ndarray, torch.Tensor]
 
 @dataclass
 class EpochPlan:
-    """One rank's reading plan: `steps` per epoch and `rows(epoch)`, the rows of an epoch in visiting order."""
+    """One rank's reading plan: `steps` per epoch and `rows(epoch)`, the rows of an epoch in visiting order;
+    `rest`: the rest of one epoch after some steps, shared out again over a new world (`Rest`)."""
 
     steps: int
     rows: Callable[[int], np.ndarray]
+    rest: Optional["Rest"] = None
+    rank: int = 0  # this rank's place among the members of `rest`
+
+
+@dataclass(frozen=True)
+class Rest:
+    """The rest of epoch `epoch` after its first `done` steps (allreduce's commits, --commit-every-steps): each
+    member's rows of it, in the members' order (`parts`), read in `steps` steps; `read`, the rows of the epoch
+    each rank of the job read before (`members`: ranks of the job, in order)."""
+
+    epoch: int
+    done: int
+    parts: tuple[np.ndarray, ...]
+    steps: int
+    members: tuple[int, ...]
+    read: tuple[tuple[int, int], ...] = ()  # (rank of the job, rows read before `done`)
+
+    @classmethod
+    def whole(cls, epoch: int, n_samples: int, members, batch_size: int, seed: int, shuffle: str,
+              block_size: Optional[int] = None) -> "Rest":
+        """All of epoch `epoch` as the shared sharding reads it over `members` (`shard_plan`)."""
+        world = len(members)
+        parts = tuple(sharding.epoch_indices(n_samples, rank, world, epoch, seed, shuffle, block_size)
+                      for rank in range(world))
+        return cls(epoch, 0, parts, sharding.steps_per_epoch(n_samples, world, batch_size), tuple(members))
+
+    def after(self, done: int, members, batch_size: int) -> "Rest":
+        """What is left of the epoch once `done` of its steps are done (`done` at or after this rest's start),
+        shared out over `members` (ranks of the job): every row not read yet, once; none read twice."""
+        taken = done - self.done
+        left, read = [], dict(self.read)
+        for rank, part in zip(self.members, self.parts):
+            pieces = sharding.batches(part, self.steps)
+            read[rank] = read.get(rank, 0) + sum(len(piece) for piece in pieces[:taken])
+            left.extend(pieces[taken:])
+        rows = np.concatenate(left) if left else np.empty(0, dtype=np.int64)
+        world = len(members)
+        steps = sharding.steps_per_epoch(len(rows), world, batch_size) if len(rows) else 0
+        return Rest(self.epoch, done, tuple(np.array_split(rows, world)), steps, tuple(members),
+                    tuple(sorted(read.items())))
+
+    def read_by(self, ranks) -> int:
+        """Rows of the epoch read before this rest by `ranks` (of the job)."""
+        return sum(rows for rank, rows in self.read if rank in ranks)
 
 
 def shard_plan(n_samples: int, rank: int, world: int, batch_size: int, seed: int, shuffle: str,
@@ -173,11 +218,22 @@ class PlanBatches(Sampler):
     def set_epoch(self, epoch: int, start: int = 0) -> None:
         self.epoch, self.start = epoch, start
 
+    def _rest(self) -> Optional[Rest]:
+        rest = self.plan.rest
+        return rest if rest is not None and rest.epoch == self.epoch else None
+
     def __len__(self) -> int:
-        return self.plan.steps - self.start
+        rest = self._rest()
+        return (rest.done + rest.steps if rest is not None else self.plan.steps) - self.start
 
     def __iter__(self) -> Iterator[list[int]]:
-        for index, batch in enumerate(sharding.batches(self.plan.rows(self.epoch), self.plan.steps)):
+        rest = self._rest()
+        if rest is not None:  # the epoch's rest, after its first rest.done steps
+            steps = sharding.batches(rest.parts[self.plan.rank], rest.steps) if rest.steps else []
+            first = rest.done
+        else:
+            steps, first = sharding.batches(self.plan.rows(self.epoch), self.plan.steps), 0
+        for index, batch in enumerate(steps, start=first):
             if index >= self.start:
                 yield batch.tolist()
 

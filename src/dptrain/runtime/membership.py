@@ -71,13 +71,17 @@ class Membership:
     left: tuple[int, ...]  # the old members that are gone
     joined: tuple[int, ...] = ()  # ranks of the job that joined (replacements, `dptrain join`)
     healed_bytes: int = 0  # the state rank 0 handed the joiners
+    step: int = 0  # the steps of `epoch` done before the members continue (allreduce's commits; 0: its start)
+    rows_lost: int = 0  # of the rows of `epoch` read before `step`, those the lost members read (trained all the same)
 
 
 def regroup(group: Group, generation: int, epoch: int, *, min_workers: int, timeout: float,
-            stall: float = STALL) -> tuple[Group, Membership]:
+            stall: float = STALL, step: int = 0) -> tuple[Group, Membership]:
     """Leave the failed `group` and make generation `generation` of the survivors (see the module's
     docstring): (the new group, the membership). `epoch` is the epoch this rank failed in (it can also
-    redo the one before)."""
+    redo the one before); `step`, the steps of it done at this rank's last commit (allreduce's
+    --commit-every-steps: it can also go back to the commit before): the survivors continue from the
+    earliest (epoch, step) any of them holds."""
     store, me, first = group.store, group.members[group.rank], list(group.members)
     if store is None:
         raise PeerFailure(f"rank {me}: no rendezvous store to agree on new members with")
@@ -85,8 +89,8 @@ def regroup(group: Group, generation: int, epoch: int, *, min_workers: int, time
     group.close()
     old = first
     while True:
-        members, resume = _agree(group, store, me, old, generation, epoch, timeout, stall)
-        membership = Membership(generation, members, resume, tuple(r for r in first if r not in members))
+        members, (resume, at) = _agree(group, store, me, old, generation, (epoch, step), timeout, stall)
+        membership = Membership(generation, members, resume, tuple(r for r in first if r not in members), step=at)
         if len(members) < min_workers:
             raise PeerFailure(f"rank {me}: only {len(members)} worker{'s' if len(members) > 1 else ''} left "
                               f"(ranks {', '.join(map(str, members))}), fewer than --min-workers {min_workers}; "
@@ -100,12 +104,12 @@ def regroup(group: Group, generation: int, epoch: int, *, min_workers: int, time
         old, generation = list(members), generation + 1
 
 
-def _agree(group: Group, store, me: int, old: list[int], generation: int, epoch: int, timeout: float,
-           stall: float) -> tuple[tuple[int, ...], int]:
-    """Say this rank is alive for `generation` and learn the members the decider chose and the epoch to go on
-    from (Evicted when this rank is not among them)."""
+def _agree(group: Group, store, me: int, old: list[int], generation: int, at: tuple[int, int], timeout: float,
+           stall: float) -> tuple[tuple[int, ...], tuple[int, int]]:
+    """Say this rank is alive for `generation` at `at` (epoch, step) and learn the members the decider chose and
+    the (epoch, step) to go on from (Evicted when this rank is not among them)."""
     key = f"{PREFIX}{generation}/"
-    bounded(lambda: store.set(f"{key}alive/{me}", str(epoch)))
+    bounded(lambda: store.set(f"{key}alive/{me}", f"{at[0]} {at[1]}"))
     # The first survivor here decides; the store's compare-and-set makes it one rank for all.
     decider = int(bounded(lambda: store.compare_set(f"{key}decider", "", str(me))).decode())
     if decider == me:
@@ -118,7 +122,7 @@ def _agree(group: Group, store, me: int, old: list[int], generation: int, epoch:
             raise PeerFailure(f"rank {me}: rank {decider}, which was to say who is left after a worker failed, "
                               f"did not ({type(exc).__name__})") from None
         decided = bounded(lambda: store.get(f"{key}members")).decode()
-    names, resume = decided.split(";")
+    names, resume, step = decided.split(";")
     members = tuple(int(rank) for rank in names.split(","))
     if decider == me:  # what a store service replacing lost ranks reads (`lost_since`)
         for rank in (rank for rank in old if rank not in members):
@@ -128,7 +132,7 @@ def _agree(group: Group, store, me: int, old: list[int], generation: int, epoch:
         raise Evicted(f"rank {me}: the other workers went on without this one (generation {generation}: "
                       f"ranks {', '.join(map(str, members))}); it did not answer while they agreed who is left "
                       f"(frozen or too slow)")
-    return members, int(resume)
+    return members, (int(resume), int(step))
 
 
 def _build(group: Group, store, me: int, members: tuple[int, ...], generation: int, stall: float) -> Optional[Group]:
@@ -182,17 +186,19 @@ def gone(store, heartbeat, ranks, stall: float, *, in_store=lambda rank: rank) -
 
 
 def _decide(group: Group, store, key: str, old: list[int], timeout: float, stall: float) -> str:
-    """Rank 0: "RANKS;EPOCH" once every old member has answered or gone quiet (or `timeout` passed)."""
+    """The decider: "RANKS;EPOCH;STEP" once every old member has answered or gone quiet (or `timeout` passed):
+    the earliest (epoch, step) any of them said."""
     deadline = time.monotonic() + timeout
     heartbeat = group.heartbeat
     while True:
-        answered = {rank: int(bounded(lambda: store.get(f"{key}alive/{rank}")).decode())
+        answered = {rank: tuple(int(v) for v in bounded(lambda: store.get(f"{key}alive/{rank}")).decode().split())
                     for rank in old if bounded(lambda: store.check([f"{key}alive/{rank}"]))}
         waiting = [rank for rank in old if rank not in answered]
         quiet = gone(store, heartbeat, waiting, stall)
         if all(rank in quiet for rank in waiting) or time.monotonic() >= deadline:
             members = sorted(answered)
-            return f"{','.join(map(str, members))};{min(answered.values())}"
+            epoch, step = min(answered.values())
+            return f"{','.join(map(str, members))};{epoch};{step}"
         time.sleep(0.1)
 
 
@@ -209,6 +215,8 @@ def note(membership: Optional[Membership]) -> Optional[dict]:
         return None
     record = {"generation": membership.generation, "members": list(membership.members),
               "left": list(membership.left), "continued_from_epoch": membership.epoch + 1}
+    if membership.step:  # allreduce's commits: the rest of that epoch's rows, shared over the members
+        record.update(continued_from_step=membership.step, rows_read_by_the_lost=membership.rows_lost)
     if membership.joined:
         record.update(joined=list(membership.joined), healed_bytes=membership.healed_bytes)
     return record

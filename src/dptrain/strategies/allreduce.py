@@ -25,6 +25,7 @@ class AllReduce(AllReduceRules, Strategy):
     single-process training on the union of the workers' batches."""
 
     name = "allreduce"
+    meets_every_step = True  # live membership can go on from a commit within an epoch (--commit-every-steps)
 
     def __init__(self, compression: str = "none", bucket_cap_mb: float = 25.0) -> None:
         super().__init__()

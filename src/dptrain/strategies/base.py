@@ -54,6 +54,9 @@ class Strategy(StrategyRules):
     # by the others there, and joiners enter there); False for async, which hears of a loss in its merges
     # (`live_change`) and goes on without going back.
     meets_at_epoch_ends = True
+    # Whether every worker takes part in a collective at every step (allreduce): live membership may then go on
+    # from a commit within an epoch (the trainer's commit_every_steps), not only from the epoch's start.
+    meets_every_step = False
     # Set by the trainer before setup when the run has live membership: its min_workers (live: whether it has).
     live = False
     min_workers: Optional[int] = None

@@ -36,7 +36,8 @@ def default_run_dir(strategy: str, job_id: Optional[str] = None) -> str:
 
 # Settings that may change between an interrupted run and its continuation.
 RESUMABLE_CHANGES = {"out", "resume", "progress", "timeout", "epochs", "max_restarts", "grace", "checkpoint_every",
-                     "checkpoint_every_steps", "keep_checkpoints", "replace_workers", "max_workers"}
+                     "checkpoint_every_steps", "keep_checkpoints", "replace_workers", "max_workers",
+                     "commit_every_steps"}
 
 
 def claim_run_dir(path: str) -> Path:

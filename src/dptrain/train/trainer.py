@@ -17,6 +17,7 @@ import io
 import math
 import time
 import warnings
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Optional, Union
 
@@ -25,7 +26,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from dptrain import faults
-from dptrain.data.sampler import PlanBatches, TrainData, as_dataset, evaluation_loader, labels_of, loader
+from dptrain.data.sampler import PlanBatches, Rest, TrainData, as_dataset, evaluation_loader, labels_of, loader
 from dptrain.errors import Diverged, Interrupted, JoinedTooLate, Left, Preempted, UserError
 from dptrain.runtime.distributed import DistContext, init_process_group, store_served
 from dptrain.runtime import membership as joining
@@ -93,6 +94,9 @@ class Trainer:
     With `min_workers`, the run goes on without failed or departed workers down to that many, and
     workers joining it (`dptrain join`) enter while fewer than `max_workers` train (default: the
     world it started with); `lr_rule(W)` (the factor your LR rule gives W workers) then has the LR follow the live world.
+    With `commit_every_steps` too, a strategy whose workers meet at every step (allreduce) keeps its state every
+    that many steps in memory, and the survivors go on from the latest such commit they all hold, the rest of
+    that epoch's rows shared over them, instead of from the epoch's start.
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, loss: Union[str, LossFn] = "cross-entropy",
@@ -103,7 +107,7 @@ class Trainer:
                  keep_checkpoints: int = 2, resume: bool = False, check_averages: bool = True,
                  stop_on_collapse: bool = False, lr_scale: float = 1.0, checkpoint_every_steps: int = 0,
                  min_workers: Optional[int] = None, max_workers: Optional[int] = None,
-                 lr_rule: Optional[Callable[[int], float]] = None) -> None:
+                 lr_rule: Optional[Callable[[int], float]] = None, commit_every_steps: int = 0) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer over the model's parameters, "
                             f"not {type(optimizer).__name__}")
@@ -130,6 +134,13 @@ class Trainer:
         if max_workers is not None and min_workers is None:
             raise ValueError("max_workers needs min_workers: workers enter a run whose membership changes")
         self.max_workers = max_workers  # joiners enter while fewer train (None: the world the run started with)
+        if commit_every_steps and min_workers is None:
+            raise ValueError("commit_every_steps needs min_workers: the commits are where the workers left go on from")
+        if commit_every_steps < 0:
+            raise ValueError(f"commit_every_steps must be 1 or more (0: none), not {commit_every_steps}")
+        self.commit_every_steps = commit_every_steps
+        self._commits = 0  # steps between this run's commits (0: none; set in fit, for strategies meeting every step)
+        self._rest: Optional[Rest] = None  # the rest of an epoch shared out again after a commit (`_continue_without`)
         # The factor the LR rule gives W workers (dptrain.lr_policy.lr_scale): after a membership change the LR
         # follows the live world (None: it is kept).
         self.lr_rule = lr_rule
@@ -195,6 +206,12 @@ class Trainer:
             raise UserError(f"min_workers does not apply to strategy {strategy.name}: it cannot go on without a "
                             "lost worker")
         strategy.live, strategy.min_workers = self.min_workers is not None, self.min_workers
+        if self.commit_every_steps and not strategy.meets_every_step:
+            if self.strategy_choice is None:
+                raise UserError(f"commit_every_steps does not apply to strategy {strategy.name}: its workers do not "
+                                "meet at every step, so a lost worker's epoch is redone from its start")
+            self.recorder.log(f"dptrain: --commit-every-steps does not apply to {strategy.name}, which auto picked: "
+                              "a lost worker's epoch is redone from its start")
         labels = lambda: labels_of(train, self.recorder.log)  # noqa: E731 - asked again after a membership change
         plan, batches, reader = self._plan(train, labels)
         scheduler = self.schedule(self.optimizer, plan.steps, epochs) if self.schedule else None
@@ -225,13 +242,18 @@ class Trainer:
         self.stop_signals.watch()
         started = self._started = time.perf_counter() - wall_before
         evaluated = False  # whether the last epoch evaluated the global model
-        snapshots: dict[int, dict] = {}  # live membership: this rank's state before this epoch and the one before
+        # live membership: this rank's state at this epoch's start or latest commit, and the one before (`_keep`)
+        self._snapshots: dict[tuple[int, int], dict] = {}
         changed: Optional[Membership] = None  # the last membership change, recorded with the next epoch
         epoch = start_epoch
+        self._commits = self.commit_every_steps if strategy.meets_every_step else 0
+        within: Optional[dict] = None  # after a membership change: the commit within the epoch to go on from
         while epoch < epochs:
+            if within is not None:
+                position, within = within, None
             if self.min_workers is not None and strategy.meets_at_epoch_ends:
-                snapshots = {e: saved for e, saved in snapshots.items() if e == epoch - 1}
-                snapshots[epoch] = self._snapshot(parts, step)
+                # this rank's state now: at the epoch's start, or at the commit within it it continues from
+                self._keep((epoch, position["steps"] if position else 0), step, position)
             elif self.min_workers is not None and (heard := strategy.live_change(epoch)) is not None:
                 changed = self._follow(heard)  # async: a lost worker, heard of in a merge; nobody goes back
                 plan, batches, reader = self._plan(train, labels)
@@ -243,10 +265,11 @@ class Trainer:
             except PeerFailure as failure:
                 if self.min_workers is None or isinstance(failure, PeerReported) or not strategy.meets_at_epoch_ends:
                     raise  # an error the job shares, or one async cannot go on after (rank 0 lost)
-                changed, train_model = self._continue_without(failure, epoch, snapshots, parts)
-                epoch, step = changed.epoch, snapshots[changed.epoch]["step"]
+                changed, train_model = self._continue_without(failure, parts, train)
+                saved = self._snapshots[(changed.epoch, changed.step)]
+                epoch, step, within = changed.epoch, saved["step"], saved["position"]
                 plan, batches, reader = self._plan(train, labels)
-                scheduler = self._reschedule(parts, scheduler, plan.steps, epoch, epochs)
+                scheduler = self._reschedule(parts, scheduler, plan.steps, epoch, epochs, self._rest_steps(epoch))
                 continue
             finally:
                 position = None
@@ -299,25 +322,31 @@ class Trainer:
         if self.ctx.is_main and not self.recorder.is_main and not self.strategy.meets_at_epoch_ends:
             self.recorder.take_over(self.ctx.group.members[self.ctx.rank])
 
-    def _reschedule(self, parts: dict, scheduler, steps: int, epoch: int, epochs: int):
+    def _reschedule(self, parts: dict, scheduler, steps: int, epoch: int, epochs: int, rest: Optional[int] = None):
         """After a membership change, before `epoch` (from 0) starts in the new world: the schedule made again
         over the new epoch length (each worker now takes `steps` steps per epoch), at the same point of the run,
-        so that a per-step schedule neither runs ahead nor falls behind. Returns the schedule to step from now on."""
+        so that a per-step schedule neither runs ahead nor falls behind. `rest`: the steps left of `epoch` when the
+        workers go on from within it (allreduce's commits): the schedule stands where those steps end the epoch.
+        Returns the schedule to step from now on."""
         if scheduler is None:
             return None
         rebuilt = self.schedule(self.optimizer, steps, epochs)
+        ahead = 0 if rest is None else max(0, steps - rest)
         with warnings.catch_warnings():  # "lr_scheduler.step() before optimizer.step()": a fast-forward, no step
             warnings.simplefilter("ignore")
-            for _ in range(epoch * steps):
+            for _ in range(epoch * steps + ahead):
                 rebuilt.step()
         parts["scheduler"] = rebuilt
         return rebuilt
 
     def _plan(self, train: Dataset, labels: Callable) -> tuple:
-        """This rank's epoch plan, its batches and their reader, for the rank and world it has now."""
+        """This rank's epoch plan, its batches and their reader, for the rank and world it has now (with the rest
+        of an epoch shared out again after a commit, `_rest`)."""
         ctx = self.ctx
         plan = self.strategy.epoch_plan(ctx, len(train), labels, self.batch_size, self.seed, self.shuffle,
                                         getattr(train, "block_size", None))
+        if self._rest is not None and self._rest.members == tuple(ctx.group.members):
+            plan = replace(plan, rest=self._rest, rank=ctx.rank)
         # Checkpoints within an epoch are taken at the same step on every rank: below the fewest steps any
         # rank takes (fedavg's partitions differ in size), so that each one is complete.
         self._common_steps = (min(ctx.group.gather_objects("steps per epoch", plan.steps))
@@ -529,23 +558,61 @@ class Trainer:
         self.recorder.replace_history(state["history"])
         return epoch, state["step"], train_model
 
-    def _snapshot(self, parts: dict, step: int) -> dict:
-        """This rank's state now, in memory (what a checkpoint holds), to return to after a membership change."""
+    def _snapshot(self, parts: dict, step: int, position: Optional[dict] = None) -> dict:
+        """This rank's state now, in memory (what a checkpoint holds), to return to after a membership change;
+        `position`: where within the epoch it stands (a commit's), as a checkpoint within an epoch says it."""
         return {"step": step, "rng": checkpoint_files.rng_state(), "history": list(self.recorder.history),
+                "position": position,
                 **{name: copy.deepcopy(part.state_dict()) for name, part in parts.items() if part is not None}}
 
-    def _continue_without(self, failure: PeerFailure, epoch: int, snapshots: dict[int, dict],
-                          parts: dict) -> tuple[Membership, nn.Module]:
-        """After a peer failed in `epoch`: agree with the survivors on who is left and where to continue
+    def _keep(self, at: tuple[int, int], step: int, position: Optional[dict]) -> None:
+        """Keep this rank's state at `at` (epoch, steps of it done) and the one before only: a rank may have
+        passed the collective another failed in, and it continues from the one before then (`regroup`). States
+        after `at` (a rank that had gone further, going back to `at` with the others) are dropped."""
+        snapshots = self._snapshots
+        before = max((key for key in snapshots if key < at), default=None)
+        for key in [key for key in snapshots if key != before]:
+            del snapshots[key]
+        snapshots[at] = self._snapshot(self._parts, step, position)
+
+    def _commit(self, epoch: int, done: int, total: int, step: int, seen: int, loss_sum, epoch_start: float) -> None:
+        """Every `commit_every_steps` steps within an epoch (allreduce, `min_workers`): this rank's state, in
+        memory, for the survivors to go on from if a worker is lost later in the epoch."""
+        if not self._commits or done % self._commits or done >= total:
+            return
+        position = {"steps": done, "samples": seen, "loss_sum": torch.as_tensor(loss_sum).detach().cpu(),
+                    "seconds": time.perf_counter() - epoch_start, "rng": checkpoint_files.rng_state()}
+        self._keep((epoch, done), step, position)
+
+    def _rest_steps(self, epoch: int) -> Optional[int]:
+        """The steps left of `epoch` in the rest the workers go on with after a commit, or None."""
+        rest = self._rest
+        return rest.steps if rest is not None and rest.epoch == epoch and rest.done else None
+
+    def _continue_without(self, failure: PeerFailure, parts: dict, train: Dataset) -> tuple[Membership, nn.Module]:
+        """After a peer failed: agree with the survivors on who is left and where to continue
         (dptrain.runtime.membership), return to this rank's state from then and take its new rank (and the
-        module to train in the new group)."""
+        module to train in the new group). From a commit within an epoch, the rest of that epoch's rows (every
+        row no worker had read by then) is shared over the survivors (`_rest`)."""
         ctx = self.ctx
         self.recorder.log(f"dptrain: {failure}; the workers left agree on who they are")
-        # The epoch this rank failed in; the survivors continue from the earliest of theirs (one of them may
-        # have passed the last collective of an epoch that another failed in: it keeps the epoch before too).
-        group, membership = regroup(ctx.group, ctx.group.generation + 1, epoch, min_workers=self.min_workers,
-                                    timeout=self.timeout)
-        saved = snapshots[membership.epoch]
+        # Where this rank stands (the epoch it failed in, at its start or latest commit); the survivors continue
+        # from the earliest of theirs (one of them may have passed the collective another failed in: it keeps
+        # the state before too).
+        epoch, done = max(self._snapshots)
+        before = tuple(ctx.group.members)
+        group, membership = regroup(ctx.group, ctx.group.generation + 1, epoch, step=done,
+                                    min_workers=self.min_workers, timeout=self.timeout)
+        saved = self._snapshots[(membership.epoch, membership.step)]
+        if membership.step:
+            rest = self._rest
+            if rest is None or rest.epoch != membership.epoch or rest.members != before:
+                rest = Rest.whole(membership.epoch, len(train), before, self.batch_size, self.seed, self.shuffle,
+                                  getattr(train, "block_size", None))
+            self._rest = rest.after(membership.step, membership.members, self.batch_size)
+            membership = replace(membership, rows_lost=self._rest.read_by(membership.left))
+        else:
+            self._rest = None
         for name, part in parts.items():
             if part is not None:
                 part.load_state_dict(copy.deepcopy(saved[name]))
@@ -554,8 +621,11 @@ class Trainer:
         if len(self.recorder.history) != len(saved["history"]):
             self.recorder.replace_history(saved["history"])
         train_model = self._take(group)
-        self.recorder.log(f"dptrain: continuing from epoch {membership.epoch + 1} with {_workers(group.world_size)} "
-                          f"({_ranks(membership.members)} of the job; without {_ranks(membership.left)})")
+        within = (f" at step {membership.step} of it (its last commit; the rest of its rows shared over them)"
+                  if membership.step else "")
+        self.recorder.log(f"dptrain: continuing from epoch {membership.epoch + 1}{within} with "
+                          f"{_workers(group.world_size)} ({_ranks(membership.members)} of the job; without "
+                          f"{_ranks(membership.left)})")
         return membership, train_model
 
     def _train_epoch(self, model: nn.Module, reader: DataLoader, epoch: int, epochs: int, step: int,
@@ -574,6 +644,7 @@ class Trainer:
         if position is not None:  # starting the reader drew a seed from torch's RNG: back to the saved state
             checkpoint_files.set_rng_state(position["rng"])
         faults.at(self.ctx.group.members[self.ctx.rank], epoch + 1)
+        total = done + (len(reader) if training else 0)  # the epoch's steps
         middle = (len(reader) // 2 if training else -1) - done
         for index, (x, y) in enumerate(batches):
             if index == middle:
@@ -594,6 +665,7 @@ class Trainer:
                 bar.set_postfix(loss=f"{loss.item():.4f}", refresh=False)
             faults.step(self.ctx.rank, step)
             self._checkpoint_within(epoch, done, step, seen, loss_sum, epoch_start)
+            self._commit(epoch, done, total, step, seen, loss_sum, epoch_start)
         if not training:  # a worker that sits the epoch out still takes its part in the epoch's checkpoints
             for steps in range(done + 1, self._common_steps):
                 self._checkpoint_within(epoch, steps, step, seen, loss_sum, epoch_start)

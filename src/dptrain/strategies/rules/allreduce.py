@@ -12,12 +12,17 @@ from dptrain.strategies.rules import StrategyRules, check_min_workers
 class AllReduceRules(StrategyRules):
     class Options(StrategyRules.Options):
         compression: Literal["none", "fp16", "bf16", "int8"] = "none"
-        # A lost worker's part of the epoch is dropped; the others redo it over a new DDP on themselves.
+        # A lost worker's part of the epoch is dropped; the others redo it over a new DDP on themselves, from
+        # the epoch's start or (commit_every_steps) from their latest commit within it.
         min_workers: Optional[int] = Field(None, ge=1)
+        commit_every_steps: Optional[int] = Field(None, ge=1)
 
     @classmethod
     def check(cls, config: Any) -> None:
         check_min_workers(config)
+        if config.commit_every_steps is not None and config.min_workers is None:
+            raise ValueError(f"--commit-every-steps {config.commit_every_steps} needs --min-workers: the commits are "
+                             "where the workers left go on from when one is lost")
         if config.compression == "int8":
             raise ValueError("compression int8 applies to strategies sync, fedavg and async; allreduce compresses "
                              "its gradients with fp16 or bf16 only")
