@@ -9,6 +9,9 @@ rank 0 too, since the launcher serves the store; under async, whose rank 0 holds
 then take it over) is killed with SIGKILL after a random training step of the whole run
 (DPTRAIN_FAULT=step@RANK:STEP, once); the faulted kinds of one strategy and round share that (rank, step).
 (Results made before 2026-12-02's async take-over drew rank 1, 2 or 3 only under async, and so other draws.)
+--commit-every-steps N adds that flag to allreduce's survive and replace runs (the survivors go on from an in-memory
+commit within the epoch; each result keeps continued_from_step, the step of the epoch they went on from), and
+--slow-worker RANK:FACTOR to every dptrain run (longer epochs: allreduce's workers all wait for that rank).
 An async run that lost rank 0 also keeps takeover_seconds (the stamp of the new rank 0's `took over` line less
 the kill time: noticing the loss, while the survivors still train, then regrouping) and took_over_in (the
 seconds that line says the regrouping held the survivors up: what they lost).
@@ -85,6 +88,7 @@ TEXTBOOK = Path(__file__).parent / "baselines" / "textbook_ddp.py"
 TIMEOUT = 600  # seconds a run may take before it counts as hung (its process group is killed)
 
 
+EXTRA: dict[str, list[str]] = {"commit": [], "all": []}  # flags from the command line for the dptrain runs
 BOUNDARY = re.compile(r"\bepoch (\d+)/(\d+)(?:\s+train_loss| done\b)")  # dptrain's epoch line, textbook_ddp's
 JOINED = re.compile(r"\brank \d+ joined after epoch (\d+)")  # rank 0's line when a replacement entered
 TOOK_OVER = re.compile(r"\brank \d+ took over in ([\d.]+) s\b")  # async: the new rank 0's line after rank 0 was lost
@@ -153,6 +157,7 @@ def run_once(kind: str, strategy: str, out: Path, rank: int, step: int) -> dict:
             env.update(DPTRAIN_FAULT=f"step@{rank}:{step}", DPTRAIN_FAULT_ONCE=str(marker))
         argv += {"clean": [], "survive": ["--min-workers", str(WORKERS - 1)], "replace": [],
                  "restart": ["--max-restarts", "1"]}[kind]
+        argv += EXTRA["all"] + (EXTRA["commit"] if strategy == "allreduce" and kind in ("survive", "replace") else [])
     began, began_wall = time.perf_counter(), time.time()
     child = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                              start_new_session=True)
@@ -171,7 +176,7 @@ def run_once(kind: str, strategy: str, out: Path, rank: int, step: int) -> dict:
     for reader in readers:
         reader.join(timeout=30)  # a worker left behind holding the pipe must not hold the benchmark
     stdout, stderr = "".join(out_lines), "".join(err_lines)
-    joined = None
+    joined, steps_from = None, []
     if kind.startswith("torchrun"):
         said = [line for line in stdout.splitlines() if line.startswith("test accuracy ")]
         accuracy, workers = (float(said[-1].split()[-1]) if said else None), WORKERS if said else None
@@ -179,11 +184,14 @@ def run_once(kind: str, strategy: str, out: Path, rank: int, step: int) -> dict:
         summary_path = out / "summary.json"
         summary = json.loads(summary_path.read_text()) if code == 0 and summary_path.exists() else {}
         accuracy, workers = summary.get("test_accuracy"), summary.get("workers")
+        metrics = out / "metrics.jsonl"
+        records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()] \
+            if metrics.exists() else []
         if kind == "replace":
-            metrics = out / "metrics.jsonl"
-            records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()] \
-                if metrics.exists() else []
             joined = any((record.get("membership") or {}).get("joined") for record in records)
+        # allreduce with --commit-every-steps: the step of the epoch the survivors went on from (0: its start)
+        steps_from = [record["membership"].get("continued_from_step", 0) for record in records
+                      if "membership" in record and not record["membership"].get("joined")]
     result = {"kind": kind, "strategy": "allreduce (torchrun)" if kind.startswith("torchrun") else strategy,
               "rank": rank if faulted else None, "step": step if faulted else None, "exit": code,
               "wall_seconds": wall, "test_accuracy": accuracy, "workers_at_end": workers,
@@ -195,6 +203,8 @@ def run_once(kind: str, strategy: str, out: Path, rank: int, step: int) -> dict:
     if faulted:
         kill = marker.stat().st_mtime if marker.exists() else None  # created right before the SIGKILL
         result.update(time_lost(out_lines, stamps, kill, step, steps_per_epoch, began_wall))
+    if kind in ("survive", "replace"):
+        result["continued_from_step"] = steps_from[0] if steps_from else None
     if faulted and strategy == "async" and rank == 0:
         took = next(((stamp, float(match[1])) for line, stamp in zip(out_lines, stamps)
                      if (match := TOOK_OVER.search(line))), None)
@@ -325,6 +335,12 @@ def main() -> None:
                         help="kill after a step drawn from this first part of the run only (default 1: all of it)")
     parser.add_argument("--kill-ranks", type=int, nargs="+", default=None, metavar="RANK",
                         help="draw the killed worker among these ranks only (default: any of the 4)")
+    parser.add_argument("--commit-every-steps", type=int, default=None, metavar="N",
+                        help="allreduce's survive runs go on from an in-memory commit every N steps (default: from "
+                             "the epoch's start)")
+    parser.add_argument("--slow-worker", default=None, metavar="RANK:FACTOR",
+                        help="every dptrain run makes that rank's steps FACTOR times slower (longer epochs; under "
+                             "allreduce every rank waits for it)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "elastic"))
     args = parser.parse_args()
@@ -333,6 +349,8 @@ def main() -> None:
     if args.kill_ranks is not None and not set(args.kill_ranks) <= set(range(WORKERS)):
         parser.error(f"--kill-ranks {' '.join(map(str, args.kill_ranks))}: the ranks are 0 to {WORKERS - 1}")
     EPOCHS = args.epochs
+    EXTRA["commit"] = ["--commit-every-steps", str(args.commit_every_steps)] if args.commit_every_steps else []
+    EXTRA["all"] = ["--slow-worker", args.slow_worker] if args.slow_worker else []
     kinds = [kind for kind in KINDS if kind in args.kinds]
     counts = {"clean": args.reference_runs, "survive": args.runs, "replace": args.replace_runs,
               "restart": args.reference_runs, "torchrun-clean": args.reference_runs,

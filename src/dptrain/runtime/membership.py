@@ -6,7 +6,8 @@ A rank that meets a PeerFailure (a collective failed or timed out) calls `regrou
    still waiting in a collective of that group gives up within moments instead of after --timeout
    (a watched collective also gives up on a member whose heartbeat stopped: a frozen rank);
 2. it says it is alive in the rendezvous store for the next generation (key `alive/RANK`), with
-   the epoch it failed in, and
+   the epoch it failed in and the step of it it can go on from (0, its start; allreduce's latest
+   commit with --commit-every-steps), and
 3. the first member to get there (a compare-and-set in the store) decides the new members: every
    old member that said it is alive, none whose heartbeat stopped for `stall` seconds (dead or
    frozen; at once for one whose process the launcher saw end), waiting at most `timeout` seconds for the
@@ -16,9 +17,9 @@ A rank that meets a PeerFailure (a collective failed or timed out) calls `regrou
    would hold the build for --timeout, so the others give that group up and agree again (generation
    N+1, among the members of N); a rank left out (evicted while frozen) gets Evicted.
 
-The epoch to continue from is the earliest any survivor is ready to redo: a rank may have passed
-the epoch's last collective while another failed inside it (the dead rank contributed, then
-died), so each rank keeps its state from before this epoch and the previous one.
+The (epoch, step) to continue from is the earliest any survivor is ready to redo: a rank may have passed
+the epoch's last collective (or a step's all-reduce) while another failed inside it (the dead rank
+contributed, then died), so each rank keeps its state from its latest start or commit and the one before.
 
 Under dptrain's launcher with --min-workers the launcher serves the store (dptrain.runtime.spawn,
 STORE_SERVED), so any rank may be lost, rank 0 included: the lowest rank left becomes rank 0 of the
