@@ -384,17 +384,23 @@ def test_async_goes_on_without_a_killed_worker_merging_over_the_others_without_g
     assert summary["test_accuracy"] > 0.9
 
 
+def async_run(tmp_path, workers: int, fault: str):
+    """An async run of 40 epochs on `workers` with --min-workers 2 and the fault `fault`, which it survives:
+    (its directory, the finished process, everything it said)."""
+    run = tmp_path / "run"
+    result = dptrain("train", "--dataset", "digits", "--strategy", "async", "--workers", str(workers),
+                     "--min-workers", "2", "--epochs", "40", "--lr", "0.05", "--no-progress", "--out", str(run),
+                     cwd=tmp_path, env={"DPTRAIN_FAULT": fault})
+    assert result.returncode == 0, result.stderr
+    return run, result, result.stdout + result.stderr
+
+
 def test_async_goes_on_without_rank_0_the_next_rank_takes_the_global_model_over_and_writes_the_results(tmp_path):
     """Rank 0 holds the global model and the merge service. Killed in epoch 2 (the launcher serves the store),
     ranks 1 and 2 regroup at once, rank 1 serves from the newest global model either had, the two share the data
     from the first epoch after both of theirs (recorded there, once), and rank 1 writes the results: every epoch
     once, keeping the evaluations rank 0 had written before it died."""
-    run = tmp_path / "run"
-    result = dptrain("train", "--dataset", "digits", "--strategy", "async", "--workers", "3", "--min-workers", "2",
-                     "--epochs", "40", "--lr", "0.05", "--no-progress", "--out", str(run), cwd=tmp_path,
-                     env={"DPTRAIN_FAULT": "train-middle@0:2"})
-    assert result.returncode == 0, result.stderr
-    said = result.stdout + result.stderr
+    run, result, said = async_run(tmp_path, 3, "train-middle@0:2")
     took = re.search(r"\[rank1\] dptrain: rank 0, which holds the global model and the merge service, is gone \("
                      r"[^)]*\): rank 1 took over in \d+\.\d s, with 2 workers \(ranks 1, 2 of the job\), from the newest "
                      r"global model "
@@ -424,12 +430,7 @@ def test_after_a_take_over_the_new_service_leaves_out_the_next_lost_worker_as_th
     """4 workers: rank 0 killed in epoch 2 (ranks 1, 2, 3 take over), then rank 3 in its epoch 6: the merge service
     on rank 1 leaves it out and the two left share the data from the next epoch it names. Both changes are
     recorded once, in order; rank 0's and rank 3's numbers went with them."""
-    run = tmp_path / "run"
-    result = dptrain("train", "--dataset", "digits", "--strategy", "async", "--workers", "4", "--min-workers", "2",
-                     "--epochs", "40", "--lr", "0.05", "--no-progress", "--out", str(run), cwd=tmp_path,
-                     env={"DPTRAIN_FAULT": "train-middle@0:2;train-middle@3:6"})
-    assert result.returncode == 0, result.stderr
-    said = result.stdout + result.stderr
+    run, result, said = async_run(tmp_path, 4, "train-middle@0:2;train-middle@3:6")
     assert "rank 1 took over in" in said and "with 3 workers (ranks 1, 2, 3 of the job)" in said
     assert "[rank1] dptrain: the merge service left rank 3 out (its process ended); it merges over 2 workers" in said
     history = records(run)
