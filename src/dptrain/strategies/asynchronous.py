@@ -132,6 +132,12 @@ def takeover_generation(group) -> int:
     return group.generation + group.world_size
 
 
+def takeover_key(group) -> str:
+    """The store key the workers of `group` set when they begin to take over from its rank 0 (the agreement's
+    decider key of `takeover_generation`): its rank 0 stops once it is there, the others join in."""
+    return f"{PREFIX}{takeover_generation(group)}/decider"
+
+
 def taken_over(rank: int) -> str:
     """What a service host left out by a take-over says (it was frozen, or its heartbeat was late)."""
     return (f"rank {rank}: the other workers went on without this one and its merge service (they judged it "
@@ -488,7 +494,7 @@ class Async(AsyncRules, Strategy):
         is, after a take-over)."""
         self.global_model = model
         if self.ctx.world_size > 1:
-            takeover = f"{PREFIX}{takeover_generation(self.ctx.group)}/decider" if self._can_take_over() else None
+            takeover = takeover_key(self.ctx.group) if self._can_take_over() else None
             self.service = MergeService(model, self.group, self.ctx, self.compression, self.every, self.live,
                                         takeover)
             self.service.epochs.update(epochs or {})
@@ -571,9 +577,13 @@ class Async(AsyncRules, Strategy):
         except RuntimeError as exc:
             if watching:  # a message to a rank that died fails at once: whether it is gone takes a look or two
                 self._look_for_loss(until=time.monotonic() + STALL + 2 * LOST_POLL)
-            lost = ("" if not self.live else " (async cannot go on without rank 0, which holds the global model, "
-                    "where rank 0 also hosts the run's store: the run ends)" if not watching else
-                    " (rank 0 is not judged gone: its heartbeat goes on)")
+            if watching:
+                lost = " (rank 0 is not judged gone: its heartbeat goes on)"
+            elif self.live:
+                lost = (" (async cannot go on without rank 0, which holds the global model, where rank 0 also hosts "
+                        "the run's store: the run ends)")
+            else:
+                lost = ""
             raise PeerFailure(f"rank {self.ctx.group.members[self.ctx.rank]}: no answer from the merge service on "
                               f"rank 0 within {self.ctx.timeout:g} s: {first_line(exc)}{lost}") from None
         self.comm_bytes += tensor.numel() * tensor.element_size()
@@ -616,7 +626,7 @@ class Async(AsyncRules, Strategy):
             return
         group = self.ctx.group
         store, host = group.store, group.members[0]
-        begun = f"{PREFIX}{takeover_generation(group)}/decider"
+        begun = takeover_key(group)
         while True:
             moment = time.monotonic()
             if now or until is not None or moment - self._looked >= LOST_POLL:
@@ -761,10 +771,9 @@ class Async(AsyncRules, Strategy):
                 if self.service is not None:  # (none when this worker alone was left)
                     self.service.join()
                     self._check_service()
-                    outcome = STOP if self.global_model.stop_requested else FINISH
+                outcome = STOP if self.global_model.stop_requested else FINISH
+                if self.service is not None:
                     self.service.conclude(outcome)
-                else:
-                    outcome = STOP if self.global_model.stop_requested else FINISH
                 load_flat_state(self.model, self.global_model.snapshot()[0])
             if outcome == STOP:
                 raise Preempted(f"rank {self.ctx.rank}: another rank stopped the run before it finished; "
