@@ -24,6 +24,7 @@ a bug in a user's model keeps its own traceback.
 from __future__ import annotations
 
 import datetime
+import json
 import re
 import threading
 import time
@@ -76,6 +77,26 @@ def reported_error(store: Any) -> Optional[tuple[int, int]]:
     except Exception:  # noqa: BLE001 - the store's host is gone too: diagnose the failure as before
         return None
     return int(rank), int(code)
+
+
+class UntrustedValue(PeerFailure):
+    """A peer sent something that is not what dptrain exchanges (JSON, tensors): nothing of it was run."""
+
+
+def encode_json(value: Any) -> bytes:
+    """`value` as the bytes the object collectives carry (JSON: a value that is not JSON is a programming error)."""
+    return json.dumps(value, separators=(",", ":")).encode()
+
+
+def decode_json(data: bytes, what: str, sender: int) -> Any:
+    """What rank `sender` (of the job) sent for `what`, read as JSON only: anything else (a pickle, say) is
+    refused in one line and never run."""
+    try:
+        return json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        raise UntrustedValue(f"{what}: rank {sender} sent {len(data)} bytes that are not JSON "
+                             f"(starting {data[:8]!r}); dptrain exchanges JSON and tensors only, so nothing "
+                             f"of it was run") from None
 
 
 class QuietPeer(PeerFailure):
@@ -205,21 +226,69 @@ class Group:
         return dist.irecv(tensor, group=self.handle, tag=tag, **self._peer("src", src))
 
     # -- bookkeeping (metric traffic: never counted), each bounded and named ----------------
+    # Values travel as JSON in a byte tensor, never pickled: a peer (or a process that took a peer's place
+    # in a group) can send wrong values, but nothing it sends runs here. Tuples come back as lists.
     def gather_objects(self, what: str, value: Any) -> list:
-        """Every rank's `value`, in rank order, on every rank."""
+        """Every rank's `value` (JSON: dicts, lists, strings, numbers, booleans, None), in rank order, on every rank."""
+        mine = encode_json(value)
         if self.world_size == 1:
-            return [value]
-        gathered: list = [None] * self.world_size
-        self.bounded(what, lambda: dist.all_gather_object(gathered, value, group=self.handle))
-        return gathered
+            return [self._decoded(mine, what, 0)]
+        return [self._decoded(data, what, rank) for rank, data in enumerate(self.gather_bytes(what, mine))]
 
     def broadcast_object(self, what: str, value: Any, src: int = 0) -> Any:
-        """Rank `src`'s `value` on every rank."""
+        """Rank `src`'s `value` (JSON, as `gather_objects`) on every rank."""
+        data = encode_json(value) if self.rank == src else None
         if self.world_size == 1:
-            return value
-        box = [value]
-        self.bounded(what, lambda: dist.broadcast_object_list(box, group=self.handle, **self._peer("src", src)))
-        return box[0]
+            return self._decoded(data, what, src)
+        return self._decoded(self.broadcast_bytes(what, data, src), what, src)
+
+    def _decoded(self, data: bytes, what: str, sender: int) -> Any:
+        return decode_json(data, f"rank {self.members[self.rank]}: {what}", self.members[sender])
+
+    def gather_bytes(self, what: str, data: bytes) -> list[bytes]:
+        """Every rank's `data`, in rank order (a length, then the bytes padded to the longest)."""
+        if self.world_size == 1:
+            return [data]
+
+        def gather() -> list[bytes]:
+            lengths = self._gathered(torch.tensor([len(data)], dtype=torch.int64), what)
+            sizes = [int(length.item()) for length in lengths]
+            padded = torch.zeros(max(sizes), dtype=torch.uint8)
+            padded[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else padded[:0]
+            return [bytes(part.cpu()[:size].numpy().tobytes()) for part, size in zip(self._gathered(padded, what), sizes)]
+
+        return self.bounded(what, gather)
+
+    def broadcast_bytes(self, what: str, data: Optional[bytes], src: int = 0) -> bytes:
+        """Rank `src`'s `data` on every rank (a length, then the bytes); counted in no comm_bytes."""
+        if self.world_size == 1:
+            return data
+
+        def broadcast() -> bytes:
+            length = torch.tensor([len(data) if self.rank == src else 0], dtype=torch.int64,
+                                  device=self.collective_device)
+            self._broadcast_watched(length, src, what)
+            size = int(length.item())
+            if self.rank == src:
+                payload = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.collective_device)
+            else:
+                payload = torch.empty(size, dtype=torch.uint8, device=self.collective_device)
+            if size:
+                self._broadcast_watched(payload, src, what)
+            return data if self.rank == src else bytes(payload.cpu().numpy().tobytes())
+
+        return self.bounded(what, broadcast)
+
+    def _gathered(self, tensor: torch.Tensor, what: str) -> list[torch.Tensor]:
+        """Every rank's `tensor` (all-gather, watched like any tensor collective; not counted)."""
+        tensor = tensor.to(self.collective_device)
+        gathered = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        self._finish(dist.all_gather(gathered, tensor, group=self.handle, async_op=self.watch is not None), what)
+        return gathered
+
+    def _broadcast_watched(self, tensor: torch.Tensor, src: int, what: str) -> None:
+        self._finish(dist.broadcast(tensor, group=self.handle, async_op=self.watch is not None,
+                                    **self._peer("src", src)), what)
 
     def any_rank(self, what: str, flag: bool) -> bool:
         """Whether `flag` is true on at least one rank (every rank waits for all)."""
@@ -444,7 +513,7 @@ class Group:
         begun = time.perf_counter()
         try:
             return action()
-        except (QuietPeer, Evicted):  # each says what happened already
+        except (QuietPeer, Evicted, UntrustedValue):  # each says what happened already
             raise
         except (dist.DistError, RuntimeError) as exc:  # a PeerFailure inside too: named with `what`
             if self.world_size == 1:

@@ -817,8 +817,9 @@ class Async(AsyncRules, Strategy):
         """Every worker's numbers of each epoch, gathered once at the end (live records hold only this rank's)."""
         if self.ctx.world_size == 1:
             return None
-        mine = {record["epoch"]: record["workers"][0] for record in history}
-        gathered = self.ctx.group.gather_objects("metrics", mine)
+        # pairs, not a dict: JSON would make the epochs strings
+        mine = [[record["epoch"], record["workers"][0]] for record in history]
+        gathered = [dict(pairs) for pairs in self.ctx.group.gather_objects("metrics", mine)]
         return {record["epoch"]: [theirs[record["epoch"]] for theirs in gathered if record["epoch"] in theirs]
                 for record in history}
 

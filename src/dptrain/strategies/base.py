@@ -11,6 +11,8 @@ dptrain.strategies.rules when the strategy's own imports torch), and registering
 
 from __future__ import annotations
 
+import dataclasses
+
 from typing import TYPE_CHECKING, Callable, Optional
 
 import numpy as np
@@ -173,7 +175,8 @@ class Strategy(StrategyRules):
     # -- agreement between ranks -------------------------------------------------------------
     def gather_stats(self, stats):
         """Every worker's numbers of this epoch, for the live record (all ranks meet here)."""
-        return self.ctx.group.gather_objects("metrics", stats)
+        gathered = self.ctx.group.gather_objects("metrics", dataclasses.asdict(stats))
+        return [type(stats)(**each) for each in gathered]
 
     def agree_stop(self, requested: Optional[str]) -> Optional[str]:
         """The stop signal this run obeys at this epoch end: one rank's is everyone's."""

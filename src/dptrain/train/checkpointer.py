@@ -76,6 +76,7 @@ class Checkpointer:
             for note in notes:
                 self.log(f"dptrain: {note}")
         epoch = self.ctx.group.broadcast_object("resume", epoch)
+        epoch = tuple(epoch) if isinstance(epoch, list) else epoch  # JSON carries a point within an epoch as a list
         if epoch is None:
             return None
         state = checkpoint_files.load(self.out, epoch, self.ctx.rank)

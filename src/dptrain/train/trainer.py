@@ -30,7 +30,7 @@ from dptrain.data.sampler import PlanBatches, Rest, TrainData, as_dataset, evalu
 from dptrain.errors import Diverged, Interrupted, JoinedTooLate, Left, Preempted, UserError
 from dptrain.runtime.distributed import DistContext, init_process_group, store_served
 from dptrain.runtime import membership as joining
-from dptrain.runtime.group import Group, PeerFailure, PeerReported, first_line
+from dptrain.runtime.group import Group, PeerFailure, PeerReported, UntrustedValue, first_line
 from dptrain.runtime.membership import STALL, Membership, note, regroup
 from dptrain.runtime.env import detect, launcher_reports_interrupts
 from dptrain.strategies.base import Strategy
@@ -82,6 +82,21 @@ def check_amp(amp: str, device: torch.device) -> None:
     if amp == "fp16" and device.type != "cuda":
         raise UserError("--amp fp16 needs a GPU; on the CPU use --amp bf16 or none")
 
+
+
+def received_state(data: bytes, me: int, sender: int, device: torch.device) -> dict:
+    """The state a joiner was healed with, read as tensors and plain values only (torch.load's weights_only):
+    a peer's bytes that would run code when unpickled are refused in one line, and nothing of them runs."""
+    try:
+        state = torch.load(io.BytesIO(data), map_location=device, weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - whatever the bytes are, they are not a state dptrain sent
+        raise UntrustedValue(f"rank {me}: healing the workers that join: rank {sender} sent {len(data)} bytes that "
+                             f"are not a dptrain state of tensors and plain values ({first_line(exc)[:160]}); "
+                             "nothing of it was run") from None
+    if not isinstance(state, dict):
+        raise UntrustedValue(f"rank {me}: healing the workers that join: rank {sender} sent a "
+                             f"{type(state).__name__}, not a dptrain state")
+    return state
 
 class Trainer:
     """Data-parallel training of `model` with `optimizer` (built by you, on the model's parameters).
@@ -394,7 +409,7 @@ class Trainer:
             return self.strategy.agree_stop(requested)
         told = ctx.group.gather_objects("stop check", (requested, ready))
         asked = [signal for signal, _ in told]
-        self._joining = told[0][1]
+        self._joining = tuple(told[0][1])
         leave = tuple(member for member, signal in zip(ctx.group.members, asked) if signal)
         stay = tuple(member for member in ctx.group.members if member not in leave)
         if not leave:
@@ -495,8 +510,9 @@ class Trainer:
         return Membership(generation, members, epoch + 1, (), joiners, healed), train_model
 
     def _heal(self, group: Group, epoch: int, step: int) -> bytes:
-        """Rank 0 of `group` hands its whole state to every other worker of it in one broadcast (the joiners load
-        it in `_join`; the others already hold theirs). Returns it, serialized."""
+        """Rank 0 of `group` hands its whole state to every other worker of it in one broadcast of bytes (the
+        joiners load it in `_join`, tensors and plain values only; the others already hold theirs). Returns it,
+        serialized."""
         state = None
         if group.rank == 0:
             state = {**self._snapshot(self._parts, step), "epoch": epoch, "world": self.ctx.world_size,
@@ -509,7 +525,7 @@ class Trainer:
             buffer = io.BytesIO()
             torch.save(state, buffer)
             state = buffer.getvalue()
-        return group.bounded("healing the workers that join", lambda: group.broadcast_object("heal", state))
+        return group.broadcast_bytes("healing the workers that join", state)
 
     def _join(self, train: Dataset, strategy: Strategy, parts: dict) -> tuple[int, int, nn.Module]:
         """A worker joining a running job (ctx.joining: its rank of the job), prepared alone: say it is ready,
@@ -535,7 +551,7 @@ class Trainer:
             store, me, members, generation, device=ctx.device, backend=ctx.backend, timeout=self.timeout,
             heartbeat=ctx.heartbeat))
         group.watch = ctx.group.watch
-        state = torch.load(io.BytesIO(self._heal(group, epoch, 0)), map_location=ctx.device, weights_only=False)
+        state = received_state(self._heal(group, epoch, 0), me, members[0], ctx.device)
         if state["strategy_name"] != strategy.name:  # --strategy auto: the choice recorded when the run began
             raise PeerFailure(f"rank {me}: the run trains with {state['strategy_name']}, this worker prepared "
                               f"{strategy.name}; it cannot join")
