@@ -16,6 +16,7 @@ from typing import Optional, Sequence
 from dptrain import __version__
 from dptrain.arguments import Parser, add_config_flags, config_from_args
 from dptrain.exits import report_errors, run as run_program
+from dptrain.io import private_files
 from dptrain.train.preemption import STOP_SIGNALS, catch_stop_signals_early
 
 # Commands that live in their own module: name -> (module with add_arguments(parser) and
@@ -191,7 +192,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if "--debug" in argv[:end]:
         os.environ["DPTRAIN_DEBUG"] = "1"
     argv = [arg for arg in argv[:end] if arg != "--debug"] + argv[end:]
-    return report_errors(lambda: dispatch(argv, passthrough))
+    return report_errors(lambda: (private_files(), dispatch(argv, passthrough))[1])
 
 
 def entry() -> None:

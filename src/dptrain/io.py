@@ -42,10 +42,29 @@ def disk_error(exc: OSError, what: str) -> Exception:
     return DiskError(f"{what}: {cause}; free space (or give --out a writable directory) and run the same command again")
 
 
-def make_dirs(path: Path) -> None:
-    """mkdir -p, with a full or read-only disk reported as a DiskError."""
+UMASK_ENV = "DPTRAIN_UMASK"  # octal; default 077: a run's files are its user's alone (027 shares them with the group)
+
+
+def umask() -> int:
+    """The umask dptrain writes with: DPTRAIN_UMASK (octal, e.g. 027), else 077."""
     try:
-        Path(path).mkdir(parents=True, exist_ok=True)
+        return int(os.environ.get(UMASK_ENV, "077"), 8) & 0o777
+    except ValueError:
+        raise UserError(f"{UMASK_ENV}={os.environ[UMASK_ENV]!r} is not an octal umask; give e.g. 077 (files private to "
+                        "you, the default) or 027 (readable by your group)") from None
+
+
+def private_files() -> None:
+    """Make every file this process (and what it starts) writes private to its user, unless DPTRAIN_UMASK
+    says otherwise: run directories, checkpoints, metrics, plots, logs and the run's secret."""
+    os.umask(umask())
+
+
+def make_dirs(path: Path) -> None:
+    """mkdir -p (the last directory 0700 unless DPTRAIN_UMASK says otherwise), with a full or read-only disk
+    reported as a DiskError."""
+    try:
+        Path(path).mkdir(mode=0o777 & ~umask(), parents=True, exist_ok=True)
     except OSError as exc:
         raise disk_error(exc, f"cannot create directory '{path}'") from None
 
@@ -55,7 +74,7 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     try:
-        with open(tmp, "wb") as handle:
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666 & ~umask()), "wb") as handle:
             handle.write(data)
             handle.flush()
             faults.point("save-fsync")
@@ -108,7 +127,7 @@ def append_jsonl(path: Path, record: dict) -> None:
     record stays the same however long the run. A crash can leave at most a partial last line, and a
     resumed run rewrites the file whole from its checkpoint's history (write_jsonl)."""
     try:
-        with open(path, "ab") as handle:
+        with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o666 & ~umask()), "ab") as handle:
             handle.write((to_json(record) + "\n").encode())
             handle.flush()
             os.fsync(handle.fileno())

@@ -28,6 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    from dptrain.runtime.signed import SECRET_ENV
     from dptrain.train.rundir import JOIN_FILE
 
     run_dir = Path(args.run_dir)
@@ -36,7 +37,11 @@ def main(args: argparse.Namespace) -> int:
                         "running dptrain train")
     address = run_dir / JOIN_FILE
     try:
-        host, _, port = address.read_text().strip().rpartition(":")
+        where, _, secret = address.read_text().strip().partition("\n")
+        host, _, port = where.strip().rpartition(":")
+    except PermissionError:
+        raise UserError(f"cannot read '{address}': only the user who runs the job in '{run_dir}' may add a worker "
+                        "to it") from None
     except FileNotFoundError:
         raise UserError(f"no job in '{run_dir}' takes workers now: only a run training on this machine with "
                         f"--min-workers N or --workers MIN:MAX does, while it runs ({JOIN_FILE} says where)") from None
@@ -50,7 +55,7 @@ def main(args: argparse.Namespace) -> int:
     # A worker of the job as its launcher starts one, taking its rank from the run's store (DPTRAIN_JOIN=new).
     os.environ.update(MASTER_ADDR=host, MASTER_PORT=port, RANK=str(workers), WORLD_SIZE=str(workers),
                       LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", DPTRAIN_LAUNCHER="local", DPTRAIN_JOIN="new",
-                      DPTRAIN_STORE_SERVED="1")
+                      DPTRAIN_STORE_SERVED="1", **({SECRET_ENV: secret.strip()} if secret.strip() else {}))
     from dptrain.runtime.prestart import quiet_cpp_logs_of_children
 
     quiet_cpp_logs_of_children()  # before torch is imported: as for the workers the launcher started

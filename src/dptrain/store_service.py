@@ -67,19 +67,21 @@ def main(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     from dptrain.io import write_text
-    from dptrain.runtime.distributed import _listen
+    from dptrain.runtime.distributed import listen_exactly
+    from dptrain.runtime.launcher import join_record
+    from dptrain.runtime import signed
     from dptrain.runtime.membership import REPLACING, WORLD, lost_since
     from dptrain.runtime.spawn import job_store
     from dptrain.train.rundir import JOIN_FILE
 
     where = f"the job's store at {args.host}:{args.port}"
-    listener = _listen(args.host, args.port, where)
+    listener = listen_exactly(args.host, args.port, where)
     store = dist.TCPStore(args.host, args.port, None, True, datetime.timedelta(seconds=300), wait_for_workers=False,
                           master_listen_fd=listener.detach())
     ranks = job_store(store)
-    ranks.set(WORLD, str(args.world))  # joiners take the ranks after the job's first ones
+    signed.put(ranks, WORLD, str(args.world))  # joiners take the ranks after the job's first ones
     if args.replace:
-        ranks.set(REPLACING, str(args.replace))  # the ranks' --replace-workers is kept
+        signed.put(ranks, REPLACING, str(args.replace))  # the ranks' --replace-workers is kept
     print(f"dptrain: serving {where} for {args.world} ranks", flush=True)
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
@@ -95,7 +97,7 @@ def main(args: argparse.Namespace) -> int:
             # The store must outlive anything going wrong here: each failure is said once, and serving goes on.
             if join_file is not None and not written and (run_dir / "config.yaml").is_file():
                 try:
-                    write_text(join_file, f"{args.host}:{args.port}\n")
+                    write_text(join_file, join_record(args.host, args.port))
                     written = True
                 except OSError as exc:
                     print(f"dptrain: cannot write {join_file} ({exc.strerror or exc}); dptrain join will not find "

@@ -72,7 +72,7 @@ def render(spec: JobSpec) -> str:
         # --enable-recovery: mpirun keeps the other ranks running when one fails, and then ends with 0
         # whatever its ranks did, so each rank's own exit code is written beside the run (a shell that
         # outlives the rank, and does not die of the stop signals mpirun passes on to its process group).
-        forwarded += " MASTER_PORT DPTRAIN_STORE_SERVED DPTRAIN_EXITS"
+        forwarded += " MASTER_PORT DPTRAIN_STORE_SERVED DPTRAIN_EXITS DPTRAIN_RUN_SECRET"
         command = (f"bash -c 'trap \"\" {' '.join(STOP_SIGNALS)}; \"$@\"; code=$?; mkdir -p \"$DPTRAIN_EXITS\"; "
                    f"echo \"$code\" > \"$DPTRAIN_EXITS/rank-$OMPI_COMM_WORLD_RANK\"; exit \"$code\"' rank " + command)
     lines = [

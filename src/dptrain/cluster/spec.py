@@ -151,6 +151,11 @@ def serve_store(spec: JobSpec, port: str, replace_step: str = "") -> list[str]:
             "# RUN_DIR/join.address says where while it runs (dptrain join RUN_DIR from any node of the job)"
             + (", and it starts a new worker in place of each rank lost (--replace-workers)." if replace else "."),
             f"export MASTER_PORT={port} DPTRAIN_STORE_SERVED=1",
+            "# The run's secret signs what the store service and the ranks write there (never in this file: made",
+            "# as the job starts, inherited by the store service and the ranks; RUN_DIR/join.address holds it, 0600).",
+            "umask 077",
+            'DPTRAIN_RUN_SECRET="$(od -An -N32 -tx1 /dev/urandom | tr -d \' \\n\')"',
+            "export DPTRAIN_RUN_SECRET",
             f'{spec.dptrain} serve-store --host "$MASTER_ADDR" --port "$MASTER_PORT" --world {spec.world_size} '
             f"--run-dir {run_dir}{replace} &",
             "store_pid=$!",

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from dptrain.errors import UserError
 from dptrain.runtime.env import DistEnv
+from dptrain.runtime import signed
 from dptrain.runtime.group import REPORTED, REPORTED_SEEN, Group, PeerFailure, abandoned
 from dptrain.runtime.heartbeat import Heartbeat, StoreUnanswered, bounded, default_store, store_abandoned
 from dptrain.runtime.spawn import JOIN, STORE_FD, STORE_SERVED, job_store
@@ -222,6 +223,25 @@ def listen_address(master_addr: str) -> str:
     return str(resolved) if _is_local(resolved) else ""
 
 
+def listen_exactly(host: str, port: int, where: str) -> socket.socket:
+    """A listening socket on exactly the address `host` names (`dptrain serve-store --host`): never every
+    interface, so a name that resolves to loopback here serves loopback only. A wildcard is refused."""
+    try:
+        family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except OSError as exc:
+        raise UserError(f"--host {host!r} does not resolve to an address of this host ({exc.strerror or exc}); give "
+                        "the address (or name) of the interface the ranks reach") from None
+    if ipaddress.ip_address(address[0]).is_unspecified:
+        raise UserError(f"--host {host!r} is the wildcard address {address[0]} (every interface); give the address "
+                        "(or name) of the one interface the ranks reach, e.g. the batch host's on the cluster network")
+    try:
+        return socket.create_server(address[:2], family=family)
+    except OSError as exc:
+        raise UserError(f"{where}: cannot serve on {address[0]}:{port}: "
+                        f"{exc.strerror.lower() if exc.strerror else exc} (an address this host does not have, or a "
+                        "port another program holds)") from None
+
+
 def _is_local(address: "ipaddress.IPv4Address | ipaddress.IPv6Address") -> bool:
     """Whether this host has `address` (it can bind to it)."""
     family = socket.AF_INET6 if address.version == 6 else socket.AF_INET
@@ -330,7 +350,7 @@ def report_error(code: int) -> None:
         return
     store, rank, world = default_store(), dist.get_rank(), dist.get_world_size()
     try:
-        first = bounded(lambda: store.compare_set(REPORTED, "", f"{rank} {code}"), 1.0).decode()
+        first = signed.claim(store, REPORTED, f"{rank} {code}", 1.0)
     except Exception:  # noqa: BLE001 - no store to tell: the peers diagnose the failure themselves
         return
     if first != f"{rank} {code}":  # two ranks failed at once (a full disk under both): the first one says it

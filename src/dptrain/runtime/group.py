@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dptrain.runtime import signed
 from dptrain.runtime.heartbeat import Heartbeat
 from dptrain.runtime.heartbeat import bounded as store_call
 
@@ -69,10 +70,13 @@ def reported_error(store: Any) -> Optional[tuple[int, int]]:
     """(rank, exit code) of a peer that ended with an error it said itself, or None; counts this rank as told."""
     if store is None:
         return None
+    from dptrain.runtime import signed
+
     try:
-        if not store_call(lambda: store.check([REPORTED]), 1.0):
+        said = signed.read(store, REPORTED, 1.0)
+        if said is None:
             return None
-        rank, code = store_call(lambda: store.get(REPORTED), 1.0).decode().split()
+        rank, code = said.split()
         store_call(lambda: store.add(REPORTED_SEEN, 1), 1.0)
     except Exception:  # noqa: BLE001 - the store's host is gone too: diagnose the failure as before
         return None
@@ -171,8 +175,8 @@ class Group:
                 if "Operation timed out" not in str(exc):
                     raise
             flag = f"{FAILED}{self.generation}"
-            if self.store is not None and store_call(lambda: self.store.check([flag])):
-                left = store_call(lambda: self.store.get(flag)).decode()
+            left = signed.read(self.store, flag) if self.store is not None else None
+            if left is not None:  # (a value a process without the run's secret wrote there is ignored)
                 raise QuietPeer(f"rank {self.members[self.rank]}: {what} was given up: rank {left} left "
                                 f"{self.name} after a failure")
             quiet = self.heartbeat.stalled(peers, self.watch) if self.heartbeat is not None else []
@@ -489,7 +493,7 @@ class Group:
         would wait for that peer, so the default group is never destroyed after this (`abandoned`)."""
         global _DEFAULT_ABANDONED
         if self.store is not None:
-            store_call(lambda: self.store.set(f"{FAILED}{self.generation}", str(self.members[self.rank])))
+            signed.put(self.store, f"{FAILED}{self.generation}", str(self.members[self.rank]))
         if self.handle is None:
             _DEFAULT_ABANDONED = True
         self.closed = True

@@ -25,6 +25,15 @@ from dptrain.runtime.spawn import Ranks, RanksExit, describe_exit, start_ranks, 
 NOT_RESTARTED = (0, UserError.exit_code, Preempted.exit_code, Interrupted.exit_code)
 
 
+def join_record(host: str, port) -> str:
+    """What RUN_DIR/join.address holds while a run takes joiners: where its store is, and the run's secret that
+    a joiner signs with (the file is its user's alone, so only that user's `dptrain join` can enter)."""
+    from dptrain.runtime import signed
+
+    secret = signed.current()
+    return f"{host}:{port}\n" + (f"{secret}\n" if secret else "")
+
+
 def launch_local(workers: int, argv: Sequence[str], timeout: float = 300.0, prestarted: Optional[Ranks] = None,
                  may_lose: int = 0, grace: Optional[float] = None, replacements: int = 0,
                  join_file: Optional[Path] = None) -> int:
@@ -59,7 +68,7 @@ def launch_local(workers: int, argv: Sequence[str], timeout: float = 300.0, pres
             if prestarted is not None:
                 release(prestarted, list(argv), {})
             if join_file is not None and ranks.address is not None:
-                write_text(join_file, f"{ranks.address[0]}:{ranks.address[1]}\n")
+                write_text(join_file, join_record(*ranks.address))
             ended = ranks.wait(linger=timeout, may_lose=may_lose, grace=grace,
                                replacement=replace if replacements else None)
         finally:

@@ -55,6 +55,7 @@ from typing import Optional
 
 from dptrain import faults
 from dptrain.runtime.group import Evicted, Group, PeerFailure, first_line  # noqa: F401 - Evicted, for callers
+from dptrain.runtime import signed
 from dptrain.runtime.heartbeat import bounded
 
 PREFIX = "dptrain/membership/"
@@ -110,25 +111,28 @@ def _agree(group: Group, store, me: int, old: list[int], generation: int, at: tu
     """Say this rank is alive for `generation` at `at` (epoch, step) and learn the members the decider chose and
     the (epoch, step) to go on from (Evicted when this rank is not among them)."""
     key = f"{PREFIX}{generation}/"
-    bounded(lambda: store.set(f"{key}alive/{me}", f"{at[0]} {at[1]}"))
-    # The first survivor here decides; the store's compare-and-set makes it one rank for all.
-    decider = int(bounded(lambda: store.compare_set(f"{key}decider", "", str(me))).decode())
+    signed.put(store, f"{key}alive/{me}", f"{at[0]} {at[1]}")
+    # The first survivor here decides; the store's compare-and-set makes it one rank for all (signed values:
+    # a process without the run's secret can neither decide nor name the members).
+    decider = int(signed.claim(store, f"{key}decider", str(me)))
     if decider == me:
         decided = _decide(group, store, key, old, timeout, stall)
-        bounded(lambda: store.set(f"{key}members", decided))
+        signed.put(store, f"{key}members", decided)
     else:
         try:
-            bounded(lambda: store.wait([f"{key}members"]), timeout + stall + 10)
-        except Exception as exc:  # noqa: BLE001 - the decider, or the store's host, is gone or frozen
+            decided = signed.wait_for(store, f"{key}members", timeout + stall + 10)
+        except Exception as exc:  # noqa: BLE001 - the store's host is gone or frozen
             raise PeerFailure(f"rank {me}: rank {decider}, which was to say who is left after a worker failed, "
                               f"did not ({type(exc).__name__})") from None
-        decided = bounded(lambda: store.get(f"{key}members")).decode()
+        if decided is None:
+            raise PeerFailure(f"rank {me}: rank {decider}, which was to say who is left after a worker failed, "
+                              f"did not within {timeout + stall + 10:g} s")
     names, resume, step = decided.split(";")
     members = tuple(int(rank) for rank in names.split(","))
     if decider == me:  # what a store service replacing lost ranks reads (`lost_since`)
         for rank in (rank for rank in old if rank not in members):
             index = int(bounded(lambda: store.add(LOST, 1)))
-            bounded(lambda: store.set(f"{LOST}/{index}", str(rank)))
+            signed.put(store, f"{LOST}/{index}", str(rank))
     if me not in members:
         raise Evicted(f"rank {me}: the other workers went on without this one (generation {generation}: "
                       f"ranks {', '.join(map(str, members))}); it did not answer while they agreed who is left "
@@ -178,7 +182,7 @@ def gone(store, heartbeat, ranks, stall: float, *, in_store=lambda rank: rank) -
     the launcher's exit note and the heartbeat name (the job's rank, where `ranks` are ranks of a group of
     some of them)."""
     lost = {rank: "its process ended" for rank in ranks
-            if store is not None and bounded(lambda: store.check([f"{EXITED}{in_store(rank)}"]))}
+            if store is not None and signed.present(store, f"{EXITED}{in_store(rank)}")}
     if heartbeat is not None and ranks:
         of_job = {in_store(rank): rank for rank in ranks}
         for quiet in heartbeat.stalled(list(of_job), stall):
@@ -192,8 +196,8 @@ def _decide(group: Group, store, key: str, old: list[int], timeout: float, stall
     deadline = time.monotonic() + timeout
     heartbeat = group.heartbeat
     while True:
-        answered = {rank: tuple(int(v) for v in bounded(lambda: store.get(f"{key}alive/{rank}")).decode().split())
-                    for rank in old if bounded(lambda: store.check([f"{key}alive/{rank}"]))}
+        said = {rank: signed.read(store, f"{key}alive/{rank}") for rank in old}
+        answered = {rank: tuple(int(v) for v in value.split()) for rank, value in said.items() if value is not None}
         waiting = [rank for rank in old if rank not in answered]
         quiet = gone(store, heartbeat, waiting, stall)
         if all(rank in quiet for rank in waiting) or time.monotonic() >= deadline:
@@ -207,7 +211,8 @@ def lost_since(store, seen: int) -> tuple[int, list[int]]:
     """The ranks agreements left out after the first `seen` ones (`dptrain serve-store --replace` starts a
     worker for each): (how many so far, those ranks)."""
     count = int(bounded(lambda: store.add(LOST, 0)))
-    return count, [int(bounded(lambda: store.get(f"{LOST}/{index}")).decode()) for index in range(seen + 1, count + 1)]
+    said = [signed.read(store, f"{LOST}/{index}") for index in range(seen + 1, count + 1)]
+    return count, [int(rank) for rank in said if rank is not None]  # a counter bumped by a forger names nobody
 
 
 def note(membership: Optional[Membership]) -> Optional[dict]:
@@ -232,27 +237,33 @@ JOIN_POLL = 0.5  # seconds between a waiting joiner's looks at the store
 
 def take_rank(store) -> int:
     """A new rank of the job for a joiner: the job's first ranks are 0..WORLD-1, joiners' come after."""
-    world = int(bounded(lambda: store.get(WORLD)).decode())
-    return world + int(bounded(lambda: store.add(JOINERS, 1))) - 1
+    return _world(store) + int(bounded(lambda: store.add(JOINERS, 1))) - 1
+
+
+def _world(store) -> int:
+    world = signed.read(store, WORLD)
+    if world is None:
+        raise PeerFailure(f"the run's store holds no world size signed with the run's secret ({WORLD}): this worker "
+                          "cannot take a rank of it (is it the store of a run of yours?)")
+    return int(world)
 
 
 def announce(store, rank: int) -> None:
     """A joiner is ready (data and model made, heartbeat beating): the next epoch end may admit it."""
-    bounded(lambda: store.set(f"{PREFIX}join/{rank}", "ready"))
+    signed.put(store, f"{PREFIX}join/{rank}", "ready")  # a joiner without the run's secret is never admitted
 
 
 def ready_joiners(store, room: int) -> tuple[int, ...]:
     """Rank 0 at an epoch end: up to `room` joiners ready and not admitted yet, lowest rank first."""
-    if room <= 0 or not bounded(lambda: store.check([WORLD])):
+    if room <= 0 or not signed.present(store, WORLD):
         return ()
-    world = int(bounded(lambda: store.get(WORLD)).decode())
+    world = _world(store)
     taken = int(bounded(lambda: store.add(JOINERS, 0)))
     ready = []
     for rank in range(world, world + taken):
         if len(ready) == room:
             break
-        if (bounded(lambda: store.check([f"{PREFIX}join/{rank}"]))
-                and not bounded(lambda: store.check([f"{PREFIX}admit/{rank}"]))):
+        if signed.present(store, f"{PREFIX}join/{rank}") and not signed.present(store, f"{PREFIX}admit/{rank}"):
             ready.append(rank)
     return tuple(ready)
 
@@ -261,7 +272,7 @@ def admit(store, joiners, generation: int, members, epoch: int) -> None:
     """Rank 0: tell each joiner it is in generation `generation` of `members`, from `epoch` (from 0) on."""
     decided = f"{generation};{','.join(map(str, members))};{epoch}"
     for rank in joiners:
-        bounded(lambda: store.set(f"{PREFIX}admit/{rank}", decided))
+        signed.put(store, f"{PREFIX}admit/{rank}", decided)
 
 
 def admission(store, rank: int) -> Optional[tuple[int, tuple[int, ...], int]]:
@@ -269,11 +280,11 @@ def admission(store, rank: int) -> Optional[tuple[int, tuple[int, ...], int]]:
     ended first. No deadline while the store answers (a spare waits for a place); a store that stops
     answering raises (StoreUnanswered, or the store's error: the run's launcher is gone)."""
     key = f"{PREFIX}admit/{rank}"
-    while not bounded(lambda: store.check([key])):
-        if bounded(lambda: store.check([FINISHED])):
+    while (decided := signed.read(store, key)) is None:
+        if signed.present(store, FINISHED):
             return None
         time.sleep(JOIN_POLL)
-    generation, members, epoch = bounded(lambda: store.get(key)).decode().split(";")
+    generation, members, epoch = decided.split(";")
     return int(generation), tuple(int(r) for r in members.split(",")), int(epoch)
 
 
@@ -281,6 +292,6 @@ def finished(store) -> None:
     """Rank 0 at the end of the run: joiners still waiting are not going to be admitted."""
     if store is not None:
         try:
-            bounded(lambda: store.set(FINISHED, "1"))
+            signed.put(store, FINISHED, "1")
         except Exception:  # noqa: BLE001 - the store's host is gone: so are the joiners' hopes, and their store
             pass

@@ -158,7 +158,10 @@ def start_ranks(command: Sequence[str], world: int, *, port: int, master_addr: s
     kept instead, for this process to serve the store on (`Ranks.serve_store`) and every rank to join.
     """
     threads = threads or max(1, (os.cpu_count() or 1) // world)
-    base = {**os.environ, **(extra_env or {})}
+    from dptrain.runtime import signed
+
+    # the run's secret (dptrain.runtime.signed): the ranks, and a joiner started later, inherit it
+    base = {**os.environ, signed.SECRET_ENV: signed.ensure_secret(), **(extra_env or {})}
     ranks = Ranks(world)
     # Children inherit the signal mask (through exec); ours is restored below, delivering a Ctrl-C
     # that came meanwhile. Threads started meanwhile (output pumps, waiters) keep it blocked: Python
@@ -271,7 +274,9 @@ class Ranks:
         from dptrain.runtime.membership import PREFIX
 
         try:
-            return self.job_store().check([f"{PREFIX}admit/{rank}"])
+            from dptrain.runtime import signed
+
+            return signed.present(self.job_store(), f"{PREFIX}admit/{rank}")
         except Exception:  # noqa: BLE001 - it is this process's own store: it answers while this process runs
             return False
 
@@ -281,7 +286,9 @@ class Ranks:
         from dptrain.runtime.membership import EXITED
 
         try:
-            self.job_store().set(f"{EXITED}{rank}", "1")
+            from dptrain.runtime import signed
+
+            signed.put(self.job_store(), f"{EXITED}{rank}", "1")
         except Exception:  # noqa: BLE001 - its own store; the survivors find the rank quiet anyway
             pass
 
@@ -304,7 +311,9 @@ class Ranks:
                                    wait_for_workers=False, master_listen_fd=listener.detach())
         from dptrain.runtime.membership import WORLD
 
-        self.job_store().set(WORLD, str(self.world))  # joiners take the ranks after the job's first ones
+        from dptrain.runtime import signed
+
+        signed.put(self.job_store(), WORLD, str(self.world))  # joiners take the ranks after the job's first ones
 
     def release(self, message: bytes) -> None:
         """Give held ranks their one line (`message`, without its newline) and close their stdin.

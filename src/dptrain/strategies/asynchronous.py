@@ -96,6 +96,7 @@ from dptrain.data.sampler import EpochPlan, shard_plan
 from dptrain.errors import Preempted
 from dptrain.runtime.distributed import DistContext, PeerFailure, store_served
 from dptrain.runtime.group import first_line
+from dptrain.runtime import signed
 from dptrain.runtime.heartbeat import STORE_DEADLINE, bounded
 from dptrain.runtime.membership import PREFIX, STALL, Evicted, Membership, gone, regroup
 from dptrain.strategies.base import Strategy
@@ -357,7 +358,7 @@ class MergeService:
         while not self._closed.wait(LOST_POLL):
             others = [rank for rank in self.members if rank != 0]
             try:
-                if self.takeover is not None and bounded(lambda: store.check([self.takeover])):
+                if self.takeover is not None and signed.present(store, self.takeover):
                     self.taken_over = True  # the training thread stops at its next look (`Async._check_service`)
                     return
                 lost = gone(store, heartbeat, others, STALL, in_store=lambda rank: job[rank])
@@ -384,7 +385,7 @@ class MergeService:
             record = (f"{','.join(str(job[member]) for member in self.members)};{epoch};"
                       f"{','.join(str(job[gone]) for gone, _ in self.lost)}")
             key = members_key(self.group_generation, self.generation + 1)
-            bounded(lambda: self.ctx.group.store.set(key, record))
+            signed.put(self.ctx.group.store, key, record)
             self.generation += 1  # announced in replies only once the store holds it
         print(f"dptrain: the merge service left rank {job[rank]} out ({why}); it merges over "
               f"{len(self.members)} workers from now on", flush=True)
@@ -632,7 +633,7 @@ class Async(AsyncRules, Strategy):
             if now or until is not None or moment - self._looked >= LOST_POLL:
                 self._looked = moment
                 why = gone(store, self.ctx.heartbeat, [host], STALL).get(host)
-                if why is None and bounded(lambda: store.check([begun])):
+                if why is None and signed.present(store, begun):
                     why = "another worker found it gone"
                 if why is not None:
                     raise ServiceLost(f"rank {host}, which holds the global model and the merge service, is gone "
@@ -692,7 +693,10 @@ class Async(AsyncRules, Strategy):
         if generation <= self._generation:
             return
         store = self.ctx.group.store
-        record = bounded(lambda: store.get(members_key(self.ctx.group.generation, generation))).decode()
+        record = signed.wait_for(store, members_key(self.ctx.group.generation, generation), self.ctx.timeout)
+        if record is None:  # the service announces a generation only once the store holds it, signed
+            raise PeerFailure(f"rank {self.ctx.rank}: the merge service named membership generation {generation}, "
+                              "but the run's store holds none signed with the run's secret")
         members, epoch, left = record.split(";")
         self._heard = Membership(self.ctx.group.generation + generation, tuple(int(r) for r in members.split(",")),
                                  int(epoch), tuple(int(r) for r in left.split(",")))

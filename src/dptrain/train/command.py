@@ -284,11 +284,11 @@ def _goes_on_without_a_rank(env: DistEnv) -> bool:
 def _check_replacing(ctx, launcher: str) -> None:
     """--replace-workers under `launcher` (srun, mpirun): the store service must be the one starting the new
     workers."""
-    from dptrain.runtime.heartbeat import bounded
+    from dptrain.runtime import signed
     from dptrain.runtime.membership import REPLACING
 
     store = ctx.group.store
-    if store is None or not bounded(lambda: store.check([REPLACING])):
+    if store is None or not signed.present(store, REPLACING):
         raise UserError(f"--replace-workers under {launcher} needs the job's store served by `dptrain serve-store "
                         "--replace N`, which starts the new workers, as the job scripts of dptrain launch --scheduler "
                         "slurm and pbs do; launch the job so, or drop --replace-workers (the others still go on)")

@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 from tqdm import tqdm
 
-from dptrain.io import append_jsonl, save_torch, write_json, write_jsonl
+from dptrain.io import append_jsonl, make_dirs, save_torch, write_json, write_jsonl
 
 
 @dataclass
@@ -156,7 +156,7 @@ class Recorder:
     def _file(self, name: str) -> Optional[Path]:
         if not (self.is_main and self.out):
             return None
-        self.out.mkdir(parents=True, exist_ok=True)
+        make_dirs(self.out)
         return self.out / name
 
     def record(self, epoch: int, epochs: int, per_worker: list[EpochStats], test: Optional[dict], wall: float,

@@ -162,7 +162,8 @@ def check_not_busy(path: str) -> None:
 def _acquire(lock: Path, path: str):
     while True:
         try:
-            handle = open(lock, "a+b", buffering=0)  # unbuffered: a full disk fails the write, not close()
+            handle = os.fdopen(os.open(lock, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600), "a+b",
+                               buffering=0)  # unbuffered: a full disk fails the write, not close()
         except OSError as exc:
             raise disk_error(exc, f"cannot create the lock file '{lock}'") from None
         try:

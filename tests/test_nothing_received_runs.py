@@ -1,0 +1,118 @@
+"""Nothing another process sends runs here: object collectives carry JSON, healing carries tensors.
+
+A peer (or a process that took a peer's place in a group) sends a pickle whose `__reduce__` runs a shell
+command, through each exchange dptrain makes: the summary/metrics gather, a broadcast, and the state that
+heals a joiner. The receiver refuses it in one line naming the sender, and the command never runs.
+"""
+
+from __future__ import annotations
+
+import ast
+import io
+import os
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+
+from distributed import run_distributed
+from dptrain.runtime.group import Group, UntrustedValue, decode_json
+from dptrain.train.trainer import received_state
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "dptrain"
+
+
+class RunsCode:
+    """Unpickling this runs `touch MARKER` (what a malicious joiner sent in the adversarial test)."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _refused(rank: int, world: int, marker: str, exchange: str) -> str:
+    group = Group.default(timeout=30)
+    evil = pickle.dumps(RunsCode(marker))
+    if exchange == "gather":
+        if rank == 1:  # the wire under gather_objects, with a pickle in place of JSON
+            group.gather_bytes("summary", evil)
+            return ""
+        try:
+            group.gather_objects("summary", {"comm_bytes": 1})
+        except UntrustedValue as exc:
+            return str(exc)
+        return "accepted"
+    if rank == 0:
+        group.broadcast_bytes("resume", evil)
+        return ""
+    try:
+        group.broadcast_object("resume", None)
+    except UntrustedValue as exc:
+        return str(exc)
+    return "accepted"
+
+
+@pytest.mark.parametrize("exchange", ["gather", "broadcast"])
+def test_a_pickle_sent_through_an_object_collective_is_refused_and_never_runs(tmp_path, exchange):
+    marker = tmp_path / "PWNED"
+    results = run_distributed(_refused, 2, str(marker), exchange)
+    said = results[0] if exchange == "gather" else results[1]
+    sender = 1 if exchange == "gather" else 0
+    what = "summary" if exchange == "gather" else "resume"
+    assert said.startswith(f"rank {1 - sender}: {what}: rank {sender} sent {len(pickle.dumps(RunsCode(str(marker))))} "
+                           "bytes that are not JSON"), said
+    assert "nothing of it was run" in said and "\n" not in said
+    assert not marker.exists()
+
+
+def test_json_values_round_trip_and_tuples_come_back_as_lists():
+    assert decode_json(b'{"a":[1,2.5,null,true]}', "x", 0) == {"a": [1, 2.5, None, True]}
+    with pytest.raises(UntrustedValue, match=r"^x: rank 3 sent 3 bytes that are not JSON"):
+        decode_json(b"\x80\x04.", "x", 3)
+
+
+def test_a_heal_state_that_would_run_code_is_refused(tmp_path):
+    marker = tmp_path / "PWNED"
+    raw = pickle.dumps(RunsCode(str(marker)))
+    with pytest.raises(UntrustedValue, match=r"^rank 3: healing the workers that join: rank 0 sent \d+ bytes that are "
+                                             r"not a dptrain state of tensors and plain values .*nothing of it was run$"):
+        received_state(raw, 3, 0, torch.device("cpu"))
+    # the same object inside a torch.save'd state, as a forged rank 0 would send it
+    buffer = io.BytesIO()
+    torch.save({"model": {"w": torch.ones(2)}, "extra": RunsCode(str(marker))}, buffer)
+    with pytest.raises(UntrustedValue):
+        received_state(buffer.getvalue(), 3, 0, torch.device("cpu"))
+    assert not marker.exists()
+    good = io.BytesIO()
+    torch.save({"model": {"w": torch.ones(2)}, "epoch": 3, "history": [{"epoch": 1}]}, good)
+    assert received_state(good.getvalue(), 3, 0, torch.device("cpu"))["epoch"] == 3
+
+
+def test_no_source_file_unpickles_what_it_receives():
+    """Every way to unpickle arbitrary objects is absent from dptrain's own code: torch's object collectives
+    (pickle underneath), pickle itself, and torch.load without weights_only=True."""
+    found = []
+    for path in SRC.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr in {
+                    "all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list",
+                    "send_object_list", "recv_object_list", "loads", "load"}:
+                base = node.value.id if isinstance(node.value, ast.Name) else ""
+                if node.attr in {"loads", "load"} and base not in {"pickle", "cPickle", "dill", "cloudpickle"}:
+                    continue
+                found.append(f"{path.relative_to(SRC)}:{node.lineno} {base}.{node.attr}")
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                names = [alias.name for alias in node.names] + [getattr(node, "module", None) or ""]
+                if any(name.split(".")[0] in {"pickle", "dill", "cloudpickle"} for name in names):
+                    found.append(f"{path.relative_to(SRC)}:{node.lineno} imports pickle")
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "load":
+                if isinstance(node.func.value, ast.Name) and node.func.value.id == "torch":
+                    safe = any(k.arg == "weights_only" and isinstance(k.value, ast.Constant) and k.value.value is True
+                               for k in node.keywords)
+                    if not safe:
+                        found.append(f"{path.relative_to(SRC)}:{node.lineno} torch.load without weights_only=True")
+    assert found == []
