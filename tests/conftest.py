@@ -8,3 +8,17 @@ def pytest_addoption(parser):
                      help="write the fault-injection results (one JSON object per run) to this file")
     parser.addoption("--save-faults", default="subset", choices=("subset", "all"),
                      help="tests/test_save_faults.py: the CI subset of kill-during-save cases, or all 64")
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _no_run_secret_left_by_another_test(monkeypatch):
+    """A test that starts ranks in this process makes a run secret for them (dptrain.runtime.signed), which this
+    process would then sign and check with: each test starts without one, as a fresh `dptrain` process does."""
+    from dptrain.runtime import signed
+
+    monkeypatch.delenv(signed.SECRET_ENV, raising=False)
+    monkeypatch.setattr(signed, "_made", None)
+    signed._warned.clear()
