@@ -56,8 +56,13 @@ def umask() -> int:
 
 def private_files() -> None:
     """Make every file this process (and what it starts) writes private to its user, unless DPTRAIN_UMASK
-    says otherwise: run directories, checkpoints, metrics, plots, logs and the run's secret."""
+    says otherwise: run directories, checkpoints, metrics, plots, logs and join.address (the run's secret)."""
     os.umask(umask())
+
+
+def open_private(path: Path, flags: int, mode: str, **options: Any):
+    """open() with the file created 0600 (or as DPTRAIN_UMASK says), whatever the process's umask."""
+    return os.fdopen(os.open(path, flags | os.O_CREAT, 0o666 & ~umask()), mode, **options)
 
 
 def make_dirs(path: Path) -> None:
@@ -74,7 +79,7 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     try:
-        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666 & ~umask()), "wb") as handle:
+        with open_private(tmp, os.O_WRONLY | os.O_TRUNC, "wb") as handle:
             handle.write(data)
             handle.flush()
             faults.point("save-fsync")
@@ -127,7 +132,7 @@ def append_jsonl(path: Path, record: dict) -> None:
     record stays the same however long the run. A crash can leave at most a partial last line, and a
     resumed run rewrites the file whole from its checkpoint's history (write_jsonl)."""
     try:
-        with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o666 & ~umask()), "ab") as handle:
+        with open_private(path, os.O_WRONLY | os.O_APPEND, "ab") as handle:
             handle.write((to_json(record) + "\n").encode())
             handle.flush()
             os.fsync(handle.fileno())

@@ -28,6 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    from dptrain.runtime.launcher import read_join_record
     from dptrain.runtime.signed import SECRET_ENV
     from dptrain.train.rundir import JOIN_FILE
 
@@ -37,8 +38,7 @@ def main(args: argparse.Namespace) -> int:
                         "running dptrain train")
     address = run_dir / JOIN_FILE
     try:
-        where, _, secret = address.read_text().strip().partition("\n")
-        host, _, port = where.strip().rpartition(":")
+        host, port, secret = read_join_record(address.read_text())
     except PermissionError:
         raise UserError(f"cannot read '{address}': only the user who runs the job in '{run_dir}' may add a worker "
                         "to it") from None
@@ -55,7 +55,7 @@ def main(args: argparse.Namespace) -> int:
     # A worker of the job as its launcher starts one, taking its rank from the run's store (DPTRAIN_JOIN=new).
     os.environ.update(MASTER_ADDR=host, MASTER_PORT=port, RANK=str(workers), WORLD_SIZE=str(workers),
                       LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", DPTRAIN_LAUNCHER="local", DPTRAIN_JOIN="new",
-                      DPTRAIN_STORE_SERVED="1", **({SECRET_ENV: secret.strip()} if secret.strip() else {}))
+                      DPTRAIN_STORE_SERVED="1", **({SECRET_ENV: secret} if secret else {}))
     from dptrain.runtime.prestart import quiet_cpp_logs_of_children
 
     quiet_cpp_logs_of_children()  # before torch is imported: as for the workers the launcher started

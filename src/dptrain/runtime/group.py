@@ -70,8 +70,6 @@ def reported_error(store: Any) -> Optional[tuple[int, int]]:
     """(rank, exit code) of a peer that ended with an error it said itself, or None; counts this rank as told."""
     if store is None:
         return None
-    from dptrain.runtime import signed
-
     try:
         said = signed.read(store, REPORTED, 1.0)
         if said is None:
@@ -101,6 +99,14 @@ def decode_json(data: bytes, what: str, sender: int) -> Any:
         raise UntrustedValue(f"{what}: rank {sender} sent {len(data)} bytes that are not JSON "
                              f"(starting {data[:8]!r}); dptrain exchanges JSON and tensors only, so nothing "
                              f"of it was run") from None
+
+
+def _byte_tensor(data: bytes, size: int) -> torch.Tensor:
+    """`data` as a uint8 tensor of `size` elements (zeros after it): what the byte collectives carry."""
+    tensor = torch.zeros(size, dtype=torch.uint8)
+    if data:
+        tensor[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    return tensor
 
 
 class QuietPeer(PeerFailure):
@@ -257,9 +263,8 @@ class Group:
         def gather() -> list[bytes]:
             lengths = self._gathered(torch.tensor([len(data)], dtype=torch.int64), what)
             sizes = [int(length.item()) for length in lengths]
-            padded = torch.zeros(max(sizes), dtype=torch.uint8)
-            padded[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else padded[:0]
-            return [bytes(part.cpu()[:size].numpy().tobytes()) for part, size in zip(self._gathered(padded, what), sizes)]
+            gathered = self._gathered(_byte_tensor(data, max(sizes)), what)
+            return [bytes(part.cpu()[:size].numpy().tobytes()) for part, size in zip(gathered, sizes)]
 
         return self.bounded(what, gather)
 
@@ -273,10 +278,7 @@ class Group:
                                   device=self.collective_device)
             self._broadcast_watched(length, src, what)
             size = int(length.item())
-            if self.rank == src:
-                payload = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.collective_device)
-            else:
-                payload = torch.empty(size, dtype=torch.uint8, device=self.collective_device)
+            payload = _byte_tensor(data if self.rank == src else b"", size).to(self.collective_device)
             if size:
                 self._broadcast_watched(payload, src, what)
             return data if self.rank == src else bytes(payload.cpu().numpy().tobytes())

@@ -34,6 +34,13 @@ def join_record(host: str, port) -> str:
     return f"{host}:{port}\n" + (f"{secret}\n" if secret else "")
 
 
+def read_join_record(text: str) -> tuple[str, str, str]:
+    """(host, port, secret) from what `join_record` wrote (the secret "" where the run has none)."""
+    where, _, secret = text.strip().partition("\n")
+    host, _, port = where.strip().rpartition(":")
+    return host, port, secret.strip()
+
+
 def launch_local(workers: int, argv: Sequence[str], timeout: float = 300.0, prestarted: Optional[Ranks] = None,
                  may_lose: int = 0, grace: Optional[float] = None, replacements: int = 0,
                  join_file: Optional[Path] = None) -> int:

@@ -119,14 +119,14 @@ def _agree(group: Group, store, me: int, old: list[int], generation: int, at: tu
         decided = _decide(group, store, key, old, timeout, stall)
         signed.put(store, f"{key}members", decided)
     else:
+        wait = timeout + stall + 10
         try:
-            decided = signed.wait_for(store, f"{key}members", timeout + stall + 10)
+            decided, why = signed.wait_for(store, f"{key}members", wait), f"within {wait:g} s"
         except Exception as exc:  # noqa: BLE001 - the store's host is gone or frozen
-            raise PeerFailure(f"rank {me}: rank {decider}, which was to say who is left after a worker failed, "
-                              f"did not ({type(exc).__name__})") from None
+            decided, why = None, f"({type(exc).__name__})"
         if decided is None:
             raise PeerFailure(f"rank {me}: rank {decider}, which was to say who is left after a worker failed, "
-                              f"did not within {timeout + stall + 10:g} s")
+                              f"did not {why}")
     names, resume, step = decided.split(";")
     members = tuple(int(rank) for rank in names.split(","))
     if decider == me:  # what a store service replacing lost ranks reads (`lost_since`)

@@ -21,7 +21,7 @@ import yaml
 from dptrain.config import TrainConfig, with_absolute_paths
 from dptrain.errors import UserError
 from dptrain.user_code import spec_file
-from dptrain.io import disk_error, make_dirs, timestamped, write_text
+from dptrain.io import disk_error, make_dirs, open_private, timestamped, write_text
 
 RUN_FILES = ("config.yaml", "metrics.jsonl", "summary.json", "model.pt")
 # Marks a directory dptrain claimed for a run (`dptrain launch` claims it before the job writes its
@@ -162,8 +162,7 @@ def check_not_busy(path: str) -> None:
 def _acquire(lock: Path, path: str):
     while True:
         try:
-            handle = os.fdopen(os.open(lock, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600), "a+b",
-                               buffering=0)  # unbuffered: a full disk fails the write, not close()
+            handle = open_private(lock, os.O_RDWR | os.O_APPEND, "a+b", buffering=0)  # unbuffered: a full disk fails the write, not close()
         except OSError as exc:
             raise disk_error(exc, f"cannot create the lock file '{lock}'") from None
         try:
