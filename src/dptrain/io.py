@@ -13,6 +13,7 @@ import io
 import json
 import math
 import os
+import secrets
 import time
 from pathlib import Path
 from typing import Any
@@ -75,17 +76,19 @@ def make_dirs(path: Path) -> None:
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Replace `path` by `data`: written to PATH.tmp, flushed to disk, renamed over PATH."""
+    """Replace `path` by `data`: written to PATH.RANDOM.tmp, flushed to disk, renamed over PATH. The
+    temporary name is this write's own (O_EXCL): two processes writing one path at once each rename a
+    whole file, the last one wins, and neither finds its temporary file taken by the other."""
     path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = path.with_name(f"{path.name}.{secrets.token_hex(4)}.tmp")
     try:
-        with open_private(tmp, os.O_WRONLY | os.O_TRUNC, "wb") as handle:
+        with open_private(tmp, os.O_WRONLY | os.O_EXCL, "wb") as handle:
             handle.write(data)
             handle.flush()
             faults.point("save-fsync")
             os.fsync(handle.fileno())
         faults.point("save-rename")
-        os.replace(tmp, path)
+        _replace(tmp, path)
     except OSError as exc:
         # A half-written temporary file would hold the very space the user must free.
         try:
@@ -93,6 +96,22 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
         except OSError:
             pass
         raise disk_error(exc, f"cannot write '{path}'") from None
+
+
+def _replace(tmp: Path, path: Path, tries: int = 3) -> None:
+    """os.replace, tried again (up to `tries` times) where it says 'No such file' while the temporary file
+    and the target's directory are both still there. Seen once, in CI, inside a udocker (PRoot) container:
+    rank 0's rename of model.pt, just written and flushed, failed so; why was not found (PRoot rewrites the
+    paths of every system call), and the same test passed on every rerun. On a plain kernel the first try
+    is the only one."""
+    for attempt in range(tries):
+        try:
+            os.replace(tmp, path)
+            return
+        except FileNotFoundError:
+            if attempt == tries - 1 or not (tmp.exists() and path.parent.is_dir()):
+                raise
+            time.sleep(0.05 * (attempt + 1))
 
 
 def write_text(path: Path, text: str) -> None:
