@@ -171,3 +171,58 @@ def test_gone_reads_the_exit_notes_and_heartbeats_of_the_job_ranks_behind_a_grou
         1: "its heartbeat stopped for 0.2 s (frozen or gone)"}
     store.set(f"{EXITED}2", "1")
     assert gone(store, heartbeat, [1], 0.2, in_store=lambda rank: job[rank]) == {1: "its process ended"}
+
+
+# -- the path NCCL takes, exercised on gloo (issue 38) ----------------------------------------------------
+def _rebuilt_is_a_process_group(rank, world):
+    import warnings
+
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _get_object_coll_device
+
+    group = _job_group(rank, world).rebuild([0, 1], generation=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # torch warns (gloo) or raises (NCCL) when handed a bare backend
+        device = _get_object_coll_device(group.handle)
+    said = group.gather_objects("a check", {"rank": rank})
+    late = torch.tensor([float(rank)])
+    group.watch = 5.0
+    if rank == 1:
+        import time
+        time.sleep(1.5)  # three times the heartbeat poll: a NCCL work waited for 0.5 s would be torn down here
+    group.all_reduce(late)
+    return isinstance(group.handle, dist.ProcessGroup), device, said, late.item(), group.any_rank("a flag", rank == 1)
+
+
+def test_a_rebuilt_group_is_a_registered_process_group_for_every_collective_as_nccl_needs():
+    results = run_distributed(_rebuilt_is_a_process_group, 2)
+    assert results == [(True, "cpu", [{"rank": 0}, {"rank": 1}], 1.0, True)] * 2
+
+
+class _Work:
+    """A collective's work as torch hands it back, done after `after` looks; records each wait's timeout."""
+
+    def __init__(self, after: int) -> None:
+        self.looks, self.after, self.waits = 0, after, []
+
+    def is_completed(self) -> bool:
+        self.looks += 1
+        return self.looks > self.after
+
+    def wait(self, timeout=None) -> bool:
+        self.waits.append(timeout)
+        if not self.is_completed():
+            raise RuntimeError("Operation timed out!")
+        return True
+
+
+def test_a_watched_wait_polls_the_work_and_waits_once_when_done_never_with_a_short_timeout():
+    """NCCL counts a work's timeout from when it was enqueued and aborts the communicator on expiry: a watched
+    collective must not call wait(0.5 s) while it looks at the heartbeats, as it did, but wait once, when done."""
+    from dptrain.runtime.group import Group
+
+    group = Group(0, 2, torch.device("cpu"), "gloo", 30.0)
+    group.watch = 5.0
+    work = _Work(after=400)  # done after about 1 s of polling: two looks at the heartbeats
+    group._finish(work, "an all-reduce")
+    assert work.waits == [None]

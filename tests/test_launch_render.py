@@ -95,13 +95,15 @@ def test_binds_skip_paths_inside_bound_directories_but_keep_renames():
     ("nodes", 0, "--nodes 0 must be at least 1"),
     ("time", "90", "--time '90' is not HH:MM:SS"),
     ("gpus_per_node", -1, "--gpus-per-node -1 must be 0 or more"),
+    ("tasks_per_node", 4, "--tasks-per-node 4 is more than --gpus-per-node 2: NCCL cannot run two ranks on one GPU"),
     ("stop_before", -5, "--stop-before -5 must be 0"),
     ("stop_signal", "KILL", "--stop-signal 'KILL' is not a signal dptrain's ranks stop on; use one of USR1, USR2, TERM"),
     ("max_requeues", -1, "--max-requeues -1 must be 0 \\(never\\) or more"),
 ])
 def test_bad_job_settings_are_one_sentence_naming_the_value(field, value, message):
     with pytest.raises(UserError, match=message):
-        JobSpec(**{"scheduler": "slurm", "workdir": "/p", "run_dir": "/p/r", field: value})
+        JobSpec(**{"scheduler": "slurm", "workdir": "/p", "run_dir": "/p/r", "gpus_per_node": 2, "tasks_per_node": 2,
+                   field: value})
 
 
 FAKE_SLURM = {

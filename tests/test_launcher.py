@@ -265,3 +265,37 @@ def test_a_rank_still_running_long_after_another_finished_is_named_and_stopped(t
     ended = spawn_ranks([sys.executable, str(script)], 2, port=free_port(), log_dir=tmp_path, linger=2)
     assert time.monotonic() - started < 30
     assert ended.stuck_ranks == (1,) and ended.first_done == 0 and ended.code == 1
+
+
+def test_a_joiner_takes_the_local_slot_of_the_rank_it_replaces_not_its_new_rank(monkeypatch):
+    """Under NCCL LOCAL_RANK is the rank's GPU: a joiner started as rank 4 of a 4-GPU machine in place of rank 1
+    would otherwise land on cuda:4 (or, modulo the GPUs, on rank 0's cuda:0); a second joiner replacing the
+    first takes the same slot."""
+    import dptrain.runtime.membership as membership
+    from dptrain.runtime.spawn import Ranks
+
+    ranks = Ranks(4)
+    ranks.store, ranks.spawned = object(), (4, 29123, 1, {"PATH": "/usr/bin"}, "127.0.0.1", "local", None)
+    started, next_rank = [], iter([4, 5])
+    monkeypatch.setattr(membership, "take_rank", lambda store: next(next_rank))
+    monkeypatch.setattr(Ranks, "job_store", lambda self: None)
+    monkeypatch.setattr(Ranks, "start", lambda self, rank, argv, env, log_dir=None: started.append(
+        (rank, env["RANK"], env["LOCAL_RANK"])))
+    assert ranks.start_joiner(["train"], replacing=1) == 4
+    assert ranks.start_joiner(["train"], replacing=4) == 5
+    assert started == [(4, "4", "1"), (5, "5", "1")]
+
+
+def test_more_local_ranks_than_gpus_is_one_line_not_two_ranks_on_one_gpu(monkeypatch):
+    import torch
+
+    from dptrain.errors import UserError
+    from dptrain.runtime.distributed import choose_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    assert choose_device("auto", 3) == torch.device("cuda", 3)
+    with pytest.raises(UserError, match=r"^local rank 4 has no GPU of its own: 4 visible on this node \(cuda:0-3\), "
+                                        r"and NCCL cannot run two ranks on one GPU"):
+        choose_device("auto", 4)
+    assert choose_device("cpu", 4) == torch.device("cpu")

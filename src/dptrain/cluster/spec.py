@@ -79,6 +79,10 @@ class JobSpec:
                             "passing it on; use USR1 or USR2")
         if self.gpus_per_node < 0:
             raise UserError(f"--gpus-per-node {self.gpus_per_node} must be 0 or more")
+        if 0 < self.gpus_per_node < self.tasks_per_node:
+            raise UserError(f"--tasks-per-node {self.tasks_per_node} is more than --gpus-per-node "
+                            f"{self.gpus_per_node}: NCCL cannot run two ranks on one GPU; give --tasks-per-node "
+                            f"{self.gpus_per_node} (one rank per GPU) or more GPUs per node")
         if self.time is not None and not TIME_PATTERN.fullmatch(self.time):
             raise UserError(f"--time {self.time!r} is not HH:MM:SS (or D-HH:MM:SS), e.g. 02:00:00")
         if self.scheduler == "local" and self.nodes != 1:

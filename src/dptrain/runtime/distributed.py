@@ -68,7 +68,18 @@ def choose_device(preference: str, local_rank: int) -> torch.device:
         if preference == "cuda":
             raise UserError("--device cuda was asked for but no CUDA GPU is visible to this process; use --device cpu or auto")
         return torch.device("cpu")
-    return torch.device("cuda", local_rank % torch.cuda.device_count())
+    visible = torch.cuda.device_count()
+    if local_rank >= visible:
+        raise UserError(f"local rank {local_rank} has no GPU of its own: {visible} visible on this node "
+                        f"(cuda:0-{visible - 1}), and NCCL cannot run two ranks on one GPU; start at most {visible} "
+                        f"workers per node (--workers, --tasks-per-node), or give --device cpu")
+    return torch.device("cuda", local_rank)
+
+
+# NCCL's watchdog, when a collective fails or passes its timeout: 2 (CleanUpOnly) aborts the communicator and
+# lets the error reach the rank's wait, where dptrain says which peer failed in one line and live membership
+# goes on without it; torch's default, 3, tears the process down without a word. A value the user set stays.
+NCCL_ERROR_HANDLING = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
 
 
 def init_process_group(env: DistEnv, *, device: str = "auto", timeout: float = 300.0) -> DistContext:
@@ -77,6 +88,7 @@ def init_process_group(env: DistEnv, *, device: str = "auto", timeout: float = 3
     backend = "nccl" if dev.type == "cuda" else "gloo"
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
+        os.environ.setdefault(*NCCL_ERROR_HANDLING)
     global _JOINED, _JOINED_AS
     _JOINED = True
     if os.environ.get(JOIN) and env.launched:

@@ -10,7 +10,10 @@ here), which is what strategies add to `comm_bytes`; `handed_over` keeps the run
 
 A Group can be closed and replaced by one with other members: `rebuild(members, generation)`
 makes a fresh process group over the same rendezvous store under a new key prefix, without
-touching the default group (live membership: dptrain.runtime.membership).
+touching the default group (live membership: dptrain.runtime.membership). It is a registered
+torch ProcessGroup under gloo and NCCL alike (`process_group`), so the CPU suite runs the calls a
+GPU will: no bare backend, no wait with a timeout shorter than the group's (`_finish` polls), the
+host's read of a result inside `bounded`.
 
 The waiting policy is `bounded`: a failed or timed-out wait on another rank becomes
 PeerFailure naming the silent rank (from heartbeats). Which errors count as a peer failure is
@@ -28,7 +31,6 @@ import json
 import re
 import threading
 import time
-import warnings
 from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
@@ -41,6 +43,7 @@ from dptrain.runtime.heartbeat import bounded as store_call
 
 OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 WATCH_POLL = 0.5  # seconds between looks at the heartbeats while a watched collective waits
+POLL_FIRST, POLL_MOST = 0.0001, 0.005  # seconds between looks at whether a watched work is done (doubling)
 FAILED = "dptrain/membership/failed/"  # + generation: a member left that group after a failure (its rank)
 _DEFAULT_ABANDONED = False
 
@@ -123,6 +126,34 @@ def payload_bytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
+def process_group(store: Any, rank: int, size: int, backend: str, device: torch.device, timeout: float,
+                  name: str) -> dist.ProcessGroup:
+    """A ProcessGroup of `size` ranks over `store` with one backend, made as torch's own new_group makes one
+    (distributed_c10d._new_process_group_helper), for groups made without the default group (`over_store`):
+    every collective, DDP and an object collective alike, is then handed a registered ProcessGroup, under
+    gloo and NCCL the same, never a bare backend (which torch's object collectives refuse under NCCL). The
+    backend waits the run's `timeout` (torch's default for NCCL is 10 minutes); under NCCL the communicator
+    is bound to `device` and connected now, not at the first collective."""
+    wait = datetime.timedelta(seconds=timeout)
+    group = dist.ProcessGroup(store, rank, size)
+    if backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options.is_high_priority_stream = False
+        options._timeout = wait
+        made, kind, on = dist.ProcessGroupNCCL(store, rank, size, options), dist.ProcessGroup.BackendType.NCCL, "cuda"
+    else:
+        made, kind, on = dist.ProcessGroupGloo(store, rank, size, wait), dist.ProcessGroup.BackendType.GLOO, "cpu"
+    made._set_sequence_number_for_group()
+    group._set_default_backend(kind)
+    group._register_backend(torch.device(on), kind, made)
+    group._set_group_name(name)
+    if backend == "nccl" and device.type == "cuda":
+        group.bound_device_id = device
+        if made.supports_splitting:
+            made.eager_connect_single_device(device)
+    return group
+
+
 class Group:
     """A set of ranks, its deadline, and every collective among them (see the module's docstring)."""
 
@@ -139,7 +170,7 @@ class Group:
         self.watch: Optional[float] = None
         self.handed_over = 0
         self.closed = False
-        self._wrapped: Any = None  # the ProcessGroup over a rebuilt group's backend, for DDP (`_process_group`)
+        self.over_the_store = False  # made by `rebuild`/`over_store`: groups made from it go over the store too
         self._made = 0  # groups made from this one over the store (`subgroup`, `split` of a rebuilt group)
         self.key = ""  # a group made over the store from a rebuilt one: its prefix after `group{generation}`
 
@@ -169,17 +200,22 @@ class Group:
 
     def _finish(self, work: Any, what: str) -> None:
         """Wait for `work` (None: a blocking call already done) while watching the members' heartbeats
-        (`watch`): PeerFailure naming those quiet for `watch` seconds; the work is left behind."""
+        (`watch`): PeerFailure naming those quiet for `watch` seconds; the work is left behind.
+
+        The work is polled (`is_completed`, then a short sleep) and waited for once, when done: never with
+        `wait(timeout)` shorter than the group's. Under NCCL a work's timeout counts from when it was
+        enqueued and on expiry the watchdog aborts the communicator (and, by default, the process), so a
+        half-second wait would end the run at the first skew between ranks; gloo takes the same path."""
         if work is None:
             return
         peers = [member for member in self.members if member != self.members[self.rank]]
-        while True:
-            try:
-                work.wait(datetime.timedelta(seconds=WATCH_POLL))
-                return
-            except RuntimeError as exc:
-                if "Operation timed out" not in str(exc):
-                    raise
+        pause, looked = POLL_FIRST, time.monotonic()
+        while not work.is_completed():
+            time.sleep(pause)
+            pause = min(pause * 2, POLL_MOST)
+            if time.monotonic() - looked < WATCH_POLL:
+                continue
+            looked = time.monotonic()
             flag = f"{FAILED}{self.generation}"
             left = signed.read(self.store, flag) if self.store is not None else None
             if left is not None:  # (a value a process without the run's secret wrote there is ignored)
@@ -190,6 +226,7 @@ class Group:
                 raise QuietPeer(f"rank {self.members[self.rank]}: {what} waits on rank"
                                   f"{'s' if len(quiet) > 1 else ''} {', '.join(map(str, quiet))}, quiet for "
                                   f"{self.watch:g} s (no heartbeat): frozen or gone")
+        work.wait()  # done: returns at once, or raises the error it ended with
 
     def all_reduce_async(self, tensor: torch.Tensor, op: str = "sum") -> tuple[Any, int]:
         """Start an all-reduce of `tensor` in place: (its work handle, bytes handed over)."""
@@ -301,22 +338,31 @@ class Group:
         if self.world_size == 1:
             return flag
         value = torch.tensor([1 if flag else 0], device=self.collective_device)
-        self.bounded(what, lambda: self._finish(dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.handle,
-                                                                async_op=self.watch is not None), what))
-        return bool(value.item())
+
+        def reduce() -> bool:  # the host's read of the result inside `bounded`: under NCCL that is where it waits
+            self._finish(dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.handle,
+                                         async_op=self.watch is not None), what)
+            return bool(value.item())
+
+        return self.bounded(what, reduce)
 
     def sum_tensor(self, what: str, values: torch.Tensor) -> torch.Tensor:
         """`values` summed over all ranks (returned on the CPU)."""
         if self.world_size == 1:
             return values
         reduced = values.to(self.collective_device)
-        self.bounded(what, lambda: self._finish(dist.all_reduce(reduced, group=self.handle,
-                                                                async_op=self.watch is not None), what))
-        return reduced.cpu()
+
+        def reduce() -> torch.Tensor:  # read back inside `bounded` (NCCL returns once the work is enqueued)
+            self._finish(dist.all_reduce(reduced, group=self.handle, async_op=self.watch is not None), what)
+            return reduced.cpu()
+
+        return self.bounded(what, reduce)
 
     def barrier(self, what: str) -> None:
+        """Every rank here, through an all-reduce of one number read back on the host (what torch's barrier
+        does under NCCL too, there without a device it knows: a group made over the store has none bound)."""
         if self.world_size > 1:
-            self.bounded(what, lambda: dist.barrier(group=self.handle))
+            self.any_rank(what, False)
 
     # -- groups built from this one ------------------------------------------------------------
     def subgroup(self, ranks: Sequence[int], *, backend: Optional[str] = None, timeout: Optional[float] = None,
@@ -366,8 +412,8 @@ class Group:
 
     @property
     def _rebuilt(self) -> bool:
-        """Whether this group was made by `rebuild`/`over_store` (a bare backend torch did not register)."""
-        return self.handle is not None and not isinstance(self.handle, dist.ProcessGroup)
+        """Whether this group was made by `rebuild`/`over_store` (not from the default group, which may be gone)."""
+        return self.over_the_store
 
     def _next_key(self) -> str:
         """The store key of the next group made from this one: every member makes them in the same order."""
@@ -389,22 +435,8 @@ class Group:
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         if not init_sync:  # DDP takes init_sync since torch 2.4; the default is given as before it
             options["init_sync"] = False
-        return nn.parallel.DistributedDataParallel(module, device_ids=device_ids,
-                                                   process_group=self._process_group(), **options)
-
-    def _process_group(self) -> Any:
-        """This group as torch's ProcessGroup, which DDP's reducer takes: the handle, or for a group made by
-        `rebuild` (a bare backend) a ProcessGroup over it, made once, as torch wraps the backends it makes."""
-        if self.handle is None or isinstance(self.handle, dist.ProcessGroup):
-            return self.handle
-        if self._wrapped is None:
-            kind = dist.ProcessGroup.BackendType.NCCL if self.backend == "nccl" else dist.ProcessGroup.BackendType.GLOO
-            wrapped = dist.ProcessGroup(dist.PrefixStore(f"group{self.generation}{self.key}/ddp", self.store), self.rank,
-                                        self.world_size)
-            wrapped._register_backend(torch.device("cuda" if self.backend == "nccl" else "cpu"), kind, self.handle)
-            wrapped._set_default_backend(kind)
-            self._wrapped = wrapped
-        return self._wrapped
+        return nn.parallel.DistributedDataParallel(module, device_ids=device_ids, process_group=self.handle,
+                                                   **options)
 
     def mean_gradients(self, buffer: torch.Tensor, dtype: Optional[torch.dtype] = None) -> tuple[Any, int]:
         """A DDP communication hook's work, through the seam: `buffer` (a gradient bucket) becomes its mean
@@ -472,18 +504,12 @@ class Group:
         under the prefix `group{generation}/`: what `rebuild` makes, and what a worker joining a running job
         makes without ever having been in a group of it (dptrain.runtime.membership). `key`: a group made from
         that one (`subgroup`, `split`), under its own prefix."""
-        rank, wait = list(members).index(me), datetime.timedelta(seconds=timeout)
-        # torch's object collectives warn that a group built here (a backend, not a registered ProcessGroup)
-        # is deprecated as a group; it is the only kind that can be made once the default group is gone.
-        warnings.filterwarnings("ignore", message="You are using a Backend", category=UserWarning)
-        prefixed = dist.PrefixStore(f"group{generation}{key}", store)
-        if backend == "nccl":
-            handle = dist.ProcessGroupNCCL(prefixed, rank, len(members))
-        else:
-            handle = dist.ProcessGroupGloo(prefixed, rank, len(members), wait)
+        rank = list(members).index(me)
+        handle = process_group(dist.PrefixStore(f"group{generation}{key}", store), rank, len(members), backend,
+                               device, timeout, f"dptrain-group{generation}{key}")
         new = cls(rank, len(members), device, backend, timeout, heartbeat=heartbeat, handle=handle, store=store,
                   members=members, name=name or f"generation {generation}", generation=generation)
-        new.key = key
+        new.key, new.over_the_store = key, True
         if heartbeat is not None and not key:  # the same thread beats on; it watches the new members only
             heartbeat.follow(members)
         return new
@@ -498,6 +524,14 @@ class Group:
             signed.put(self.store, f"{FAILED}{self.generation}", str(self.members[self.rank]))
         if self.handle is None:
             _DEFAULT_ABANDONED = True
+        if self.backend == "nccl":
+            # NCCL: the communicator's hung work would keep the watchdog armed until it tears the process
+            # down at --timeout; aborting it ends that work (gloo's pending work ends with its own timeout
+            # and holds nothing else, so gloo leaves it).
+            try:
+                (self.handle or dist.distributed_c10d._get_default_group()).abort()
+            except (RuntimeError, AttributeError, ValueError):
+                pass
         self.closed = True
 
     def close(self) -> None:

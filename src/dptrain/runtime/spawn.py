@@ -86,13 +86,16 @@ class RanksExit:
 
 
 def worker_env(rank: int, world: int, port: int, threads: int, base: dict[str, str], *,
-               master_addr: str = "127.0.0.1", tty: Optional[bool] = None, launcher: str = "local") -> dict[str, str]:
+               master_addr: str = "127.0.0.1", tty: Optional[bool] = None, launcher: str = "local",
+               local_rank: Optional[int] = None) -> dict[str, str]:
     """A local worker's environment: torchrun's variables on top of `base`. `tty` (default: whether
     our stderr is a terminal) lets rank 0 draw a progress bar although its output is piped;
-    `launcher` is DPTRAIN_LAUNCHER, which tells the rank who started it (dptrain.runtime.env)."""
+    `launcher` is DPTRAIN_LAUNCHER, which tells the rank who started it (dptrain.runtime.env);
+    `local_rank` (default: `rank`) is its slot on this machine, its GPU under NCCL."""
     env = dict(base)
     env.update(
-        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank if local_rank is None else local_rank),
+        LOCAL_WORLD_SIZE=str(world),
         MASTER_ADDR=master_addr, MASTER_PORT=str(port), DPTRAIN_LAUNCHER=launcher,
         OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1",
     )
@@ -220,6 +223,7 @@ class Ranks:
         self.interrupted = threading.Event()
         self.listener: Optional[socket.socket] = None  # where this process is to serve the ranks' store
         self.store = None  # the store this process serves (serve_store), kept while the ranks run
+        self.slots: dict[int, int] = {}  # a joiner's rank -> the local slot (GPU) of the rank it replaced
         self.spawned: Optional[tuple] = None  # how the ranks were started, to start a joiner the same way
 
     def start(self, rank: int, argv: Sequence[str], env: dict[str, str], *, held: bool = False,
@@ -253,8 +257,10 @@ class Ranks:
 
         world, port, threads, base, master_addr, launcher, log_dir = self.spawned
         rank = take_rank(self.job_store())
+        # The lost rank's slot, which its GPU is free on: the joiner's own rank would be past the GPUs there are.
+        self.slots[rank] = self.slots.get(replacing, replacing)
         env = worker_env(rank, world, port, threads, base, master_addr=master_addr,
-                         tty=False if log_dir is not None else None, launcher=launcher)
+                         tty=False if log_dir is not None else None, launcher=launcher, local_rank=self.slots[rank])
         env.update({STORE_SERVED: "1", JOIN: str(rank)})
         env.pop(PRESTARTED, None)
         self.start(rank, [sys.executable, "-m", "dptrain", *argv], env, log_dir=log_dir)

@@ -116,6 +116,9 @@ def validate(config: TrainConfig) -> torch.nn.Module:
     worker count."""
     device = choose_device(config.device, 0)
     check_amp(config.amp, device)
+    if device.type == "cuda" and not detect().launched and config.workers > torch.cuda.device_count():
+        raise UserError(f"--workers {config.workers} needs a GPU each under NCCL, and {torch.cuda.device_count()} "
+                        f"are visible; give --workers {torch.cuda.device_count()} or fewer, or --device cpu")
     check_first(config)
     data = load_data(config)
     model = make_model(config, data)
