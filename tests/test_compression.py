@@ -85,3 +85,17 @@ def test_weighted_compressed_mean_ignores_weight_zero():
     for _, mean, sent, _ in results:
         assert torch.allclose(mean, expected, atol=1e-6)
         assert sent == payload_bytes("int8", 1000) + 8
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp16"])
+def test_a_residual_loaded_from_a_checkpoint_follows_the_change_to_its_device(kind):
+    """Checkpoints load with map_location="cpu": on a GPU the next change + residual mixed devices and raised
+    (then said as "a peer failed"). The meta device stands in for the GPU here."""
+    from dptrain.strategies.compression import ErrorFeedback
+
+    saved = ErrorFeedback(kind)
+    saved.encode(torch.linspace(-1, 1, 300))
+    resumed = ErrorFeedback(kind)
+    resumed.load_state_dict({"kind": kind, "residual": saved.residual.cpu()})
+    payload = resumed.encode(torch.zeros(300, device="meta"))
+    assert payload.device.type == "meta" and resumed.residual.device.type == "meta"

@@ -99,6 +99,8 @@ class ErrorFeedback:
             return encode("none", change)
         if self.residual is None or self.residual.numel() != change.numel():
             self.residual = torch.zeros_like(change)
+        elif self.residual.device != change.device:  # a checkpoint's residual is loaded on the CPU
+            self.residual = self.residual.to(change.device)
         corrected = change + self.residual
         payload = encode(self.kind, corrected, self.block)
         self.residual = corrected - decode(self.kind, payload, corrected.numel(), self.block)
@@ -108,6 +110,7 @@ class ErrorFeedback:
         return {"kind": self.kind, "residual": self.residual}
 
     def load_state_dict(self, state: dict) -> None:
+        """The residual as saved (checkpoints load on the CPU): it follows the change's device at the next encode."""
         self.residual = state["residual"]
 
 
