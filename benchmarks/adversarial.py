@@ -217,11 +217,12 @@ class Invocation:
     stdout: str = ""
     stderr: str = ""
     signalled_at: Optional[float] = None  # seconds after its start that the case signalled it
+    attacker: bool = False  # the attacker's own process (a forger, a joiner): its hanging is not the run's
 
     def record(self) -> dict:
         return {"name": self.name, "argv": self.argv, "exit": self.exit, "hung": self.hung,
                 "outlived": self.outlived, "wall_seconds": round(self.wall, 2), "epoch_lines": self.epochs,
-                "signalled_at": self.signalled_at, "stdout_tail": self.stdout[-3000:],
+                "signalled_at": self.signalled_at, "attacker": self.attacker, "stdout_tail": self.stdout[-3000:],
                 "stderr_tail": self.stderr[-3000:]}
 
 
@@ -229,8 +230,8 @@ class Running:
     """A started invocation: its lines are read as they come, `on_line(running, line)` sees each."""
 
     def __init__(self, case: "Case", name: str, argv: list[str], env: dict, cwd: Path,
-                 on_line: Optional[Callable[["Running", str], None]] = None) -> None:
-        self.case, self.inv = case, Invocation(name, argv)
+                 on_line: Optional[Callable[["Running", str], None]] = None, attacker: bool = False) -> None:
+        self.case, self.inv = case, Invocation(name, argv, attacker=attacker)
         self.on_line = on_line
         self.began = time.monotonic()
         self.proc = subprocess.Popen(argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
@@ -261,11 +262,13 @@ class Running:
             self.proc.send_signal(signum)
 
     def finish(self, timeout: float = HARD_TIMEOUT) -> Invocation:
+        """Wait for the process until `timeout` s after its start; then it has hung, and its group is killed (an
+        attacker's process is killed without counting as a hang)."""
         left = max(1.0, timeout - (time.monotonic() - self.began))
         try:
             self.inv.exit = self.proc.wait(timeout=left)
         except subprocess.TimeoutExpired:
-            self.inv.hung = True
+            self.inv.hung = not self.inv.attacker
             try:
                 os.killpg(self.proc.pid, signal.SIGKILL)
             except OSError:
@@ -426,14 +429,26 @@ class Case:
     def tag(self) -> str:
         return f"{self.name}-{os.getpid()}"
 
-    def env(self, **extra: str) -> dict:
+    def env(self, tag: Optional[str] = None, **extra: str) -> dict:
         env = {k: v for k, v in os.environ.items() if not k.startswith("DPTRAIN_")}
-        env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **{CASE_ENV: self.tag}, **extra)
+        env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **{CASE_ENV: tag or self.tag}, **extra)
         return env
 
     def start(self, name: str, argv: list[str], cwd: Path, env: Optional[dict] = None,
               on_line: Optional[Callable] = None) -> Running:
         return Running(self, name, argv, env or self.env(), cwd, on_line)
+
+    def attack(self, name: str, argv: list[str], cwd: Path) -> Running:
+        """Start the attacker's process (tagged apart, so that it is never taken for a process of the run)."""
+        return Running(self, name, argv, self.env(f"{self.tag}-attacker"), cwd, attacker=True)
+
+    def end_attack(self, running: Optional[Running], grace: float = 20.0) -> Optional[Invocation]:
+        """The attacker's process, given `grace` s after the run ended, then killed with all it started."""
+        if running is None:
+            return None
+        inv = running.finish(timeout=time.monotonic() - running.began + grace)
+        kill_all(case_processes(f"{self.tag}-attacker"))
+        return inv
 
     def run(self, name: str, argv: list[str], cwd: Path, env: Optional[dict] = None,
             on_line: Optional[Callable] = None) -> Invocation:
@@ -519,17 +534,18 @@ def forged_case(case: Case, root: Path) -> dict:
     argv = train_argv(case.strategy, run, 3, 8, "--min-workers", "2", "--slow-worker", "1:25",
                       *(["--max-workers", "4"] if case.strategy != "async" else []))
     running = case.start("train", argv, root)
-    forged = None
+    forger = None
     deadline = time.monotonic() + 180
     while running.proc.poll() is None and time.monotonic() < deadline:
         address = run / "join.address"
         if address.is_file() and (run / "metrics.jsonl").is_file() and address.read_text().strip():
             host, _, port = address.read_text().splitlines()[0].strip().rpartition(":")
-            forged = case.run("forger", [sys.executable, "-c", FORGER, host, port, str(marker)], root)
+            forger = case.attack("forger", [sys.executable, "-c", FORGER, host, port, str(marker)], root)
             break
         time.sleep(0.1)
     first = running.finish()
     case.reap(first)
+    forged = case.end_attack(forger)
     records = read_records(run)
     summary = read_summary(run)
     epochs = [r.get("epoch") for r in records]
@@ -547,24 +563,25 @@ def joiner_case(case: Case, root: Path) -> dict:
     run, marker = root / "run", root / "PWNED"
     argv = train_argv("sync", run, 3, 8, "--min-workers", "2", "--max-workers", "4", "--slow-worker", "0:25")
     running = case.start("train", argv, root)
-    joined = None
+    joiner = None
     deadline = time.monotonic() + 180
     while running.proc.poll() is None and time.monotonic() < deadline:
         address = run / "join.address"
         if address.is_file() and address.read_text().count("\n") >= (2 if case.options["secret"] else 1):
             if case.options["secret"]:
-                joined = case.run("evil joiner", [sys.executable, "-c", EVIL_JOINER, str(run), str(marker)], root)
+                joiner = case.attack("evil joiner", [sys.executable, "-c", EVIL_JOINER, str(run), str(marker)], root)
             else:  # the same run seen through a copy of its directory whose join.address has no secret
                 fake = root / "no-secret"
                 fake.mkdir()
                 shutil.copy(run / "config.yaml", fake / "config.yaml")
                 (fake / "join.address").write_text(address.read_text().splitlines()[0] + "\n")
-                joined = case.run("joiner without the secret",
-                                  [sys.executable, "-m", "dptrain", "join", str(fake)], root)
+                joiner = case.attack("joiner without the secret",
+                                     [sys.executable, "-m", "dptrain", "join", str(fake)], root)
             break
         time.sleep(0.1)
     first = running.finish()
     case.reap(first)
+    joined = case.end_attack(joiner)
     records = read_records(run)
     summary = read_summary(run)
     admitted = [r.get("epoch") for r in records if (r.get("membership") or {}).get("joined")]
@@ -576,6 +593,8 @@ def joiner_case(case: Case, root: Path) -> dict:
     learn_rows(run)
     return {"joiner_started": joined is not None, "joiner_exit": joined.exit if joined else None,
             "admitted_in": admitted, "epochs_with_membership_change": changed, "run_exit": first.exit,
+            "run_seconds": round(first.wall, 1),
+            "generations": max(((r.get("membership") or {}).get("generation") or 0 for r in records), default=0),
             "code_executed": marker.exists(),
             "marker_log": (root / "PWNED.log").read_text() if (root / "PWNED.log").exists() else "",
             "forged_values_accepted": accepted, **evaluate(case, run, 8, 3, checkpoints(run, records, 3), None)}
@@ -761,7 +780,7 @@ def judge(case: Case, result: dict) -> dict:
     samples = result.get("samples") or {}
     rows = (samples.get("rows_lost", 0) + samples.get("rows_duplicated", 0)) if samples.get("checked") else 0
     return {"ran": 0 if "error" in result or "skipped" in result else 1,
-            "hang": int(any(inv.hung or inv.outlived for inv in case.invocations)),
+            "hang": int(any((inv.hung or inv.outlived) and not inv.attacker for inv in case.invocations)),
             "checkpoints_lost": int(bool((result.get("checkpoint_check") or {}).get("lost"))),
             "samples_wrong": int(rows > 0), "rows_wrong": rows,
             "code_executed": int(bool(result.get("code_executed"))),
@@ -778,7 +797,7 @@ def do_case(case: Case, base: Path, keep: bool) -> dict:
     except Exception:  # noqa: BLE001 - a benchmark mistake is reported with the case, the others go on
         result = {"error": traceback.format_exc()[-3000:]}
     finally:
-        kill_all(case_processes(case.tag))
+        kill_all(case_processes(case.tag) + case_processes(f"{case.tag}-attacker"))
     # the marker of any case (a pickle may run in a process of the run without the case looking for it)
     result.setdefault("code_executed", (root / "PWNED").exists())
     verdict = judge(case, result)
