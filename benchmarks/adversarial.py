@@ -2,7 +2,7 @@
 foreign checkpoints, changed data, a full disk and signals, each against real `python -m dptrain train` runs.
 
     python benchmarks/adversarial.py                 # the full matrix (about 100 cases)
-    python benchmarks/adversarial.py --quick         # a representative subset (15 cases)
+    python benchmarks/adversarial.py --quick         # a representative subset (16 cases)
     python benchmarks/adversarial.py --jobs 2        # cases two at a time
     python benchmarks/adversarial.py --cases kill-sync --list   # the cases whose name holds a word, not run
 
@@ -17,7 +17,7 @@ DPTRAIN_FAULT_ACTION=freeze, DPTRAIN_FAULT_ONCE so that a resume does not fire i
 launcher, and the run directory's documented files (docs/reference/run-directory.md): metrics.jsonl,
 summary.json, model.pt, checkpoints/epoch-NNNNNN[-step-KKKKKK]/ with a SHA-256 beside each file, join.address.
 Every dptrain process a case starts carries DPTRAIN_BENCH_CASE in its environment; each invocation has a hard
-timeout (--timeout, 240 s), and what is left of it then is killed (found by that variable in /proc).
+timeout (180 s), and what is left of it then is killed (found by that variable in /proc).
 
 Every run uses the default embedded data set (digits, 1,437 training rows) unless said, the default MLP, few
 epochs, `--timeout 45` (the wait on another worker before failing: a frozen worker without --min-workers is
@@ -68,9 +68,11 @@ What each column counts, per group (a case is one row of adversarial.json):
   refuses in a case where a refusal is the right answer — foreign checkpoint, changed data — loses nothing),
   or (b) after the resume a complete checkpoint of before it is gone and no newer complete one exists.
   Complete: every file of the checkpoint's folder that has a .sha256 beside it matches it, no *.tmp is left,
-  and the folder holds at least as many rank-*.pt files as metrics.jsonl lists workers for that epoch (the
-  record of epoch N for epoch-N; for epoch-N-step-K, the last record before N; --workers where there is none);
-  a checkpoint the case damaged or planted is never the newest complete one.
+  and the folder holds at least as many rank files (rank-*.pt, or *.distcp) as workers trained that epoch:
+  as many as metrics.jsonl lists (the record of epoch N for epoch-N; for epoch-N-step-K, the last record
+  before N; --workers where there is none), and in the kill/freeze cases at least the workers the case left
+  alive (async's records, written by rank 0 as it goes, list rank 0 alone); a folder with a .metadata and no
+  rank files is not counted by rank. A checkpoint the case damaged or planted is never the newest complete one.
 - samples lost or duplicated: cases whose final metrics.jsonl does not read each training row exactly once per
   epoch: for every epoch recorded, the workers' samples (plus membership.rows_read_by_the_lost) must equal
   summary.json's data.train_samples (without summary.json: the data set's size learned from the other cases;
@@ -115,7 +117,7 @@ OUT = ROOT / "benchmarks" / "results" / "adversarial"
 STRATEGIES = ("allreduce", "sync", "async", "fedavg", "streaming", "hierarchical")
 EPOCHS = 6
 WAIT = "45"  # --timeout: seconds any wait on another worker may take before failing
-HARD_TIMEOUT = 240.0  # seconds an invocation may take before it counts as hung (its processes are killed)
+HARD_TIMEOUT = 180.0  # seconds an invocation may take before it counts as hung (its processes are killed)
 OUTLIVE = 10.0  # seconds a process of the case may outlive its launcher before it counts as a hang
 CASE_ENV = "DPTRAIN_BENCH_CASE"
 EPOCH_LINE = re.compile(r"\bepoch (\d+)/(\d+)\s+train_loss")
@@ -308,8 +310,13 @@ def read_summary(run: Path) -> Optional[dict]:
 CHECKPOINT_DIR = re.compile(r"^epoch-(\d+)(?:-step-(\d+))?$")
 
 
-def checkpoints(run: Path, records: list[dict], workers: int) -> list[dict]:
-    """Every checkpoint folder of `run`: its position (epoch, step), files, rank files, and whether complete."""
+def checkpoints(run: Path, records: list[dict], workers: int,
+                live: Optional[Callable[[int], int]] = None) -> list[dict]:
+    """Every checkpoint folder of `run`: its position (epoch, step), files, rank files, and whether complete.
+
+    `live(epoch)`: the workers the case knows were alive in that epoch (it killed the others), at least as many
+    rank files as that are needed too where metrics.jsonl lists fewer (async's records, written by rank 0 while
+    it trains, list rank 0 alone)."""
     found = []
     root = run / "checkpoints"
     if not root.is_dir():
@@ -327,16 +334,18 @@ def checkpoints(run: Path, records: list[dict], workers: int) -> list[dict]:
                 continue
             if hashlib.sha256(path.read_bytes()).hexdigest() != checksum.read_text().strip():
                 bad.append(str(path.relative_to(folder)))
-        ranks = [p.name for p in files if re.fullmatch(r"rank-\d+\.pt", p.name)]
+        # a rank's part: rank-NNNNN.pt today; *.distcp should the layout become torch.distributed.checkpoint's
+        ranks = [p.name for p in files if re.fullmatch(r"rank-\d+\.pt", p.name) or p.name.endswith(".distcp")]
+        counted = bool(ranks) or not (folder / ".metadata").is_file()  # a .metadata alone: not counted by rank
         if step == 0:
             world = next((len(r.get("workers") or []) for r in records if r.get("epoch") == epoch), None)
         else:
             world = next((len(r.get("workers") or []) for r in reversed(records) if (r.get("epoch") or 0) < epoch),
                          None)
-        world = world or workers
+        world = max(world or workers, live(epoch) if live else 0)
         found.append({"name": folder.name, "position": [epoch, step], "files": len(files), "rank_files": ranks,
                       "checksum_failures": bad, "temporary": temporary, "world_recorded": world,
-                      "complete": bool(files) and not bad and not temporary and len(ranks) >= world})
+                      "complete": bool(files) and not bad and not temporary and (len(ranks) >= world or not counted)})
     return found
 
 
@@ -481,11 +490,12 @@ def fault_env(case: Case, root: Path, spec: str, action: str = "kill") -> dict:
 
 
 def evaluate(case: Case, run: Path, epochs: int, workers: int, before: list[dict],
-             resume: Optional[Invocation], exclude: tuple = (), refusal_is_right: bool = False) -> dict:
+             resume: Optional[Invocation], exclude: tuple = (), refusal_is_right: bool = False,
+             live: Optional[Callable[[int], int]] = None) -> dict:
     """The columns every case shares: checkpoints lost and the sample accounting of the final run directory."""
     records = read_records(run)
     summary = read_summary(run)
-    after = checkpoints(run, records, workers)
+    after = checkpoints(run, records, workers, live)
     lost = checkpoints_lost(before, after, resume, run, epochs, exclude, refusal_is_right)
     rows = case.options.get("train_rows", TRAIN_ROWS.get("digits", DIGITS_TRAIN_ROWS))
     return {"finished": summary is not None and (run / "model.pt").is_file(),
@@ -521,12 +531,18 @@ def fault_case(case: Case, root: Path) -> dict:
     first = running.finish()
     case.reap(first)
     records = read_records(run)
-    before = checkpoints(run, records, o["workers"])
+    lost = len(o["ranks"].split(",")) if o["elastic"] else 0
+
+    def live(epoch: int) -> int:  # the killed ranks are gone from epoch 2 on (the survivors redo it)
+        return o["workers"] - (lost if epoch >= 2 else 0)
+
+    before = checkpoints(run, records, o["workers"], live)
     resume = None
     if read_summary(run) is None:
         resume = case.run("resume", argv, root, env)
     learn_rows(run)
-    return {"first_finished": resume is None, **evaluate(case, run, EPOCHS, o["workers"], before, resume)}
+    return {"first_finished": resume is None,
+            **evaluate(case, run, EPOCHS, o["workers"], before, resume, live=live)}
 
 
 def forged_case(case: Case, root: Path) -> dict:
