@@ -2,7 +2,7 @@
 foreign checkpoints, changed data, a full disk and signals, each against real `python -m dptrain train` runs.
 
     python benchmarks/adversarial.py                 # the full matrix (about 100 cases)
-    python benchmarks/adversarial.py --quick         # a representative subset (16 cases)
+    python benchmarks/adversarial.py --quick         # a representative subset (17 cases)
     python benchmarks/adversarial.py --jobs 2        # cases two at a time
     python benchmarks/adversarial.py --cases kill-sync --list   # the cases whose name holds a word, not run
 
@@ -33,6 +33,8 @@ The cases (groups are the table's rows):
   - with --min-workers 2: the others go on; at the first epoch line of epoch 3 or later the launcher gets
     SIGTERM (a scheduler's stop: "a checkpoint is saved ...: run the same command again"), then the same
     command again. This is the failure that must survive a resume (issue 32, item 3).
+  - async with --min-workers 2, rank 1 or rank 0 killed, and no SIGTERM: the run must finish without it
+    (issue 32, item 4); the same command again only if it did not (model.pt and summary.json missing).
 - forged store writes: sync (full matrix: also allreduce and async), 3 workers, --min-workers 2,
   --max-workers 4, rank 1 slowed 25x, 8 epochs. Once metrics.jsonl exists, a plain torch TCPStore client
   at join.address's host:port (not using the secret) writes, at the keys as dptrain's ranks see them
@@ -527,7 +529,8 @@ def fault_case(case: Case, root: Path) -> dict:
         if match and int(match[1]) >= 3 and running.inv.signalled_at is None:
             running.signal(signal.SIGTERM)
 
-    running = case.start("train", argv, root, env, stop_after_the_failure if o["elastic"] else None)
+    stop = o["elastic"] and o.get("stop", True)
+    running = case.start("train", argv, root, env, stop_after_the_failure if stop else None)
     first = running.finish()
     case.reap(first)
     records = read_records(run)
@@ -764,6 +767,10 @@ def all_cases() -> list[Case]:
                     group = f"{action}, {'--min-workers' if elastic else 'no --min-workers'}"
                     cases.append(Case(name, group, strategy, fault_case,
                                       {"action": action, "ranks": ranks, "workers": count, "elastic": elastic}))
+    # async with --min-workers to its end, no stop: it must finish (model.pt, summary.json) without the lost worker
+    for label, ranks in (("rank1", "1"), ("rank0", "0")):
+        cases.append(Case(f"kill-async-{label}-min2-to-the-end", "kill, --min-workers", "async", fault_case,
+                          {"action": "kill", "ranks": ranks, "workers": 3, "elastic": True, "stop": False}))
     for strategy in ("sync", "allreduce", "async"):
         cases.append(Case(f"forged-{strategy}", "forged store writes", strategy, forged_case))
     cases.append(Case("joiner-evil-payload", "malicious joiner", "sync", joiner_case, {"secret": True}))
@@ -783,6 +790,7 @@ def all_cases() -> list[Case]:
 
 
 QUICK = ("kill-sync-rank1-nomin", "kill-sync-rank1-min2", "kill-allreduce-rank0-min2", "kill-async-rank1-min2",
+         "kill-async-rank1-min2-to-the-end",
          "kill-fedavg-ranks0+2-min2", "freeze-streaming-rank2-min2", "freeze-allreduce-rank1-nomin",
          "kill-hierarchical-rank0-nomin", "forged-sync", "joiner-evil-payload", "corrupt-checkpoint",
          "foreign-checkpoint-3-workers", "changed-data", "disk-full", "sigterm-first-second",
