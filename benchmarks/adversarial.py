@@ -82,10 +82,12 @@ What each column counts, per group (a case is one row of adversarial.json):
   missing between 1 and the last one recorded (all epochs when summary.json exists) counts its rows as lost.
   The cell gives the cases and the rows (lost + duplicated) over them.
 - code executed: cases whose marker file exists (a pickle's __reduce__ ran `touch MARKER` somewhere).
-- forged values accepted: forged-writes and joiner cases whose run recorded a membership change (a
-  metrics.jsonl record with membership, or a number of workers other than at the start, or an epoch recorded
-  twice) or ended with summary.json's workers other than at the start; for the joiner without the secret, a
-  record with membership.joined.
+- forged values accepted: forged-writes cases whose run recorded a membership change that no real failure
+  explains: a metrics.jsonl membership record that leaves out a rank whose process the launcher never said
+  ended ("worker rank N was killed / exited / was still running": a real failure, which async may have
+  beside the forgery, is not the forger's), or leaves out nobody (a group abandoned for nothing), or admits
+  a joiner, or names a member twice; an epoch recorded twice; or summary.json's workers fewer than the ranks
+  whose process did not end. For the joiner without the secret: a record with membership.joined.
 - silent wrong results: foreign-checkpoint, changed-data and corrupt-checkpoint cases whose resume trained on
   anyway: continued from the planted or damaged checkpoint, or (changed data) ran an epoch or exited 0 without
   refusing. A warning line while going on still counts: the goal is a refusal.
@@ -548,6 +550,35 @@ def fault_case(case: Case, root: Path) -> dict:
             **evaluate(case, run, EPOCHS, o["workers"], before, resume, live=live)}
 
 
+ENDED = re.compile(r"dptrain: worker rank (\d+) (?:was killed|exited|was still running)")  # the launcher's lines
+
+
+def ended_ranks(inv: Invocation) -> set[int]:
+    """The ranks whose process the launcher saw end (or stopped as frozen): real failures, not forged ones."""
+    return {int(rank) for rank in ENDED.findall(inv.stderr + inv.stdout)}
+
+
+def unexplained_changes(records: list[dict], summary: Optional[dict], inv: Invocation, workers: int) -> list[str]:
+    """Membership changes no real failure explains: a record whose membership leaves out a rank whose process had
+    not ended, leaves out nobody (a group abandoned for nothing), admits a joiner or names a member twice; an
+    epoch recorded twice; summary.json's workers short of those whose process did not end."""
+    ended = ended_ranks(inv)
+    found = []
+    seen: set[int] = set()
+    for record in records:
+        epoch, change = record.get("epoch"), record.get("membership")
+        if change is not None:
+            left, members = set(change.get("left") or []), change.get("members") or []
+            if not left or not left <= ended or change.get("joined") or len(members) != len(set(members)):
+                found.append(f"epoch {epoch}: membership {json.dumps(change)} (ended by themselves: {sorted(ended)})")
+        if epoch in seen and not ended:
+            found.append(f"epoch {epoch} recorded again")
+        seen.add(epoch)
+    if summary is not None and (summary.get("workers") or 0) < workers - len(ended):
+        found.append(f"summary.json workers {summary.get('workers')}, {workers - len(ended)} expected")
+    return found
+
+
 def forged_case(case: Case, root: Path) -> dict:
     run, marker = root / "run", root / "PWNED"
     argv = train_argv(case.strategy, run, 3, 8, "--min-workers", "2", "--slow-worker", "1:25",
@@ -567,12 +598,11 @@ def forged_case(case: Case, root: Path) -> dict:
     forged = case.end_attack(forger)
     records = read_records(run)
     summary = read_summary(run)
-    epochs = [r.get("epoch") for r in records]
-    changed = [r.get("epoch") for r in records if r.get("membership") or len(r.get("workers") or []) != 3]
-    accepted = bool(changed) or len(epochs) != len(set(epochs)) or (summary and summary.get("workers") != 3)
+    changes = unexplained_changes(records, summary, first, 3)
     learn_rows(run)
-    return {"forged": forged is not None and forged.exit == 0, "forged_values_accepted": bool(accepted),
-            "epochs_with_membership_change": changed, "run_exit": first.exit,
+    return {"forged": forged is not None and forged.exit == 0, "forged_values_accepted": bool(changes),
+            "changes_without_a_failure": changes, "ended_by_themselves": sorted(ended_ranks(first)),
+            "run_exit": first.exit,
             "said_ignored": "ignored the value" in first.stderr + first.stdout,
             "code_executed": marker.exists(),
             **evaluate(case, run, 8, 3, checkpoints(run, records, 3), None)}
