@@ -144,14 +144,18 @@ class RunsCode:
 
 EVIL = pickle.dumps(RunsCode())
 import dptrain.runtime.group as group
+patched = []
 if hasattr(group, "encode_json"):
     group.encode_json = lambda value: EVIL
+    patched.append("encode_json")
 for name in ("gather_bytes", "broadcast_bytes", "all_gather_bytes"):
     original = getattr(group.Group, name, None)
     if original is not None:
         def evil(self, what, data, *args, _original=original, **kwargs):
             return _original(self, what, EVIL if data is not None else None, *args, **kwargs)
         setattr(group.Group, name, evil)
+        patched.append(f"Group.{name}")
+print("evil joiner: sends a pickle through " + ", ".join(patched), flush=True)
 from dptrain.cli import main
 sys.exit(main(["join", run_dir]))
 '''
@@ -646,6 +650,10 @@ def joiner_case(case: Case, root: Path) -> dict:
             "generations": max(((r.get("membership") or {}).get("generation") or 0 for r in records), default=0),
             "code_executed": marker.exists(),
             "marker_log": (root / "PWNED.log").read_text() if (root / "PWNED.log").exists() else "",
+            # the evidence that the attack was made: what the joiner patched, and whether the run saw a payload
+            "payload_through": next((line for line in (joined.stdout if joined else "").splitlines()
+                                     if line.startswith("evil joiner:")), None),
+            "refusals_said": len(re.findall(r"sent \d+ bytes that are not", first.stdout + first.stderr)),
             "forged_values_accepted": accepted, **evaluate(case, run, 8, 3, checkpoints(run, records, 3), None)}
 
 
