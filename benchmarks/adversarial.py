@@ -1,7 +1,7 @@
 """Adversarial matrix (issue 32, item 6): kills, freezes, forged store writes, a malicious joiner, corrupt and
 foreign checkpoints, changed data, a full disk and signals, each against real `python -m dptrain train` runs.
 
-    python benchmarks/adversarial.py                 # the full matrix (about 100 cases)
+    python benchmarks/adversarial.py                 # the full matrix (111 cases)
     python benchmarks/adversarial.py --quick         # a representative subset (17 cases)
     python benchmarks/adversarial.py --jobs 2        # cases two at a time
     python benchmarks/adversarial.py --cases kill-sync --list   # the cases whose name holds a word, not run
