@@ -583,23 +583,36 @@ def unexplained_changes(records: list[dict], summary: Optional[dict], inv: Invoc
     return found
 
 
-def forged_case(case: Case, root: Path) -> dict:
-    run, marker = root / "run", root / "PWNED"
-    argv = train_argv(case.strategy, run, 3, 8, "--min-workers", "2", "--slow-worker", "1:25",
-                      *(["--max-workers", "4"] if case.strategy != "async" else []))
+def attack_while_training(case: Case, root: Path, argv: list[str], ready: Callable[[Path], bool],
+                          attacker: Callable[[], tuple[str, list[str]]]) -> tuple[Invocation, Optional[Invocation]]:
+    """Train with `argv`; once `ready(run directory)`, start the attacker's (name, argv); both, when they ended."""
+    run = Path(argv[argv.index("--out") + 1])
     running = case.start("train", argv, root)
-    forger = None
-    deadline = time.monotonic() + 180
+    attack = None
+    deadline = time.monotonic() + HARD_TIMEOUT
     while running.proc.poll() is None and time.monotonic() < deadline:
-        address = run / "join.address"
-        if address.is_file() and (run / "metrics.jsonl").is_file() and address.read_text().strip():
-            host, _, port = address.read_text().splitlines()[0].strip().rpartition(":")
-            forger = case.attack("forger", [sys.executable, "-c", FORGER, host, port, str(marker)], root)
+        if ready(run):
+            attack = case.attack(*attacker(), root)
             break
         time.sleep(0.1)
     first = running.finish()
     case.reap(first)
-    forged = case.end_attack(forger)
+    return first, case.end_attack(attack)
+
+
+def forged_case(case: Case, root: Path) -> dict:
+    run, marker = root / "run", root / "PWNED"
+    argv = train_argv(case.strategy, run, 3, 8, "--min-workers", "2", "--slow-worker", "1:25",
+                      *(["--max-workers", "4"] if case.strategy != "async" else []))
+    address = run / "join.address"
+
+    def forger() -> tuple[str, list[str]]:
+        host, _, port = address.read_text().splitlines()[0].strip().rpartition(":")
+        return "forger", [sys.executable, "-c", FORGER, host, port, str(marker)]
+
+    first, forged = attack_while_training(
+        case, root, argv, lambda run: address.is_file() and (run / "metrics.jsonl").is_file()
+        and bool(address.read_text().strip()), forger)
     records = read_records(run)
     summary = read_summary(run)
     changes = unexplained_changes(records, summary, first, 3)
@@ -615,34 +628,24 @@ def forged_case(case: Case, root: Path) -> dict:
 def joiner_case(case: Case, root: Path) -> dict:
     run, marker = root / "run", root / "PWNED"
     argv = train_argv("sync", run, 3, 8, "--min-workers", "2", "--max-workers", "4", "--slow-worker", "0:25")
-    running = case.start("train", argv, root)
-    joiner = None
-    deadline = time.monotonic() + 180
-    while running.proc.poll() is None and time.monotonic() < deadline:
-        address = run / "join.address"
-        if address.is_file() and address.read_text().count("\n") >= (2 if case.options["secret"] else 1):
-            if case.options["secret"]:
-                joiner = case.attack("evil joiner", [sys.executable, "-c", EVIL_JOINER, str(run), str(marker)], root)
-            else:  # the same run seen through a copy of its directory whose join.address has no secret
-                fake = root / "no-secret"
-                fake.mkdir()
-                shutil.copy(run / "config.yaml", fake / "config.yaml")
-                (fake / "join.address").write_text(address.read_text().splitlines()[0] + "\n")
-                joiner = case.attack("joiner without the secret",
-                                     [sys.executable, "-m", "dptrain", "join", str(fake)], root)
-            break
-        time.sleep(0.1)
-    first = running.finish()
-    case.reap(first)
-    joined = case.end_attack(joiner)
+    address = run / "join.address"
+    with_secret = case.options["secret"]
+
+    def joiner() -> tuple[str, list[str]]:
+        if with_secret:
+            return "evil joiner", [sys.executable, "-c", EVIL_JOINER, str(run), str(marker)]
+        fake = root / "no-secret"  # the same run seen through a copy of its directory whose join.address has no secret
+        fake.mkdir()
+        shutil.copy(run / "config.yaml", fake / "config.yaml")
+        (fake / "join.address").write_text(address.read_text().splitlines()[0] + "\n")
+        return "joiner without the secret", [sys.executable, "-m", "dptrain", "join", str(fake)]
+
+    lines = 2 if with_secret else 1  # join.address: host:port, then the secret (once the launcher wrote it)
+    first, joined = attack_while_training(
+        case, root, argv, lambda run: address.is_file() and address.read_text().count("\n") >= lines, joiner)
     records = read_records(run)
-    summary = read_summary(run)
     admitted = [r.get("epoch") for r in records if (r.get("membership") or {}).get("joined")]
     changed = [r.get("epoch") for r in records if r.get("membership") or len(r.get("workers") or []) != 3]
-    if case.options["secret"]:
-        accepted = False  # a joiner with the secret is the user's own: admitting it is right
-    else:
-        accepted = bool(admitted)
     learn_rows(run)
     return {"joiner_started": joined is not None, "joiner_exit": joined.exit if joined else None,
             "admitted_in": admitted, "epochs_with_membership_change": changed, "run_exit": first.exit,
@@ -654,7 +657,9 @@ def joiner_case(case: Case, root: Path) -> dict:
             "payload_through": next((line for line in (joined.stdout if joined else "").splitlines()
                                      if line.startswith("evil joiner:")), None),
             "refusals_said": len(re.findall(r"sent \d+ bytes that are not", first.stdout + first.stderr)),
-            "forged_values_accepted": accepted, **evaluate(case, run, 8, 3, checkpoints(run, records, 3), None)}
+            # a joiner with the secret is the user's own: admitting it is right; one without must never enter
+            "forged_values_accepted": bool(admitted) and not with_secret,
+            **evaluate(case, run, 8, 3, checkpoints(run, records, 3), None)}
 
 
 def killed_run(case: Case, root: Path, run: Path, workers: int, epochs: int, kill_epoch: int, *extra: str,
