@@ -11,6 +11,17 @@ one step is recorded in the JSON as that step's error, and the other steps still
   (backend NCCL); checks that it finished, on the GPU, with NCCL, above MIN_ACCURACY;
 - amp:bf16, amp:fp16: the same with `--amp bf16` / `--amp fp16` (fp16 trains with a GradScaler:
   the check reads the scaler's scale from the run's checkpoint);
+- ranks:STRATEGY, every strategy (allreduce, sync, async, fedavg, streaming, hierarchical, auto): `dptrain train
+  --workers 2` through dptrain's own launcher, DDP built and every exchange crossing ranks. NCCL where the
+  machine has a GPU per rank; on a machine with one GPU both ranks share it through gloo with CUDA tensors
+  (DPTRAIN_BACKEND=gloo: NCCL refuses two ranks on one device), which the JSON says as `backend`;
+- live:kill: sync on 3 workers with --min-workers 2, rank 1 killed halfway through epoch 2: the others go on
+  (the rebuilt group's collectives, the object gathers, the abandoned communicator);
+- live:join: the same with --replace-workers: a new worker joins and is healed from a peer;
+- resume:int8: sync with --compression int8 for 2 epochs with checkpoints, then the same command for 3: it
+  resumes after epoch 2 (the error-feedback residual back on the GPU);
+- amp:clip: allreduce on 2 ranks with --amp bf16 and --grad-clip 1.0;
+- torchrun: `torchrun --nproc-per-node 2 -m dptrain train`: torchrun's LOCAL_RANK mapping;
 - dptrain:resnet|nfnet and plain:resnet|nfnet: images/s of dptrain's training loop
   (`dptrain train` on synthetic-images, the median epoch rate after the first) against a plain
   PyTorch loop over the same data, model, batch size and optimizer on the same GPU, and the peak
@@ -33,12 +44,14 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "gpu_check.json"
 NO_GPU = "no CUDA GPU here: skipping the GPU check"
 MIN_ACCURACY = 0.5  # digits has 10 classes: chance is 0.1; a working run of a few epochs is far above 0.5
 STRATEGIES = ("allreduce", "sync", "async", "fedavg")
+EVERY_STRATEGY = STRATEGIES + ("streaming", "hierarchical", "auto")
 AMPS = ("bf16", "fp16")
 MODELS = ("resnet", "nfnet")
 STEP_LIMIT = 150.0  # seconds one step may take at most
@@ -47,13 +60,18 @@ STEP_LIMIT = 150.0  # seconds one step may take at most
 # The strategy and AMP runs: the cnn on digits reaches about 0.94 in 5 epochs of batch 32 on one worker
 # (benchmarks/README.md, section 2); the dry run's mlp about 0.8 in 2.
 SIZES = {
-    "gpu": {"model": "cnn", "epochs": 5, "batch": 32, "image_samples": 8192, "image_batch": 256, "image_epochs": 3},
-    "cpu": {"model": "mlp", "epochs": 2, "batch": 32, "image_samples": 32, "image_batch": 16, "image_epochs": 2},
+    "gpu": {"model": "cnn", "epochs": 5, "batch": 32, "lr": 0.01, "image_samples": 8192, "image_batch": 256,
+            "image_epochs": 3},
+    "cpu": {"model": "mlp", "epochs": 2, "batch": 32, "lr": 0.05, "image_samples": 32, "image_batch": 16,
+            "image_epochs": 2},
 }
 
 
 def all_steps() -> list[str]:
-    return (["nccl"] + [f"strategy:{s}" for s in STRATEGIES] + [f"amp:{a}" for a in AMPS]
+    """In the order they run: where the budget runs out, what crosses ranks has been checked first."""
+    return (["nccl", "strategy:allreduce"] + [f"ranks:{s}" for s in EVERY_STRATEGY]
+            + ["live:kill", "live:join", "resume:int8", "amp:clip", "torchrun"]
+            + [f"amp:{a}" for a in AMPS] + [f"strategy:{s}" for s in STRATEGIES if s != "allreduce"]
             + [f"{kind}:{model}" for model in MODELS for kind in ("dptrain", "plain")])
 
 
@@ -205,8 +223,107 @@ def step_plain_rate(model_name: str, device: str, sizes: dict, workdir: Path) ->
             "batch_size": batch, "train_samples": len(y), **_peak_memory(dev)}
 
 
+def _several_ranks_env(device: str, ranks: int) -> dict:
+    """The environment for `ranks` ranks on this machine: gloo with CUDA tensors where there are fewer GPUs."""
+    import torch
+
+    env = dict(os.environ)
+    if device == "cuda" and torch.cuda.device_count() < ranks:
+        env["DPTRAIN_BACKEND"] = "gloo"
+    return env
+
+
+def _cli(argv: list, workdir: Path, env: dict, timeout: float = 120.0) -> subprocess.CompletedProcess:
+    return subprocess.run(argv, cwd=workdir, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def _ranks_result(done: subprocess.CompletedProcess, out: Path, device: str, env: dict, ranks: int,
+                  expect: Optional[str] = None) -> dict:
+    """What a several-rank run left: exit code, summary.json's backend, device, workers and accuracy."""
+    problems = []
+    if done.returncode != 0:
+        problems.append(f"exit code {done.returncode}: {(done.stderr.strip().splitlines() or [''])[-1]}")
+    summary = json.loads((out / "summary.json").read_text()) if (out / "summary.json").is_file() else {}
+    backend = "gloo" if device == "cpu" or env.get("DPTRAIN_BACKEND") == "gloo" else "nccl"
+    if summary and summary.get("backend") != backend:
+        problems.append(f"backend {summary.get('backend')}, not {backend}")
+    if summary and not str(summary.get("device", "")).startswith(device):
+        problems.append(f"trained on {summary.get('device')}, not {device}")
+    if summary and summary.get("workers") != ranks:
+        problems.append(f"{summary.get('workers')} workers at the end, not {ranks}")
+    if summary and (summary.get("test_accuracy") or 0) < MIN_ACCURACY:
+        problems.append(f"test accuracy {summary.get('test_accuracy')} below {MIN_ACCURACY}")
+    if expect is not None and expect not in done.stdout + done.stderr:
+        problems.append(f"no line saying {expect!r}")
+    if not summary and not problems:
+        problems.append("no summary.json")
+    result = {"ok": not problems, "backend": summary.get("backend"), "device": summary.get("device"),
+              "workers": summary.get("workers"), "test_accuracy": summary.get("test_accuracy")}
+    if problems:
+        result["error"] = "; ".join(problems)
+    return result
+
+
+def _train_argv(strategy: str, sizes: dict, out: Path, device: str, workers: int, *extra: str) -> list:
+    return [sys.executable, "-m", "dptrain", "train", "--strategy", strategy, "--dataset", "digits", "--model",
+            sizes["model"], "--epochs", str(sizes["epochs"]), "--batch-size", str(sizes["batch"]), "--lr",
+            str(sizes["lr"]), "--device",
+            device, "--workers", str(workers), "--no-progress", "--out", str(out), *extra]
+
+
+def step_ranks(strategy: str, device: str, sizes: dict, workdir: Path) -> dict:
+    env, out = _several_ranks_env(device, 2), workdir / f"ranks-{strategy}"
+    extra = ["--ranks-per-node", "1"] if strategy == "hierarchical" else []
+    return _ranks_result(_cli(_train_argv(strategy, sizes, out, device, 2, *extra), workdir, env), out, device, env, 2)
+
+
+def step_live(kind: str, device: str, sizes: dict, workdir: Path) -> dict:
+    env, out = _several_ranks_env(device, 3), workdir / f"live-{kind}"
+    env.update(DPTRAIN_FAULT="train-middle@1:2", DPTRAIN_FAULT_ONCE=str(workdir / "fired"))
+    extra = ["--min-workers", "2"] + (["--replace-workers"] if kind == "join" else [])
+    sizes = {**sizes, "epochs": 40 if kind == "join" else max(sizes["epochs"], 3)}  # a joiner needs seconds to start
+    done = _cli(_train_argv("sync", sizes, out, device, 3, *extra), workdir, env, timeout=140)
+    return _ranks_result(done, out, device, env, 3 if kind == "join" else 2, expect="without rank 1")
+
+
+def step_resume_int8(device: str, sizes: dict, workdir: Path) -> dict:
+    """Rank 1 killed in epoch 3; the restarted world (--max-restarts 1) resumes from epoch 2's checkpoint."""
+    env, out = _several_ranks_env(device, 2), workdir / "resume-int8"
+    env.update(DPTRAIN_FAULT="train-middle@1:3", DPTRAIN_FAULT_ONCE=str(workdir / "fired"))
+    argv = _train_argv("sync", {**sizes, "epochs": 3}, out, device, 2, "--compression", "int8", "--max-restarts", "1")
+    return _ranks_result(_cli(argv, workdir, env, timeout=140), out, device, env, 2, expect="resuming after epoch 2")
+
+
+def step_amp_clip(device: str, sizes: dict, workdir: Path) -> dict:
+    env, out = _several_ranks_env(device, 2), workdir / "amp-clip"
+    return _ranks_result(_cli(_train_argv("allreduce", sizes, out, device, 2, "--amp", "bf16", "--grad-clip", "1.0"),
+                              workdir, env), out, device, env, 2)
+
+
+def step_torchrun(device: str, sizes: dict, workdir: Path) -> dict:
+    env, out = _several_ranks_env(device, 2), workdir / "torchrun"
+    argv = _train_argv("allreduce", sizes, out, device, 2)
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
+            *argv[2:argv.index("--workers")], *argv[argv.index("--workers") + 2:]]
+    result = _ranks_result(_cli(argv, workdir, env), out, device, env, 2)
+    summary = json.loads((out / "summary.json").read_text()) if (out / "summary.json").is_file() else {}
+    if summary and summary.get("launcher") != "torchrun":
+        result.update(ok=False, error=f"launcher {summary.get('launcher')}, not torchrun")
+    return result
+
+
 def run_step(name: str, device: str, sizes: dict, workdir: Path) -> dict:
     kind, _, arg = name.partition(":")
+    if kind == "ranks":
+        return step_ranks(arg, device, sizes, workdir)
+    if kind == "live":
+        return step_live(arg, device, sizes, workdir)
+    if name == "resume:int8":
+        return step_resume_int8(device, sizes, workdir)
+    if name == "amp:clip":
+        return step_amp_clip(device, sizes, workdir)
+    if kind == "torchrun":
+        return step_torchrun(device, sizes, workdir)
     if kind == "nccl":
         return step_nccl(device, sizes, workdir)
     if kind == "strategy":

@@ -14,7 +14,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
-STEPS = ["nccl", "strategy:allreduce", "strategy:sync", "strategy:async", "strategy:fedavg", "amp:bf16", "amp:fp16",
+STEPS = ["nccl", "strategy:allreduce", "ranks:allreduce", "ranks:sync", "ranks:async", "ranks:fedavg", "ranks:streaming",
+         "ranks:hierarchical", "ranks:auto", "live:kill", "live:join", "resume:int8", "amp:clip", "torchrun",
+         "amp:bf16", "amp:fp16", "strategy:sync", "strategy:async", "strategy:fedavg",
          "dptrain:resnet", "plain:resnet", "dptrain:nfnet", "plain:nfnet"]
 
 
@@ -57,11 +59,11 @@ def test_a_failing_step_is_recorded_and_the_others_still_run(tmp_path):
 
 # One of each kind of step (the other strategies' steps are the same code with another name; the whole
 # list runs with `python benchmarks/gpu_check.py --dry-run-cpu`, about a minute on idle cores).
-DRY_RUN_STEPS = ["nccl", "strategy:sync", "amp:bf16", "amp:fp16", "dptrain:nfnet", "plain:nfnet"]
+DRY_RUN_STEPS = ["nccl", "strategy:sync", "live:kill", "amp:bf16", "amp:fp16", "dptrain:nfnet", "plain:nfnet"]
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)  # six processes that each import torch: half a minute idle, minutes on busy cores
+@pytest.mark.timeout(900)  # seven processes that each import torch: half a minute idle, minutes on busy cores
 def test_dry_run_on_the_cpu_runs_one_step_of_each_kind(tmp_path):
     out = tmp_path / "check.json"
     result = gpu_check("--dry-run-cpu", "--budget", "850", "--steps", ",".join(DRY_RUN_STEPS), "--out", str(out),
@@ -75,6 +77,7 @@ def test_dry_run_on_the_cpu_runs_one_step_of_each_kind(tmp_path):
         assert run["strategy"] == strategy and run["backend"] == "gloo" and run["device"] == "cpu"
         assert run["test_accuracy"] >= 0.5
     assert steps["amp:bf16"]["test_accuracy"] >= 0.5
+    assert (steps["live:kill"]["workers"], steps["live:kill"]["backend"]) == (2, "gloo")  # 3, rank 1 killed
     assert steps["amp:bf16"]["grad_scaler_scale"] is None  # read from the checkpoint: no GradScaler under bf16
     assert steps["amp:fp16"]["note"].startswith("refused on the CPU as expected: --amp fp16 needs a GPU")
     for model in ("nfnet",):

@@ -60,8 +60,23 @@ class DistContext:
         return self.device if self.backend == "nccl" else torch.device("cpu")
 
 
+BACKEND_ENV = "DPTRAIN_BACKEND"  # gloo: every rank on the GPU talks through gloo (a GPU shared by ranks: gpu-check)
+
+
+def backend_for(device: torch.device) -> str:
+    """NCCL on a GPU, gloo on the CPU; DPTRAIN_BACKEND=gloo keeps CUDA tensors on gloo (two ranks on one GPU,
+    which NCCL refuses: how `make gpu-check` runs several ranks on a machine with one)."""
+    asked = os.environ.get(BACKEND_ENV, "")
+    if asked not in ("", "gloo", "nccl"):
+        raise UserError(f"{BACKEND_ENV}={asked!r} is not a backend dptrain runs on; give gloo or nccl, or unset it")
+    if device.type != "cuda":
+        return "gloo"
+    return asked or "nccl"
+
+
 def choose_device(preference: str, local_rank: int) -> torch.device:
-    """cuda:LOCAL_RANK (modulo the visible GPUs) when GPUs exist and are wanted, else CPU."""
+    """cuda:LOCAL_RANK when GPUs exist and are wanted, else CPU. Under NCCL a local rank past the visible GPUs
+    is refused (two ranks on one GPU); under gloo (DPTRAIN_BACKEND) ranks share the GPUs modulo their number."""
     if preference == "cpu":
         return torch.device("cpu")
     if not torch.cuda.is_available():
@@ -69,6 +84,8 @@ def choose_device(preference: str, local_rank: int) -> torch.device:
             raise UserError("--device cuda was asked for but no CUDA GPU is visible to this process; use --device cpu or auto")
         return torch.device("cpu")
     visible = torch.cuda.device_count()
+    if os.environ.get(BACKEND_ENV) == "gloo":
+        return torch.device("cuda", local_rank % visible)
     if local_rank >= visible:
         raise UserError(f"local rank {local_rank} has no GPU of its own: {visible} visible on this node "
                         f"(cuda:0-{visible - 1}), and NCCL cannot run two ranks on one GPU; start at most {visible} "
@@ -85,9 +102,10 @@ NCCL_ERROR_HANDLING = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
 def init_process_group(env: DistEnv, *, device: str = "auto", timeout: float = 300.0) -> DistContext:
     """Join (or create) the default process group described by `env`; idempotent."""
     dev = choose_device(device, env.local_rank)
-    backend = "nccl" if dev.type == "cuda" else "gloo"
+    backend = backend_for(dev)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
+    if backend == "nccl":
         os.environ.setdefault(*NCCL_ERROR_HANDLING)
     global _JOINED, _JOINED_AS
     _JOINED = True

@@ -140,12 +140,13 @@ def process_group(store: Any, rank: int, size: int, backend: str, device: torch.
         options = dist.ProcessGroupNCCL.Options()
         options.is_high_priority_stream = False
         options._timeout = wait
-        made, kind, on = dist.ProcessGroupNCCL(store, rank, size, options), dist.ProcessGroup.BackendType.NCCL, "cuda"
-    else:
-        made, kind, on = dist.ProcessGroupGloo(store, rank, size, wait), dist.ProcessGroup.BackendType.GLOO, "cpu"
+        made, kind, on = dist.ProcessGroupNCCL(store, rank, size, options), dist.ProcessGroup.BackendType.NCCL, ["cuda"]
+    else:  # gloo carries CPU and CUDA tensors, as torch registers it (DPTRAIN_BACKEND=gloo on a GPU)
+        made, kind, on = dist.ProcessGroupGloo(store, rank, size, wait), dist.ProcessGroup.BackendType.GLOO, ["cpu", "cuda"]
     made._set_sequence_number_for_group()
     group._set_default_backend(kind)
-    group._register_backend(torch.device(on), kind, made)
+    for device_type in on:
+        group._register_backend(torch.device(device_type), kind, made)
     group._set_group_name(name)
     if backend == "nccl" and device.type == "cuda":
         group.bound_device_id = device

@@ -27,8 +27,8 @@ from dptrain.errors import Interrupted, Preempted, UserError
 from dptrain.io import write_text
 from dptrain.models import build_model, check_output_shape
 from dptrain.models import check_name as check_model_name
-from dptrain.runtime.distributed import (choose_device, destroy_process_group, init_process_group, report_error,
-                                         set_cpu_threads, store_served)
+from dptrain.runtime.distributed import (backend_for, choose_device, destroy_process_group, init_process_group,
+                                         report_error, set_cpu_threads, store_served)
 from dptrain.runtime.env import DistEnv, detect
 from dptrain.runtime.launcher import NOT_RESTARTED, launch_local
 from dptrain.runtime.prestart import prestart, quiet_cpp_logs_of_children
@@ -116,7 +116,7 @@ def validate(config: TrainConfig) -> torch.nn.Module:
     worker count."""
     device = choose_device(config.device, 0)
     check_amp(config.amp, device)
-    if device.type == "cuda" and not detect().launched and config.workers > torch.cuda.device_count():
+    if backend_for(device) == "nccl" and not detect().launched and config.workers > torch.cuda.device_count():
         raise UserError(f"--workers {config.workers} needs a GPU each under NCCL, and {torch.cuda.device_count()} "
                         f"are visible; give --workers {torch.cuda.device_count()} or fewer, or --device cpu")
     check_first(config)
