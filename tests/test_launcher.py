@@ -299,3 +299,19 @@ def test_more_local_ranks_than_gpus_is_one_line_not_two_ranks_on_one_gpu(monkeyp
                                         r"and NCCL cannot run two ranks on one GPU"):
         choose_device("auto", 4)
     assert choose_device("cpu", 4) == torch.device("cpu")
+
+
+def test_dptrain_backend_gloo_lets_ranks_share_a_gpu_and_a_wrong_value_is_one_line(monkeypatch):
+    import torch
+
+    from dptrain.errors import UserError
+    from dptrain.runtime.distributed import backend_for, choose_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert backend_for(torch.device("cuda", 0)) == "nccl" and backend_for(torch.device("cpu")) == "gloo"
+    monkeypatch.setenv("DPTRAIN_BACKEND", "gloo")
+    assert choose_device("auto", 1) == torch.device("cuda", 0) and backend_for(torch.device("cuda", 0)) == "gloo"
+    monkeypatch.setenv("DPTRAIN_BACKEND", "mpi")
+    with pytest.raises(UserError, match=r"^DPTRAIN_BACKEND='mpi' is not a backend dptrain runs on; give gloo or nccl"):
+        backend_for(torch.device("cuda", 0))
