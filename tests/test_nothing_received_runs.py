@@ -116,3 +116,23 @@ def test_no_source_file_unpickles_what_it_receives():
                     if not safe:
                         found.append(f"{path.relative_to(SRC)}:{node.lineno} torch.load without weights_only=True")
     assert found == []
+
+
+def test_a_member_that_sent_what_is_not_json_is_left_out_of_the_next_agreement_and_never_admitted(monkeypatch):
+    """The adversarial benchmark's joiner (with the secret) sent a pickle at every epoch end: each time the others
+    refused it, regrouped, and kept it, for minutes. Refused once, it is in no later generation."""
+    import torch.distributed as dist
+
+    from dptrain.runtime import membership, signed
+
+    monkeypatch.setenv(signed.SECRET_ENV, signed.new_secret())
+    store = dist.HashStore()
+    group = Group(0, 3, torch.device("cpu"), "gloo", 30.0, store=store, members=[0, 2, 3])
+    with pytest.raises(UntrustedValue, match=r"^rank 0: summary: rank 3 sent 3 bytes that are not JSON"):
+        group._decoded(b"\x80\x04.", "summary", 2)  # from rank 2 of the group: job rank 3
+    assert membership.refused(store, 3) and not membership.refused(store, 2)
+    key = "dptrain/membership/gen5/"
+    for rank in (0, 2, 3):  # all three say they are alive, the refused one too
+        signed.put(store, f"{key}alive/{rank}", "4 0")
+    assert membership._decide(group, store, key, [0, 2, 3], timeout=5.0, stall=1.0) == "0,2;4;0"
+    assert membership.gone(store, None, [2, 3], 1.0) == {3: "it sent what is not JSON"}

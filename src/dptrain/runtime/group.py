@@ -45,6 +45,7 @@ OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.
 WATCH_POLL = 0.5  # seconds between looks at the heartbeats while a watched collective waits
 POLL_FIRST, POLL_MOST = 0.0001, 0.005  # seconds between looks at whether a watched work is done (doubling)
 FAILED = "dptrain/membership/failed/"  # + generation: a member left that group after a failure (its rank)
+REFUSED = "dptrain/membership/refused/"  # + job rank: it sent what is not JSON; no agreement keeps or admits it
 _DEFAULT_ABANDONED = False
 
 
@@ -291,7 +292,15 @@ class Group:
         return self._decoded(self.broadcast_bytes(what, data, src), what, src)
 
     def _decoded(self, data: bytes, what: str, sender: int) -> Any:
-        return decode_json(data, f"rank {self.members[self.rank]}: {what}", self.members[sender])
+        """JSON from rank `sender` of this group; a sender of anything else is refused for the rest of the run
+        (REFUSED: the next agreement on members leaves it out, so one bad member cannot make the others regroup
+        with it again and again)."""
+        try:
+            return decode_json(data, f"rank {self.members[self.rank]}: {what}", self.members[sender])
+        except UntrustedValue:
+            if self.store is not None:
+                signed.put(self.store, f"{REFUSED}{self.members[sender]}", "1")
+            raise
 
     def gather_bytes(self, what: str, data: bytes) -> list[bytes]:
         """Every rank's `data`, in rank order (a length, then the bytes padded to the longest)."""

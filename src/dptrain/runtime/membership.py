@@ -54,7 +54,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from dptrain import faults
-from dptrain.runtime.group import Evicted, Group, PeerFailure, first_line  # noqa: F401 - Evicted, for callers
+from dptrain.runtime.group import REFUSED, Evicted, Group, PeerFailure, first_line  # noqa: F401 - Evicted, for callers
 from dptrain.runtime import signed
 from dptrain.runtime.heartbeat import bounded
 
@@ -183,6 +183,8 @@ def gone(store, heartbeat, ranks, stall: float, *, in_store=lambda rank: rank) -
     some of them)."""
     lost = {rank: "its process ended" for rank in ranks
             if store is not None and signed.present(store, f"{EXITED}{in_store(rank)}")}
+    lost.update({rank: "it sent what is not JSON" for rank in ranks
+                 if store is not None and rank not in lost and refused(store, in_store(rank))})
     if heartbeat is not None and ranks:
         of_job = {in_store(rank): rank for rank in ranks}
         for quiet in heartbeat.stalled(list(of_job), stall):
@@ -197,7 +199,8 @@ def _decide(group: Group, store, key: str, old: list[int], timeout: float, stall
     heartbeat = group.heartbeat
     while True:
         said = {rank: signed.read(store, f"{key}alive/{rank}") for rank in old}
-        answered = {rank: tuple(int(v) for v in value.split()) for rank, value in said.items() if value is not None}
+        answered = {rank: tuple(int(v) for v in value.split()) for rank, value in said.items()
+                    if value is not None and not refused(store, rank)}
         waiting = [rank for rank in old if rank not in answered]
         quiet = gone(store, heartbeat, waiting, stall)
         if all(rank in quiet for rank in waiting) or time.monotonic() >= deadline:
@@ -205,6 +208,11 @@ def _decide(group: Group, store, key: str, old: list[int], timeout: float, stall
             epoch, step = min(answered.values())
             return f"{','.join(map(str, members))};{epoch};{step}"
         time.sleep(0.1)
+
+
+def refused(store, rank: int) -> bool:
+    """Whether a member refused what job rank `rank` sent (not JSON): it is in no generation from then on."""
+    return signed.present(store, f"{REFUSED}{rank}")
 
 
 def lost_since(store, seen: int) -> tuple[int, list[int]]:
@@ -263,7 +271,8 @@ def ready_joiners(store, room: int) -> tuple[int, ...]:
     for rank in range(world, world + taken):
         if len(ready) == room:
             break
-        if signed.present(store, f"{PREFIX}join/{rank}") and not signed.present(store, f"{PREFIX}admit/{rank}"):
+        if signed.present(store, f"{PREFIX}join/{rank}") and not signed.present(store, f"{PREFIX}admit/{rank}") \
+                and not refused(store, rank):
             ready.append(rank)
     return tuple(ready)
 
