@@ -659,7 +659,7 @@ class Trainer:
         batches = iter(reader) if training else iter(())
         if position is not None:  # starting the reader drew a seed from torch's RNG: back to the saved state
             checkpoint_files.set_rng_state(position["rng"])
-        faults.at(self.ctx.group.members[self.ctx.rank], epoch + 1)
+        faults.at(self.ctx.job_rank, epoch + 1)
         total = done + (len(reader) if training else 0)  # the epoch's steps
         middle = (len(reader) // 2 if training else -1) - done
         for index, (x, y) in enumerate(batches):
@@ -679,7 +679,7 @@ class Trainer:
             if self.recorder.show_progress:
                 bar.update(1)
                 bar.set_postfix(loss=f"{loss.item():.4f}", refresh=False)
-            faults.step(self.ctx.rank, step)
+            faults.step(self.ctx.job_rank, step)
             self._checkpoint_within(epoch, done, step, seen, loss_sum, epoch_start)
             self._commit(epoch, done, total, step, seen, loss_sum, epoch_start)
         if not training:  # a worker that sits the epoch out still takes its part in the epoch's checkpoints
