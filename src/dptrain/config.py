@@ -88,7 +88,9 @@ class TrainConfig(BaseModel):
 
     # Strategy options
     slow_worker: Optional[str] = Field(None, pattern=r"^\d+:\d+(\.\d+)?(,\d+:\d+(\.\d+)?)*$",
-                                       description="straggler emulation RANK:FACTOR[,RANK:FACTOR]: that rank's steps take FACTOR times as long")
+                                       description="straggler emulation RANK:FACTOR[,RANK:FACTOR]: that rank's steps take FACTOR "
+                                                   "times its own compute, measured before training without "
+                                                   "communication (never its waits for the others)")
     compression: Literal["none", "fp16", "bf16", "int8"] = Field(
         "none", description="allreduce: gradient compression through a DDP communication hook (fp16, bf16); "
                             "sync, fedavg, async: compressed averaging of the change since the global model "
