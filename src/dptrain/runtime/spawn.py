@@ -170,6 +170,8 @@ def start_ranks(command: Sequence[str], world: int, *, port: int, master_addr: s
     # that came meanwhile. Threads started meanwhile (output pumps, waiters) keep it blocked: Python
     # runs signal handlers on the main thread anyway.
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, *FORWARDED_SIGNALS}) if held else None
+    if not held:  # ranks that run at once are theirs to stop from the first one on: no moment leaves one behind
+        ranks.pass_on_stop_signals()
     try:
         for rank in range(world):
             env = worker_env(rank, world, port, threads, base, master_addr=master_addr,
@@ -253,6 +255,8 @@ class Ranks:
                                                    daemon=True))
                 self.pumps[-1].start()
         self.procs.append(proc)
+        if self.forwarded and not held:  # a stop signal came while the ranks were being started: this one's too
+            proc.send_signal(self.forwarded[0][0])
         threading.Thread(target=lambda: self.exits.put((rank, proc.wait())), daemon=True).start()
         return proc
 
