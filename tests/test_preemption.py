@@ -16,6 +16,7 @@ import pytest
 from dptrain.train import checkpoint_files
 from test_train_cli import DIGITS
 from cli_runner import ForkedDptrain, run_dptrain
+from launcher_signals import signal_when_started
 
 STRATEGIES = ("allreduce", "sync", "async", "fedavg")
 
@@ -49,35 +50,10 @@ def test_a_stop_signal_while_the_workers_start_up_ends_the_run_after_epoch_1(tmp
     assert checkpoint_files.latest_complete(tmp_path / "run", 2)[0] == 1
 
 
-# Run in a process of its own that is the subreaper of what it starts (PR_SET_CHILD_SUBREAPER): a rank the
-# launcher leaves behind becomes its child, listed (alive or a zombie) once the launcher has exited.
-SIGNAL_THE_LAUNCHER = """
-import ctypes, json, os, signal, subprocess, sys, time
-ctypes.CDLL(None).prctl(36, 1)
-extra, argv = float(sys.argv[1]), sys.argv[2:]
-proc = subprocess.Popen([sys.executable, "-m", "dptrain", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                        text=True)
-children = f"/proc/{proc.pid}/task/{proc.pid}/children"
-while proc.poll() is None and not open(children).read().split():  # until the launcher started its first rank
-    time.sleep(0.001)
-time.sleep(extra)
-proc.send_signal(signal.SIGTERM)
-out, err = proc.communicate()
-me = os.getpid()
-left = open(f"/proc/{me}/task/{me}/children").read().split()
-for pid in left:
-    os.kill(int(pid), signal.SIGKILL)
-print(json.dumps({"code": proc.returncode, "stderr": err, "left": left}))
-"""
-
-
 @pytest.mark.parametrize("extra", [0.0, 0.1, 0.3, 0.6], ids=lambda s: f"{s:g}s-after-the-first-rank")
 def test_a_stop_signal_to_the_launcher_while_it_starts_stops_every_rank_in_one_line(tmp_path, extra):
     argv = ["train", *DIGITS, "--workers", "2", "--epochs", "1", "--out", "run"]
-    result = subprocess.run([sys.executable, "-c", SIGNAL_THE_LAUNCHER, str(extra), *argv], cwd=tmp_path,
-                            capture_output=True, text=True, timeout=180)
-    assert result.returncode == 0, result.stderr
-    ended = json.loads(result.stdout)
+    ended = signal_when_started(argv, tmp_path, extra)
 
     assert ended["left"] == [], ended  # every rank it started was gone when it exited
     assert ended["code"] == 75, ended  # as for a stop signal after the start (checkpoint, then 75)

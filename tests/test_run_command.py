@@ -21,6 +21,7 @@ import pytest
 
 from dptrain import cli
 from dptrain.run_command import split_argv
+from launcher_signals import signal_when_started
 
 # Variables that would tell the launcher, or its ranks, that they are already part of a job.
 LAUNCHED = re.compile(r"^(RANK|WORLD_SIZE|LOCAL_RANK|LOCAL_WORLD_SIZE|MASTER_ADDR|MASTER_PORT|"
@@ -245,35 +246,12 @@ def test_ctrl_c_stops_every_rank_in_one_line_with_code_130_and_no_restart(here):
     assert err == "dptrain: interrupted; stopped the 2 ranks of `python sleep.py`\n"
 
 
-# A process of its own that is the subreaper of what it starts (PR_SET_CHILD_SUBREAPER): a rank the launcher
-# leaves behind becomes its child, listed (alive or a zombie) once the launcher has exited.
-SIGNAL_THE_LAUNCHER = """
-import ctypes, json, os, signal, subprocess, sys, time
-ctypes.CDLL(None).prctl(36, 1)
-proc = subprocess.Popen([sys.executable, "-m", "dptrain", *sys.argv[1:]], stdout=subprocess.PIPE,
-                        stderr=subprocess.PIPE, text=True)
-children = f"/proc/{proc.pid}/task/{proc.pid}/children"
-while proc.poll() is None and not open(children).read().split():  # the moment it started its first rank
-    time.sleep(0.0005)
-proc.send_signal(signal.SIGTERM)
-out, err = proc.communicate()
-me = os.getpid()
-left = open(f"/proc/{me}/task/{me}/children").read().split()
-for pid in left:
-    os.kill(int(pid), signal.SIGKILL)
-print(json.dumps({"code": proc.returncode, "stderr": err, "left": left}))
-"""
-
-
 def test_a_stop_signal_while_the_ranks_start_reaches_every_rank_started(here):
     write(here / "sleep.py", """
         import time
 
         time.sleep(30)
     """)
-    result = subprocess.run([sys.executable, "-c", SIGNAL_THE_LAUNCHER, "run", "--workers", "3", "sleep.py"],
-                            capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr
-    ended = json.loads(result.stdout)
+    ended = signal_when_started(["run", "--workers", "3", "sleep.py"], here)
     assert ended["left"] == [], ended  # none still sleeping once the launcher is gone
     assert ended["code"] == 1 and "was killed by SIGTERM" in ended["stderr"], ended  # as for a later SIGTERM
