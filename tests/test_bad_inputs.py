@@ -193,6 +193,14 @@ def interrupted_run_without_checkpoints(s: Sandbox) -> list[str]:
     return train("--resume", workers="1", out="run")
 
 
+def interrupted_run_with_broken_config(s: Sandbox, *extra: str, command: str = "train") -> list[str]:
+    """An interrupted run whose config.yaml was damaged by hand (a key without its colon on line 2)."""
+    run = s.interrupted_run()
+    lines = (run / "config.yaml").read_text().splitlines(keepends=True)
+    (run / "config.yaml").write_text(lines[0] + "epochs 3\n  lr: [0.1\n" + "".join(lines[1:]))
+    return [command, "run"] if command != "train" else train(*extra, workers="1", out="run")
+
+
 def interrupted_run_with_other_lr(s: Sandbox) -> list[str]:
     s.interrupted_run()
     return train("--lr", "0.1", workers="1", out="run")
@@ -338,6 +346,14 @@ CASES = [
     case("rundir-other-settings", interrupted_run_with_other_lr, "'run'", "lr: 0.02 there, 0.1 now"),
     case("rundir-resume-empty-directory", lambda s: train("--resume"), "'out' holds no run to continue"),
     case("rundir-resume-without-checkpoint", interrupted_run_without_checkpoints, "'run' has no checkpoint yet"),
+    case("rundir-broken-config-yaml", interrupted_run_with_broken_config,
+         "run settings file 'run/config.yaml' is not valid YAML at line 3, column", "give --out a new directory"),
+    case("rundir-broken-config-yaml-on-resume", lambda s: interrupted_run_with_broken_config(s, "--resume"),
+         "'run/config.yaml' is not valid YAML at line 3"),
+    case("rundir-broken-config-yaml-in-info", lambda s: interrupted_run_with_broken_config(s, command="info"),
+         "'run/config.yaml' is not valid YAML at line 3", "'key: value'"),
+    case("rundir-broken-config-yaml-in-join", lambda s: interrupted_run_with_broken_config(s, command="join"),
+         "'run/config.yaml' is not valid YAML at line 3"),
     case("rundir-out-is-a-file", lambda s: train(out=s.write("taken", "not a directory\n")), "'taken' is a file"),
     case("rundir-holds-other-files", lambda s: train(),
          "--out 'out' holds files that are not a dptrain run (notes.txt); give --out a new or empty directory"),

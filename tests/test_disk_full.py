@@ -126,7 +126,9 @@ def test_a_read_only_out_directory_gives_one_line(tmp_path, mounts, subdirectory
 
     result = dptrain(*train_argv(out, 1), cwd=tmp_path)
 
-    assert_one_clean_line(result, str(out), "read-only file system")
+    assert_one_clean_line(result, str(out), "read-only file system", f"'{target}' is not writable",
+                          "give --out a writable directory")
+    assert "free space" not in result.stderr
     assert len(error_lines(result.stderr)) == 1
     assert list(source.iterdir()) == []
 

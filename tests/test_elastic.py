@@ -181,6 +181,22 @@ def test_a_worker_lost_while_the_others_build_the_new_group_is_left_out_at_once_
     assert history[1]["membership"] == {"generation": 2, "members": [0, 2], "left": [1, 3], "continued_from_epoch": 2}
 
 
+# Job rank 1 killed halfway through epoch 1; the second fault then names job rank 2, which the survivors' new group
+# numbers 1: at its 30th step (epoch 2: epoch 1, redone by two workers, has 23), or before its epoch-2 checkpoint.
+@pytest.mark.parametrize("second", ["step@2:30", "save-begin@2:2"])
+def test_a_fault_names_the_rank_of_the_job_after_a_change_of_members(tmp_path, second):
+    argv = elastic_argv(tmp_path / "run")
+    argv[argv.index("--min-workers") + 1] = "1"
+    argv[argv.index("--epochs") + 1] = "3"
+    result = dptrain(*argv, cwd=tmp_path, env={"DPTRAIN_FAULT": f"train-middle@1:1;{second}"})
+    assert result.returncode == 0, result.stderr
+    killed = re.findall(r"dptrain: worker rank (\d+) was killed by SIGKILL", result.stderr)
+    assert killed == ["1", "2"], result.stderr
+    changes = [record["membership"] for record in records(tmp_path / "run") if record.get("membership")]
+    assert [change["left"] for change in changes] == [[1], [2]], changes  # not job rank 0, now the group's rank 0
+    assert changes[-1]["members"] == [0]
+
+
 @pytest.mark.slow
 def test_the_lr_rule_and_a_per_step_schedule_follow_the_live_world(tmp_path):
     # --lr-scaling linear: 3 x the LR on 3 workers, 2 x on 2; cosine over the run, whatever an epoch's length:

@@ -314,6 +314,29 @@ def test_launch_writes_the_script_into_the_run_directory(tmp_path):
     assert (tmp_path / "run" / "job.pbs").read_text().startswith("#!/bin/bash")
 
 
+@pytest.mark.parametrize("options, script_name", [(["slurm"], "job.slurm"), (["pbs"], "job.pbs"),
+                                                 (["local"], "job.sh"), (["kubernetes", "--image", "img"], "job.yaml")])
+def test_the_submit_command_it_prints_pasted_into_bash_names_the_script(tmp_path, options, script_name):
+    out = "it's my run"  # a quote and a space
+    result = dptrain("launch", "--scheduler", *options, "--", "--out", out, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    line = next(line for line in result.stdout.splitlines() if "submit it" in line)
+    command = line.rsplit(" with: ", 1)[1]
+    # The scheduler's program, replaced by one that prints each argument it gets on a line of its own.
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    program = command.split()[0]
+    (fake / program).write_text("#!/bin/sh\nfor a in \"$@\"; do printf '%s\\n' \"$a\"; done\n")
+    (fake / program).chmod(0o755)
+
+    pasted = subprocess.run(["/bin/bash", "-c", command], cwd=tmp_path, capture_output=True, text=True, timeout=30,
+                            env={**os.environ, "PATH": f"{fake}{os.pathsep}{os.environ['PATH']}"})
+
+    assert pasted.returncode == 0, pasted.stderr
+    named = Path(pasted.stdout.splitlines()[-1])
+    assert named == tmp_path / out / script_name and named.is_file()
+
+
 def test_words_after_dashes_that_start_with_a_word_are_a_command_for_every_rank(tmp_path):
     (tmp_path / "train.py").write_text("")
     result = dptrain("launch", "--scheduler", "slurm", "--nodes", "2", "--dry-run", "--out", "mine", "--", "python",
@@ -345,13 +368,16 @@ def test_a_command_job_launched_again_keeps_its_script_unless_it_is_the_same(tmp
                              "unless the first starts with '-', and then they are dptrain train's"),
     (["python", "tain.py"], "the command's script 'tain.py' does not exist (in {cwd})"),
     (["train.sh"], "command 'train.sh' is not on the PATH; to run the file in {cwd}, write ./train.sh"),
-    (["./train.sh"], "command './train.sh' is not executable; run 'chmod +x ./train.sh', or put its interpreter "
+    (["./train.sh"], "command './train.sh' is not executable; run chmod +x ./train.sh, or put its interpreter "
                      "first (e.g. bash ./train.sh)"),
+    (["./it's.sh"], "command './it's.sh' is not executable; run chmod +x './it'\"'\"'s.sh', or put its "
+                    "interpreter first (e.g. bash './it'\"'\"'s.sh')"),
     (["./nope.sh"], "command './nope.sh' does not exist (in {cwd})"),
 ])
 def test_a_command_that_cannot_start_is_one_line_and_nothing_is_written(tmp_path, words, message):
     (tmp_path / "train.py").write_text("")
     (tmp_path / "train.sh").write_text("echo hi\n")
+    (tmp_path / "it's.sh").write_text("echo hi\n")
     result = dptrain("launch", "--scheduler", "pbs", "--out", "run", "--", *words, cwd=tmp_path)
     assert result.returncode == 2
     assert result.stderr.splitlines() == ["dptrain: error: " + message.format(cwd=tmp_path)]

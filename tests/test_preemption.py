@@ -16,6 +16,7 @@ import pytest
 from dptrain.train import checkpoint_files
 from test_train_cli import DIGITS
 from cli_runner import ForkedDptrain, run_dptrain
+from launcher_signals import signal_when_started
 
 STRATEGIES = ("allreduce", "sync", "async", "fedavg")
 
@@ -47,6 +48,27 @@ def test_a_stop_signal_while_the_workers_start_up_ends_the_run_after_epoch_1(tmp
     assert stderr.count(f"stopped by {stop}") >= 1, stderr
     assert stderr.count("stopped by") + stderr.count("another rank stopped") == 2, stderr
     assert checkpoint_files.latest_complete(tmp_path / "run", 2)[0] == 1
+
+
+@pytest.mark.parametrize("extra", [0.0, 0.1, 0.3, 0.6], ids=lambda s: f"{s:g}s-after-the-first-rank")
+def test_a_stop_signal_to_the_launcher_while_it_starts_stops_every_rank_in_one_line(tmp_path, extra):
+    argv = ["train", *DIGITS, "--workers", "2", "--epochs", "1", "--out", "run"]
+    ended = signal_when_started(argv, tmp_path, extra)
+
+    assert ended["left"] == [], ended  # every rank it started was gone when it exited
+    assert ended["code"] == 75, ended  # as for a stop signal after the start (checkpoint, then 75)
+    assert "Traceback" not in ended["stderr"]
+    said = [line for line in ended["stderr"].splitlines() if "stopped by SIGTERM" in line]
+    if said and not said[0].startswith("[rank"):  # before the ranks had work: the launcher's one line
+        assert said == ["dptrain: stopped by SIGTERM while the workers were starting: stopped them before they "
+                        "began training; the same command again starts the run (or continues it from its last "
+                        "checkpoint)"], ended
+    else:  # they had their work: each honoured it with a checkpoint
+        assert len(said) == 2 and all("a checkpoint is saved" in line for line in said), ended
+    if extra == 0.0:  # what it left in the run directory does not stand in the way of the same command
+        again = subprocess.run([sys.executable, "-m", "dptrain", *argv], cwd=tmp_path, capture_output=True,
+                               text=True, timeout=180)
+        assert again.returncode == 0, again.stderr
 
 
 @pytest.mark.slow

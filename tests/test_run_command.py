@@ -21,6 +21,7 @@ import pytest
 
 from dptrain import cli
 from dptrain.run_command import split_argv
+from launcher_signals import signal_when_started
 
 # Variables that would tell the launcher, or its ranks, that they are already part of a job.
 LAUNCHED = re.compile(r"^(RANK|WORLD_SIZE|LOCAL_RANK|LOCAL_WORLD_SIZE|MASTER_ADDR|MASTER_PORT|"
@@ -243,3 +244,14 @@ def test_ctrl_c_stops_every_rank_in_one_line_with_code_130_and_no_restart(here):
             launcher.kill()
     assert launcher.returncode == 130
     assert err == "dptrain: interrupted; stopped the 2 ranks of `python sleep.py`\n"
+
+
+def test_a_stop_signal_while_the_ranks_start_reaches_every_rank_started(here):
+    write(here / "sleep.py", """
+        import time
+
+        time.sleep(30)
+    """)
+    ended = signal_when_started(["run", "--workers", "3", "sleep.py"], here)
+    assert ended["left"] == [], ended  # none still sleeping once the launcher is gone
+    assert ended["code"] == 1 and "was killed by SIGTERM" in ended["stderr"], ended  # as for a later SIGTERM

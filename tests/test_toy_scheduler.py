@@ -148,7 +148,8 @@ def test_dptrain_launch_writes_the_toy_s_script_under_its_own_name(toy_lsf, tmp_
     code = dptrain(["launch", "--scheduler", "lsf", "--out", "runs/toy", "--", "--dataset", "digits"])
     assert code == 0
     script = tmp_path / "runs" / "toy" / "job.lsf"
-    assert "dptrain: submit it with 'bsub " in capsys.readouterr().out
+    assert f"dptrain: submit it by running this command again with --submit, or with: bsub {script}\n" in \
+        capsys.readouterr().out
     assert script.read_text() == toy_lsf.render(JobSpec(
         scheduler="lsf", workdir=str(tmp_path), run_dir=str(script.parent), train_args=("--dataset", "digits")))
 

@@ -88,7 +88,9 @@ class TrainConfig(BaseModel):
 
     # Strategy options
     slow_worker: Optional[str] = Field(None, pattern=r"^\d+:\d+(\.\d+)?(,\d+:\d+(\.\d+)?)*$",
-                                       description="straggler emulation RANK:FACTOR[,RANK:FACTOR]: that rank's steps take FACTOR times as long")
+                                       description="straggler emulation RANK:FACTOR[,RANK:FACTOR]: that rank's steps take FACTOR "
+                                                   "times its own compute, measured before training without "
+                                                   "communication (never its waits for the others)")
     compression: Literal["none", "fp16", "bf16", "int8"] = Field(
         "none", description="allreduce: gradient compression through a DDP communication hook (fp16, bf16); "
                             "sync, fedavg, async: compressed averaging of the change since the global model "
@@ -408,20 +410,37 @@ def build_config(values: dict[str, Any], origin: str = "the settings", flags: It
         raise UserError(_describe(exc.errors()[0], origin, frozenset(flags))) from None
 
 
-def load_yaml(path: str) -> dict[str, Any]:
-    """Read a YAML config file into a dict (keys may use '-' or '_')."""
-    if not os.path.isfile(path):
-        raise UserError(f"config file '{path}' does not exist")
+# What a run's config.yaml must be, for the line that says it is not.
+RUN_SETTINGS = "dptrain writes it as one 'key: value' line per setting: repair it so"
+
+
+def read_yaml(path: "str | os.PathLike[str]", what: str, fix: str) -> dict[str, Any]:
+    """The mapping in the YAML file `path` (empty: {}), or UserError with one sentence: `what` the file is, the
+    line and column of a syntax error and what the parser expected there, then `fix` (what would be valid)."""
     try:
-        with open(path) as handle:
-            data = yaml.safe_load(handle) or {}
+        with open(path, encoding="utf-8") as handle:
+            data = yaml.safe_load(handle)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise UserError(f"config file '{path}' is not valid YAML{where}: {problem}") from None
+        raise UserError(f"{what} '{path}' is not valid YAML{where}: {problem}; {fix}") from None
+    except UnicodeDecodeError as exc:
+        raise UserError(f"{what} '{path}' is not UTF-8 text (byte {exc.start}); {fix}") from None
+    except OSError as exc:
+        raise UserError(f"cannot read {what} '{path}': {exc.strerror or exc}; {fix}") from None
+    if data is None:
+        return {}
     if not isinstance(data, dict):
-        raise UserError(f"config file '{path}' must hold a mapping of keys to values, not a {type(data).__name__}")
+        raise UserError(f"{what} '{path}' must hold a mapping of keys to values, not a {type(data).__name__}; {fix}")
+    return data
+
+
+def load_yaml(path: str) -> dict[str, Any]:
+    """Read a YAML config file into a dict (keys may use '-' or '_')."""
+    if not os.path.isfile(path):
+        raise UserError(f"config file '{path}' does not exist")
+    data = read_yaml(path, "config file", "give settings as 'key: value' lines, e.g. 'epochs: 10'")
     keys = {str(key).replace("-", "_"): value for key, value in data.items()}
     return {KEY_ALIASES.get(key, key): value for key, value in keys.items()}
 

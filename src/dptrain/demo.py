@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 import subprocess
 import sys
 
@@ -41,6 +42,7 @@ def demo(workers: int = 2, epochs: int = 10, out: str | None = None) -> int:
     ratio = summaries["allreduce"]["comm_bytes"] / max(summaries["sync"]["comm_bytes"], 1)
     console.print(f"sync communicated {ratio:.1f}x fewer bytes than allreduce.")
     # soft_wrap: a long path is never broken across lines (it stays one thing to copy).
-    console.print(f"The two runs are in {root}; to see their curves: dptrain plot {root / 'allreduce'} "
-                  f"{root / 'sync'}", soft_wrap=True, highlight=False)
+    plot = shlex.join(["dptrain", "plot", str(root / "allreduce"), str(root / "sync")])
+    console.print(f"The two runs are in {root}; to see their curves: {plot}", soft_wrap=True, highlight=False,
+                  markup=False)
     return 0

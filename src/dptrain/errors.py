@@ -17,6 +17,21 @@ class Preempted(Exception):
     exit_code = 75  # EX_TEMPFAIL: try again later
 
 
+class StoppedStarting(BaseException):
+    """A stop signal (SIGTERM, SIGUSR1, SIGUSR2) reached the launcher while it validated the run and started its
+    workers, before they had work: it stopped them at once (dptrain.runtime.launcher.stop_while_starting).
+
+    A BaseException, as KeyboardInterrupt is: code that turns a failure into a user's error (`except Exception`
+    around reading the data) must not take a stop for a bad input."""
+
+    exit_code = Preempted.exit_code  # as a stop signal after the start: run the same command again
+
+    def __init__(self, signal_name: str) -> None:
+        super().__init__(f"stopped by {signal_name} while the workers were starting: stopped them before they "
+                         "began training; the same command again starts the run (or continues it from its last "
+                         "checkpoint)")
+
+
 class Left(Preempted):
     """This rank alone was asked to stop (--min-workers): it left at an epoch end and the others go on without it."""
 

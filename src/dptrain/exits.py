@@ -23,7 +23,7 @@ import time
 import traceback
 from typing import Any, Callable, NoReturn
 
-from dptrain.errors import Interrupted, Preempted, UserError
+from dptrain.errors import Interrupted, Preempted, StoppedStarting, UserError
 
 
 REPORTED_LAST = 0.5  # seconds a rank told of a peer's error waits before it exits (report_errors)
@@ -62,7 +62,7 @@ def report_errors(main: Callable[[], Any]) -> int:
             return exc.exit_code
         print(f"dptrain: error: {exc}", file=sys.stderr, flush=True)
         return exc.exit_code
-    except Preempted as exc:
+    except (Preempted, StoppedStarting) as exc:
         print(f"dptrain: {exc}", file=sys.stderr)
         return exc.exit_code
     except Interrupted as exc:

@@ -10,6 +10,11 @@ ranks, train-middle@2,3:2, which each fault at that point (with DPTRAIN_FAULT_ON
 marker of rank 3 is FILE.rank3). Several faults are separated by ";": train-middle@3:2;regroup@1:2.
 Without DPTRAIN_FAULT nothing here does anything.
 
+RANK is always a rank of the job: the one the process started with (a joiner's, the one it took), the rank
+`dptrain: worker rank N ...` and a membership change's `left` name. After a change of members (--min-workers)
+the survivors are numbered again within their new group, but a fault still picks the process by its job rank:
+after job rank 1 is lost, save-begin@2:3 is the process that was rank 2 at the start, not the one now rank 1.
+
 Points: save-begin (before any file of the checkpoint), save-fsync (the data written, not yet
 flushed to disk), save-rename (on disk under the temporary name), save-end (this rank's files
 complete, before rank 0 prunes and before the other ranks have finished theirs); train-middle
@@ -36,7 +41,7 @@ _where: dict[str, Optional[int]] = {"rank": None, "epoch": None}
 
 
 def at(rank: int, epoch: int) -> None:
-    """Say which rank and which checkpoint epoch the next fault points belong to."""
+    """Say which rank (of the job) and which checkpoint epoch the next fault points belong to."""
     _where.update(rank=rank, epoch=epoch)
 
 
@@ -46,7 +51,8 @@ def point(name: str) -> None:
 
 
 def step(rank: int, number: int) -> None:
-    """Die here if DPTRAIN_FAULT is step@RANK:NUMBER for this rank's step `number` (and it has not fired before)."""
+    """Die here if DPTRAIN_FAULT is step@RANK:NUMBER for this rank's (of the job) step `number` (and it has not
+    fired before)."""
     _fire(STEP, rank, number)
 
 

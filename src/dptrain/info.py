@@ -46,14 +46,13 @@ def runtime_report() -> dict:
 
 def run_report(run_dir: Path) -> dict:
     """A run directory's state: running or not, epochs recorded, the live workers and every membership change."""
-    import yaml
-
+    from dptrain.config import RUN_SETTINGS, read_yaml
     from dptrain.errors import UserError
     from dptrain.train.rundir import JOIN_FILE, check_not_busy
 
     if not (run_dir / "config.yaml").is_file():
         raise UserError(f"'{run_dir}' is not a run directory (it has no config.yaml); give a run's --out")
-    config = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
+    config = read_yaml(run_dir / "config.yaml", "run settings file", RUN_SETTINGS)
     try:
         check_not_busy(str(run_dir))
         running = False

@@ -35,12 +35,23 @@ class DiskError(UserError):
     """A file or directory could not be written because of the disk, not because of dptrain."""
 
 
+FULL = (errno.ENOSPC, errno.EDQUOT)  # the others of DISK_CAUSES: the directory refuses writes, whatever the space
+
+
 def disk_error(exc: OSError, what: str) -> Exception:
-    """`exc` as a DiskError naming `what` (e.g. "cannot write 'run/config.yaml'"), or `exc` itself."""
+    """`exc` as a DiskError naming `what` (e.g. "cannot write 'run/config.yaml'"), or `exc` itself.
+
+    A full disk or quota asks for space; a read-only or forbidden directory names that directory (the one the
+    file or directory was to be made in), which no freeing of space would help."""
     cause = DISK_CAUSES.get(exc.errno)
     if cause is None:
         return exc
-    return DiskError(f"{what}: {cause}; free space (or give --out a writable directory) and run the same command again")
+    if exc.errno in FULL:
+        return DiskError(f"{what}: {cause}; free space (or give --out a directory on another disk) and run the same "
+                         "command again")
+    directory = os.path.dirname(os.fsdecode(exc.filename)) or "." if exc.filename else None
+    named = f"the directory '{directory}'" if directory else "the output directory"
+    return DiskError(f"{what}: {cause}, {named} is not writable; give --out a writable directory")
 
 
 UMASK_ENV = "DPTRAIN_UMASK"  # octal; default 077: a run's files are its user's alone (027 shares them with the group)

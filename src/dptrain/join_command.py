@@ -28,6 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    from dptrain.config import RUN_SETTINGS, read_yaml
     from dptrain.runtime.launcher import read_join_record
     from dptrain.runtime.signed import SECRET_ENV
     from dptrain.train.rundir import JOIN_FILE
@@ -36,6 +37,7 @@ def main(args: argparse.Namespace) -> int:
     if not (run_dir / "config.yaml").is_file():
         raise UserError(f"'{run_dir}' is not a run directory (it has no config.yaml); give the --out of a "
                         "running dptrain train")
+    settings = read_yaml(run_dir / "config.yaml", "run settings file", RUN_SETTINGS)
     address = run_dir / JOIN_FILE
     try:
         host, port, secret = read_join_record(address.read_text())
@@ -45,9 +47,6 @@ def main(args: argparse.Namespace) -> int:
     except FileNotFoundError:
         raise UserError(f"no job in '{run_dir}' takes workers now: only a run training on this machine with "
                         f"--min-workers N or --workers MIN:MAX does, while it runs ({JOIN_FILE} says where)") from None
-    import yaml
-
-    settings = yaml.safe_load((run_dir / "config.yaml").read_text())
     if settings.get("strategy") == "async":
         raise UserError(f"the run in '{run_dir}' trains with strategy async, which takes no new worker: its workers "
                         "never stand at an epoch end together for one to enter at")

@@ -118,7 +118,7 @@ def check_script(script: str) -> None:
 def check_module(module: str) -> None:
     """The module's top-level package must be importable by the ranks (which start in this directory)."""
     if module.endswith(".py") or "/" in module or not MODULE_NAME.fullmatch(module):
-        hint = f"; to run the file, give it without -m: dptrain run {module}" if Path(module).is_file() else ""
+        hint = f"; to run the file, give it without -m: {shlex.join(['dptrain', 'run', module])}" if Path(module).is_file() else ""
         raise UserError(f"-m {module} is not a module name (like package.train){hint}")
     top = module.split(".")[0]
     if top in sys.builtin_module_names or top in sys.modules:

@@ -148,11 +148,19 @@ PROBLEMS: tuple[Problem, ...] = (
             "wait for that run to end, or give --out another directory; a lock left by a killed run is taken over "
             "by the next run with one line saying so",
             source=("is in use by another dptrain run", "taking over run directory")),
-    Problem("rundir", "A full disk or a read-only --out",
-            "dptrain: error: cannot write '{path}': no space left on device; {rest}",
-            "the disk or quota is full, or the directory is read-only (the line names the cause)",
-            "free space (or choose a writable --out) and run the same command again: it continues from the last "
-            "complete checkpoint", source=("cannot write '", "no space left on device")),
+    Problem("rundir", "A full disk",
+            "dptrain: error: cannot write '{path}': no space left on device; free space {rest}",
+            "the disk or quota is full (the line names which)",
+            "free space (or give --out a directory on another disk) and run the same command again: it continues "
+            "from the last complete checkpoint", source=("cannot write '", "no space left on device", "free space")),
+    Problem("rundir", "A read-only --out",
+            "dptrain: error: cannot {write} '{path}': read-only file system, the directory '{directory}' is not "
+            "writable; give --out a writable directory",
+            "the directory is on a read-only file system, or its permissions forbid this user to write (the line "
+            "names the cause: permission denied, operation not permitted)",
+            "give --out a directory you can write to; a run stopped so continues there from its last complete "
+            "checkpoint once that directory is writable again",
+            source=("read-only file system", "is not writable; give --out a writable directory")),
     Problem("rundir", "A checkpoint of another model",
             "dptrain: error: checkpoint {path} does not fit this model{rest}",
             "the run directory's checkpoints were written by another model or settings",

@@ -42,7 +42,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ranks-per-host", type=int, default=1, metavar="N",
                         help="ranks [kN, (k+1)N) share emulated host k under --bandwidth, and form node k of "
                              "hierarchical runs (--ranks-per-node N); every worker count must be 1 or a multiple (1)")
-    parser.add_argument("--slow-worker", default=None, metavar="RANK:FACTOR", help="straggler emulation in every run with that rank")
+    parser.add_argument("--slow-worker", default=None, metavar="RANK:FACTOR", help="straggler emulation in every run with that rank: its steps take FACTOR times its own "
+                             "compute (measured without communication, never its waits)")
     parser.add_argument("--repeat", type=int, default=1, help="runs of each configuration, interleaved (default: 1)")
     parser.add_argument("--no-baselines", dest="baselines", action="store_false",
                         help="skip the plain PyTorch loop, plain DDP and Horovod runs")

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shlex
 import shutil
 import sys
 from pathlib import Path
@@ -152,8 +153,8 @@ def check_command(command: list[str], workdir: Path) -> None:
         if not path.is_file():
             raise UserError(f"command '{program}' does not exist (in {workdir})")
         if not os.access(path, os.X_OK):
-            raise UserError(f"command '{program}' is not executable; run 'chmod +x {program}', or put its "
-                            f"interpreter first (e.g. bash {program})")
+            raise UserError(f"command '{program}' is not executable; run {shlex.join(['chmod', '+x', program])}, "
+                            f"or put its interpreter first (e.g. {shlex.join(['bash', program])})")
     elif shutil.which(program) is None:
         if (workdir / program).is_file():
             raise UserError(f"command '{program}' is not on the PATH; to run the file in {workdir}, write ./{program}")
@@ -244,7 +245,9 @@ def main(args: argparse.Namespace) -> int:
     script.chmod(0o755)
     print(f"dptrain: wrote {script}", flush=True)
     if not args.submit:
-        print(f"dptrain: submit it with '{scheduler.SUBMIT_COMMAND} {script}' or run this command again with --submit")
+        # Last on the line and quoted for a shell: a path with a space or a quote pastes as it is.
+        submit = shlex.join([*shlex.split(scheduler.SUBMIT_COMMAND), str(script)])
+        print(f"dptrain: submit it by running this command again with --submit, or with: {submit}")
         return 0
     job_id = scheduler.submit(script)
     output = scheduler.output_path(run_dir, job_id)

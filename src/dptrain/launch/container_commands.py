@@ -55,7 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     if args.container_action == "setup":
         udocker.setup(Path(args.image), args.name, nvidia=args.nvidia, execmode=args.execmode)
-        print(f"dptrain: container {args.name} is ready; use 'dptrain launch --container udocker:{args.name} ...'")
+        print(f"dptrain: container {args.name} is ready; use {shlex.join(['dptrain', 'launch', '--container', f'udocker:{args.name}'])} ...")
         return 0
     if args.container_action == "recipe":
         return recipe(Path(args.out), base=args.base, torch=args.torch,

@@ -55,6 +55,12 @@ class DistContext:
         return self.rank == 0
 
     @property
+    def job_rank(self) -> int:
+        """This process's rank of the job: the one it started with (a joiner's, the one it took), which a
+        change of members does not renumber, unlike `rank` (its place in the current group)."""
+        return self.group.members[self.rank]
+
+    @property
     def collective_device(self) -> torch.device:
         """Where a tensor handed to a collective must live: the GPU under NCCL, else the CPU."""
         return self.device if self.backend == "nccl" else torch.device("cpu")

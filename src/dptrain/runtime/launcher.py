@@ -5,24 +5,46 @@ started ahead of time, dptrain.runtime.prestart, their arguments instead); `dptr
 runs a user's script (dptrain.run_command). Both go through the one spawner
 (dptrain.runtime.spawn), their output prefixed with the rank; if a rank fails, the others are
 stopped and one line (say_how_ranks_ended) names the rank that failed first, or the ranks
-still running long after another one ended well.
+still running long after another one ended well. A stop signal (SIGTERM, SIGUSR1, SIGUSR2) is handled from
+before the first rank starts: until the ranks have their work it stops them and the launcher (one line, exit
+75, stop_while_starting); after, it is passed on to them, and they checkpoint and stop (75 too).
 """
 
 from __future__ import annotations
 
 import signal
 import sys
+import threading
 from pathlib import Path
 from typing import Optional, Sequence
 
-from dptrain.errors import Interrupted, Preempted, UserError
+from dptrain.errors import Interrupted, Preempted, StoppedStarting, UserError
 from dptrain.runtime.prestart import release
 from dptrain.io import write_text
-from dptrain.runtime.spawn import Ranks, RanksExit, describe_exit, start_ranks, store_listener
+from dptrain.runtime.spawn import FORWARDED_SIGNALS, Ranks, RanksExit, describe_exit, start_ranks, store_listener
 
 # Exit codes after which a launcher does not restart its ranks: done, bad input (the same again),
 # stopped on request to be requeued, Ctrl-C.
 NOT_RESTARTED = (0, UserError.exit_code, Preempted.exit_code, Interrupted.exit_code)
+
+
+def stop_while_starting(pending: Optional[str] = None) -> None:
+    """In a launcher, until its ranks have their work (`launch_local` then passes stop signals on to them): a stop
+    signal raises StoppedStarting, so that whoever started ranks closes (kills) them on the way out and the
+    launcher ends with one line and 75; `pending`, the name of one that came earlier, raises it now. Further
+    signals are noted and dropped: the launcher is stopping already, and must not die before its ranks are gone."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def stop(signum, frame):
+        for other in FORWARDED_SIGNALS:
+            signal.signal(other, lambda *_: None)
+        raise StoppedStarting(signal.Signals(signum).name)
+
+    for signum in FORWARDED_SIGNALS:
+        signal.signal(signum, stop)
+    if pending is not None:
+        stop(signal.Signals[pending], None)
 
 
 def join_record(host: str, port) -> str:
@@ -71,6 +93,7 @@ def launch_local(workers: int, argv: Sequence[str], timeout: float = 300.0, pres
             return ranks.start_joiner(argv, lost)
 
         try:
+            ranks.pass_on_stop_signals()  # from now on a stop signal is the ranks' to honour (a checkpoint first)
             ranks.serve_store(timeout)  # when started to join a store served here (prestart, may_lose)
             if prestarted is not None:
                 release(prestarted, list(argv), {})

@@ -170,6 +170,8 @@ def start_ranks(command: Sequence[str], world: int, *, port: int, master_addr: s
     # that came meanwhile. Threads started meanwhile (output pumps, waiters) keep it blocked: Python
     # runs signal handlers on the main thread anyway.
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, *FORWARDED_SIGNALS}) if held else None
+    if not held:  # ranks that run at once are theirs to stop from the first one on: no moment leaves one behind
+        ranks.pass_on_stop_signals()
     try:
         for rank in range(world):
             env = worker_env(rank, world, port, threads, base, master_addr=master_addr,
@@ -225,6 +227,15 @@ class Ranks:
         self.store = None  # the store this process serves (serve_store), kept while the ranks run
         self.slots: dict[int, int] = {}  # a joiner's rank -> the local slot (GPU) of the rank it replaced
         self.spawned: Optional[tuple] = None  # how the ranks were started, to start a joiner the same way
+        self.forwarded: list[tuple[int, float]] = []  # (signal, when) of each stop signal passed on to the ranks
+        self.handlers: Optional[dict[int, object]] = None  # the handlers before pass_on_stop_signals, to restore
+
+    def pass_on_stop_signals(self) -> None:
+        """From now until `close`, a stop signal this process receives is passed on to the ranks (they
+        checkpoint and stop) and noted in `forwarded`; before a launcher releases its ranks, so that no moment
+        between its own handling and theirs is left uncovered."""
+        if self.handlers is None:
+            self.handlers = _forward_signals(self.procs, self.forwarded)
 
     def start(self, rank: int, argv: Sequence[str], env: dict[str, str], *, held: bool = False,
               handed: tuple[int, ...] = (), log_dir: Optional[Path] = None) -> subprocess.Popen:
@@ -244,6 +255,8 @@ class Ranks:
                                                    daemon=True))
                 self.pumps[-1].start()
         self.procs.append(proc)
+        if self.forwarded and not held:  # a stop signal came while the ranks were being started: this one's too
+            proc.send_signal(self.forwarded[0][0])
         threading.Thread(target=lambda: self.exits.put((rank, proc.wait())), daemon=True).start()
         return proc
 
@@ -343,8 +356,8 @@ class Ranks:
         (the others go on without them), rank 0 only when this process serves the store: each is counted in
         `lost`, and said in one line unless it left on request (75). `replacement(rank)` may start a worker in place
         of a failed one (its rank, or None): it is waited for too, and gives the lost place back."""
-        forwarded: list[tuple[int, float]] = []  # (signal, when) of each stop signal passed on
-        previous = _forward_signals(self.procs, forwarded)
+        self.pass_on_stop_signals()
+        forwarded = self.forwarded
         try:
             ended = _wait(self.exits, self.world, self.begun, timeout, linger, may_lose,
                           stopped=forwarded if grace is not None else None, grace=grace,
@@ -354,9 +367,6 @@ class Ranks:
         except KeyboardInterrupt:
             self.interrupted.set()
             raise
-        finally:
-            for signum, handler in previous.items():
-                signal.signal(signum, handler)
 
     def close(self) -> None:
         """Kill the ranks still running, then collect their output threads and logs (again: nothing)."""
@@ -364,6 +374,10 @@ class Ranks:
             return
         self.closed = True
         _stop(self.procs)
+        # Only now: a stop signal while the ranks were being killed was theirs, not one to end this process midway.
+        for signum, handler in (self.handlers or {}).items():
+            signal.signal(signum, handler)
+        self.handlers = None
         if self.listener is not None:
             self.listener.close()
         self.store = None

@@ -60,11 +60,11 @@ class Checkpointer:
         state = {"epoch": epoch, "step": step, "wall_seconds": wall,
                  **{name: (part.state_dict() if part is not None else {}) for name, part in components.items()},
                  "rng": checkpoint_files.rng_state(), "history": history, **({"position": position} if position else {})}
-        faults.at(self.ctx.rank, None if position else epoch)  # the save fault points name epoch ends
+        faults.at(self.ctx.job_rank, None if position else epoch)  # the save fault points name epoch ends
         faults.point("save-begin")
         checkpoint_files.save(self.out, at, self.ctx.rank, state)
         faults.point("save-end")
-        faults.at(self.ctx.rank, None)  # other files written later are not part of a save
+        faults.at(self.ctx.job_rank, None)  # other files written later are not part of a save
         if self.ctx.is_main:
             checkpoint_files.prune(self.out, self.keep, self.ctx.world_size)
 

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
+import threading
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Callable, Optional, Union
@@ -30,14 +32,15 @@ from dptrain.models import check_name as check_model_name
 from dptrain.runtime.distributed import (backend_for, choose_device, destroy_process_group, init_process_group,
                                          report_error, set_cpu_threads, store_served)
 from dptrain.runtime.env import DistEnv, detect
-from dptrain.runtime.launcher import NOT_RESTARTED, launch_local
+from dptrain.runtime.launcher import NOT_RESTARTED, launch_local, stop_while_starting
 from dptrain.runtime.prestart import prestart, quiet_cpp_logs_of_children
 from dptrain.runtime.spawn import Ranks
 from dptrain.strategies import build_strategy
 from dptrain.train.optim import build_optimizer
 from dptrain.train import checkpoint_files
 from dptrain.train.rundir import JOIN_FILE, check_not_busy, check_run_dir, default_run_dir, lock_run_dir, open_run_dir
-from dptrain.train.preemption import catch_stop_signals_early, release_early_stop_signals
+from dptrain.train.preemption import (STOP_SIGNALS, catch_stop_signals_early, release_early_stop_signals,
+                                     take_early_stop_signal)
 from dptrain.train.recorder import Summary, summary_line
 from dptrain.train.checkpointer import describe_interruption, epochs_recorded, load_model_state
 from dptrain.train.trainer import Trainer, check_amp
@@ -166,11 +169,14 @@ def _train(config: TrainConfig, prestarted: Optional[Ranks] = None) -> tuple[int
     if env.launched:
         return 0, run_worker(config, env)
     own = None
-    if config.workers > 1:
-        release_early_stop_signals()  # this process spawns the workers and passes signals on to them
-        if prestarted is None:
-            prestarted = own = prestart(config.workers, serve_store=config.min_workers is not None)
+    handlers = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
     try:
+        if config.workers > 1:
+            # This process starts the workers and passes stop signals on to them once they have their work;
+            # until then a stop signal stops them and it (one that came already, too).
+            if prestarted is None:
+                prestarted = own = prestart(config.workers, serve_store=config.min_workers is not None)
+            stop_while_starting(take_early_stop_signal())
         model = validate(config)
         if config.workers == 1:
             return 0, run_worker(config, env)
@@ -178,6 +184,10 @@ def _train(config: TrainConfig, prestarted: Optional[Ranks] = None) -> tuple[int
     finally:
         if own is not None:
             own.close()
+        if config.workers > 1:  # a caller's own handlers (train_from_config) are its own again
+            for signum, handler in handlers.items():
+                if handler is not None and threading.current_thread() is threading.main_thread():
+                    signal.signal(signum, handler)
 
 
 def train(config: TrainConfig, prestarted: Optional[Ranks] = None) -> int:

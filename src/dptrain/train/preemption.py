@@ -35,6 +35,13 @@ def catch_stop_signals_early() -> None:
         signal.signal(signum, remember)
 
 
+def take_early_stop_signal() -> Optional[str]:
+    """The first stop signal remembered since `catch_stop_signals_early` (its name), now the caller's to honour."""
+    name = _EARLY_STOP[0] if _EARLY_STOP else None
+    _EARLY_STOP.clear()
+    return name
+
+
 def release_early_stop_signals() -> None:
     """Give SIGTERM/SIGUSR1/SIGUSR2 their default action back (a process that will not checkpoint);
     one that arrived meanwhile takes effect now."""

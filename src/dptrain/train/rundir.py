@@ -16,9 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
-import yaml
-
-from dptrain.config import TrainConfig, with_absolute_paths
+from dptrain.config import RUN_SETTINGS, TrainConfig, read_yaml, with_absolute_paths
 from dptrain.errors import UserError
 from dptrain.user_code import spec_file
 from dptrain.io import disk_error, make_dirs, open_private, timestamped, write_text
@@ -311,7 +309,7 @@ def check_run_dir(path: str, settings: dict[str, Any], resume: bool = False, onl
         _check_claim(path)
         return False
     # A run recorded before config.yaml held absolute paths named its files relative to the same directory.
-    previous = with_absolute_paths(yaml.safe_load(saved.read_text()) or {})
+    previous = with_absolute_paths(read_yaml(saved, "run settings file", f"{RUN_SETTINGS}, or give --out a new directory"))
     for key, value in settings.items():
         recorded = previous[key] if key in previous else _default(key)  # a setting newer than the run
         if key in OLD_DEFAULTS and value is None and recorded == OLD_DEFAULTS[key] and "lr_scaling" not in previous:

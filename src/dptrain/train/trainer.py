@@ -40,6 +40,7 @@ from dptrain.train.checkpointer import Checkpointer, describe_interruption
 from dptrain.train.health import AverageHealth, LRGuard
 from dptrain.train.preemption import StopSignals
 from dptrain.train.recorder import EpochStats, Recorder, Summary
+from dptrain.train.straggler import StepDelay, measure_delay
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 Schedule = Callable[[torch.optim.Optimizer, int, int], object]
@@ -166,12 +167,13 @@ class Trainer:
         self._leaving: Optional[tuple] = None  # (ranks that stay, ranks that leave, their signals) at this epoch end
         self._joining: tuple[int, ...] = ()  # ranks of the job (joiners) the run admits at this epoch end
         self._slowdown = 1.0
+        self.step_delay: Optional[StepDelay] = None  # --slow-worker: measured before training (train.straggler)
         self._evaluation: Optional[tuple] = None  # (test set, (rank, world), its DataLoader)
         self._forward_mark: Optional[tuple] = None  # (the DDP model, its forward pre-hook) for _forward
         self._in_user_forward = False
 
     def emulate_straggler(self, factor: float) -> "Trainer":
-        """Make this rank's steps take `factor` times as long (benchmarks of unequal workers)."""
+        """Make this rank's steps take `factor` times its own compute (benchmarks of unequal workers)."""
         self._slowdown = factor
         return self
 
@@ -215,6 +217,9 @@ class Trainer:
         train, test = as_dataset(train), (as_dataset(test, "test") if test is not None else None)
         strategy, self.strategy_choice = self.strategy.resolve(self, train)  # auto measures and picks one
         self.strategy = strategy
+        if self._slowdown > 1:  # before the strategy wraps the model: timed without any communication
+            self.step_delay = measure_delay(self._slowdown, self.timing_step, self.model, self.optimizer, ctx,
+                                            self.batch_size, train)
         if self.checkpoint_every_steps and strategy.no_step_checkpoints:
             raise UserError(step_checkpoints_refused(strategy.name, strategy.no_step_checkpoints))
         if self.min_workers is not None and "min_workers" not in strategy.option_names():
@@ -659,16 +664,15 @@ class Trainer:
         batches = iter(reader) if training else iter(())
         if position is not None:  # starting the reader drew a seed from torch's RNG: back to the saved state
             checkpoint_files.set_rng_state(position["rng"])
-        faults.at(self.ctx.group.members[self.ctx.rank], epoch + 1)
+        faults.at(self.ctx.job_rank, epoch + 1)
         total = done + (len(reader) if training else 0)  # the epoch's steps
         middle = (len(reader) // 2 if training else -1) - done
         for index, (x, y) in enumerate(batches):
             if index == middle:
                 faults.point("train-middle")
-            step_start = time.perf_counter()
             loss = self._train_step(model, x, y)
-            if self._slowdown > 1:  # straggler emulation: this rank computes `slowdown` times slower
-                time.sleep((self._slowdown - 1) * (time.perf_counter() - step_start))
+            if self.step_delay is not None:  # straggler emulation: `factor` times its own compute, not its waits
+                time.sleep(self.step_delay.seconds(len(y)))
             step += 1
             if scheduler is not None:
                 scheduler.step()
@@ -679,7 +683,7 @@ class Trainer:
             if self.recorder.show_progress:
                 bar.update(1)
                 bar.set_postfix(loss=f"{loss.item():.4f}", refresh=False)
-            faults.step(self.ctx.rank, step)
+            faults.step(self.ctx.job_rank, step)
             self._checkpoint_within(epoch, done, step, seen, loss_sum, epoch_start)
             self._commit(epoch, done, total, step, seen, loss_sum, epoch_start)
         if not training:  # a worker that sits the epoch out still takes its part in the epoch's checkpoints
