@@ -87,3 +87,36 @@ def test_two_slowed_ranks_under_allreduce_finish_without_a_change_of_members_and
     for _, _, factor, compute, sleep in said:
         assert float(compute) > 0
         assert float(sleep) == pytest.approx((float(factor) - 1) * float(compute), rel=1e-4)
+
+
+@pytest.mark.slow
+def test_a_frozen_worker_does_not_keep_the_launcher_after_a_stop_signal_past_the_timeout(tmp_path):
+    """The adversarial benchmark's streaming freeze: with --min-workers the others went on without a frozen
+    worker; SIGTERM then stopped them at a checkpoint, and the launcher waited for the frozen one forever
+    (no --grace meant no limit). The default grace is --timeout: the frozen worker is named and killed."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    marker = tmp_path / "fired"
+    env = {**os.environ, "DPTRAIN_FAULT": "train-middle@1:2", "DPTRAIN_FAULT_ACTION": "freeze",
+           "DPTRAIN_FAULT_ONCE": str(marker)}
+    launcher = subprocess.Popen([sys.executable, "-m", "dptrain", "train", "--dataset", "digits", "--model", "mlp",
+                                 "--strategy", "sync", "--workers", "2", "--min-workers", "1", "--epochs", "500",
+                                 "--timeout", "6", "--no-progress", "--out", str(tmp_path / "run")],
+                                cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for _ in range(240):
+            if marker.exists() or launcher.poll() is not None:
+                break
+            time.sleep(0.5)
+        assert marker.exists(), "rank 1 never froze"
+        time.sleep(2)
+        launcher.send_signal(signal.SIGTERM)
+        out, err = launcher.communicate(timeout=120)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert "dptrain: worker rank 1 had not exited 6 s (--grace) after SIGTERM; killing it" in err, err
+    assert launcher.returncode == 75, err  # the others stopped at a checkpoint: the same command continues

@@ -150,7 +150,7 @@ class TrainConfig(BaseModel):
     max_restarts: int = Field(0, ge=0, description="local launcher: restart the workers from the last checkpoint up to N times")
     grace: Optional[float] = Field(None, gt=0, description="local launcher: seconds the workers have, after a stop "
                                    "signal passed on to them, to save and exit; those still running then are killed "
-                                   "and named (default: no limit)")
+                                   "and named (default: --timeout; a frozen worker never exits by itself)")
     min_workers: Optional[int] = Field(None, ge=1, description="local launcher or srun: when a worker (rank 0 too) "
                                        "fails or freezes, the others go on without it from the start of that "
                                        "epoch (allreduce: from their last commit, --commit-every-steps), as long "

@@ -452,9 +452,9 @@ def _wait(exits: queue.Queue, world: int, begun: float, timeout: Optional[float]
             # the run is over: replacements still starting or waiting for a place have nothing to join (closed)
             return RanksExit(time.perf_counter() - begun, preempted=preempted, lost=tuple(lost))
         # A lost rank leaves the others going on while at least (the first world - may_lose) members are left.
-        if code == PREEMPTED and rank != keeper and may_lose and members_left(rank) >= world - may_lose:
+        if code == PREEMPTED and rank != keeper and may_lose and not stopped and members_left(rank) >= world - may_lose:
             lost.append(rank)  # asked to stop alone, it left and the others go on (it said so itself); when the
-            # whole job stops, rank 0 stops too: its 75 makes the job's
+            # whole job stops (a stop signal passed on to all), rank 0 stops too: its 75 makes the job's
         elif code == PREEMPTED:
             preempted = True
         elif code != 0 and rank != keeper and may_lose and members_left(rank) >= world - may_lose:

@@ -228,7 +228,7 @@ def spawn_workers(config: TrainConfig, model: torch.nn.Module,
         for attempt in range(config.max_restarts + 1):
             code = launch_local(config.workers, argv, config.timeout, prestarted if attempt == 0 else None,
                                 may_lose=config.workers - config.min_workers if config.min_workers else 0,
-                                grace=config.grace, replacements=config.workers if config.replace_workers else 0,
+                                grace=config.grace if config.grace is not None else config.timeout, replacements=config.workers if config.replace_workers else 0,
                                 join_file=run_dir / JOIN_FILE if config.min_workers else None)
             if code == Interrupted.exit_code:  # Ctrl-C: the workers are stopped; say where the run stands
                 print(f"dptrain: {describe_interruption(run_dir, config.workers, epochs_recorded(run_dir), config.epochs)}",
