@@ -221,8 +221,10 @@ class Group:
             flag = f"{FAILED}{self.generation}"
             left = signed.read(self.store, flag) if self.store is not None else None
             if left is not None:  # (a value a process without the run's secret wrote there is ignored)
-                raise QuietPeer(f"rank {self.members[self.rank]}: {what} was given up: rank {left} left "
-                                f"{self.name} after a failure")
+                # `left` is the member that met the failure first and left the group (not necessarily the one
+                # lost: the agreement that follows names that one)
+                raise QuietPeer(f"rank {self.members[self.rank]}: {what} was given up: rank {left} saw a worker fail "
+                                f"in {self.name} and left it")
             quiet = self.heartbeat.stalled(peers, self.watch) if self.heartbeat is not None else []
             if quiet:
                 raise QuietPeer(f"rank {self.members[self.rank]}: {what} waits on rank"
