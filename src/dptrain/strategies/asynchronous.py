@@ -312,12 +312,13 @@ class MergeService:
             self._send(self._fields(0, 0, 0, self.generation, 1), rank, TAG_REPLY)
             return
         if kind == DONE:
-            self.pending.discard(rank)
+            with self.model.lock:  # `lose` (the watcher's thread) rewrites these lists
+                self.pending.discard(rank)
+                if not stopping:
+                    self.finished.append(rank)
             if stopping:  # it has checkpointed and leaves now; the others stop at their next merge
                 self.model.stop_requested = True
                 self._conclude_for(rank, STOP)
-            else:
-                self.finished.append(rank)
             return
         self.epochs[rank] = epoch
         if kind == MERGE:
@@ -563,18 +564,14 @@ class Async(AsyncRules, Strategy):
         """One point-to-point message with rank 0, bounded by the run's timeout; counted both ways. Where the
         workers can take over (`_can_take_over`), ServiceLost as soon as rank 0 is judged gone."""
         watching = self._can_take_over()
-        deadline = time.monotonic() + self.ctx.timeout
         try:
             work = operation(tensor, 0, tag)
-            while True:
-                wait = min(LOST_POLL, deadline - time.monotonic()) if watching else self.ctx.timeout
-                try:
-                    work.wait(timeout=timedelta(seconds=max(wait, 0.001)))
-                    break
-                except RuntimeError as exc:
-                    if not watching or "timed out" not in str(exc) or time.monotonic() >= deadline:
-                        raise
-                self._look_for_loss(now=True)
+            if watching:  # (a wait that times out would close this worker's connections: see Group.wait_looking)
+                self.group.wait_looking(work, self.ctx.timeout, lambda: self._look_for_loss(now=True), LOST_POLL)
+            else:
+                work.wait(timeout=timedelta(seconds=self.ctx.timeout))
+        except ServiceLost:
+            raise
         except RuntimeError as exc:
             if watching:  # a message to a rank that died fails at once: whether it is gone takes a look or two
                 self._look_for_loss(until=time.monotonic() + STALL + 2 * LOST_POLL)
