@@ -374,8 +374,9 @@ def test_hierarchical_goes_on_without_a_node_leader_on_node_groups_made_again(tm
 def test_async_goes_on_without_a_killed_worker_merging_over_the_others_without_going_back(tmp_path):
     """async has no epoch end its workers stand at together: nobody goes back. The merge service leaves rank 2
     out once the launcher sees it die, merges over 2 from then on, and the workers left share the data from the
-    first epoch each is sure to start after hearing of it (recorded there, once). Before that epoch each
-    survivor reads its third of the rows (rank 2's third is not trained); from it on every row once per epoch."""
+    first epoch each is sure to start after hearing of it (recorded there, once). Rank 2's numbers of epoch 1, which
+    it finished, stay in the records; from epoch 2 until that epoch each survivor reads its third of the rows (rank
+    2's third is not trained); from it on every row once per epoch."""
     run = tmp_path / "run"
     argv = ["train", "--dataset", "digits", "--strategy", "async", "--workers", "3", "--min-workers", "2",
             "--epochs", "40", "--lr", "0.05", "--no-progress", "--out", str(run)]
@@ -394,9 +395,10 @@ def test_async_goes_on_without_a_killed_worker_merging_over_the_others_without_g
             "async merged over them since the loss") in said
     for record in history:
         rows = [worker["samples"] for worker in record["workers"]]
-        assert rows == ([479, 479] if record["epoch"] < switch else [718, 719]), (record["epoch"], rows)
+        expected = [479, 479, 479] if record["epoch"] == 1 else [479, 479] if record["epoch"] < switch else [718, 719]
+        assert rows == expected, (record["epoch"], rows)
     summary = json.loads((run / "summary.json").read_text())
-    assert summary["workers"] == 2 and len(summary["merges"]) == 2
+    assert summary["workers"] == 2 and len(summary["merges"]) == 2 and summary["left"] == [2]
     assert summary["test_accuracy"] > 0.9
 
 
@@ -429,9 +431,10 @@ def test_async_goes_on_without_rank_0_the_next_rank_takes_the_global_model_over_
     switch = changes[0]["epoch"]
     assert switch == int(took.group(1)) and 2 < switch <= 40
     assert changes[0]["membership"]["members"] == [1, 2] and changes[0]["membership"]["left"] == [0]
-    for record in history:  # rank 0's numbers went with it; its third of the epochs before the switch is not trained
+    for record in history:  # rank 0's numbers of epoch 1 stay; its third of epochs 2 until the switch is not trained
         rows = [worker["samples"] for worker in record["workers"]]
-        assert rows == ([479, 479] if record["epoch"] < switch else [718, 719]), (record["epoch"], rows)
+        expected = [479, 479, 479] if record["epoch"] == 1 else [479, 479] if record["epoch"] < switch else [718, 719]
+        assert rows == expected, (record["epoch"], rows)
     # Rank 0 wrote epoch 1 with its evaluation, which rank 1 keeps; rank 1 evaluates from the epoch it took over in
     # (the one before the switch) on. An epoch rank 1 had passed and rank 0 had not finished has none.
     assert all(record["evaluated"] and record["test_accuracy"] is not None
@@ -445,7 +448,7 @@ def test_async_goes_on_without_rank_0_the_next_rank_takes_the_global_model_over_
 def test_after_a_take_over_the_new_service_leaves_out_the_next_lost_worker_as_the_first_did(tmp_path):
     """4 workers: rank 0 killed in epoch 2 (ranks 1, 2, 3 take over), then rank 3 in its epoch 6: the merge service
     on rank 1 leaves it out and the two left share the data from the next epoch it names. Both changes are
-    recorded once, in order; rank 0's and rank 3's numbers went with them."""
+    recorded once, in order; rank 0's and rank 3's numbers stay in the records for the epochs each finished."""
     run, result, said = async_run(tmp_path, 4, "train-middle@0:2;train-middle@3:6")
     assert "rank 1 took over in" in said and "with 3 workers (ranks 1, 2, 3 of the job)" in said
     assert "[rank1] dptrain: the merge service left rank 3 out (its process ended); it merges over 2 workers" in said
@@ -456,11 +459,14 @@ def test_after_a_take_over_the_new_service_leaves_out_the_next_lost_worker_as_th
     (first, _), (second, _) = changes
     assert 2 < first < second <= 40
     for record in history:  # a quarter of 1437 rows is 359 or 360, a third 479
-        rows = sorted(worker["samples"] for worker in record["workers"])
-        if record["epoch"] < first:
-            assert len(rows) == 2 and set(rows) <= {359, 360}, (record["epoch"], rows)
+        epoch, rows = record["epoch"], [worker["samples"] for worker in record["workers"]]
+        # rank 0 finished epoch 1, rank 3 its epochs 1 to 5
+        ranks = [rank for rank, last in ((0, 1), (1, 40), (2, 40), (3, 5)) if epoch <= last]
+        assert [worker["rank"] for worker in record["workers"]] == ranks, (epoch, record["workers"])
+        if epoch < first:
+            assert set(rows) <= {359, 360}, (epoch, rows)
         else:
-            assert rows == ([479, 479] if record["epoch"] < second else [718, 719]), (record["epoch"], rows)
+            assert rows == ([479] * len(ranks) if epoch < second else [718, 719]), (epoch, rows)
     summary = json.loads((run / "summary.json").read_text())
     assert summary["workers"] == 2 and summary["test_accuracy"] > 0.9
 

@@ -276,6 +276,33 @@ class Group:
     def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Any:
         return dist.irecv(tensor, group=self.handle, tag=tag, **self._peer("src", src))
 
+    @staticmethod
+    def wait_looking(work: Any, seconds: float, look: Callable[[], None], every: float) -> None:
+        """Wait up to `seconds` for a point-to-point `work` (isend/irecv), calling `look` every `every` seconds
+        meanwhile (it raises to give up; the work is left behind). The wait runs in a thread of its own, as long
+        as the group's own timeout, never as short waits in turn: under gloo a point-to-point wait that times out
+        closes every connection of the group ("Application timeout caused pair closure"), and its peers then see
+        "Connection closed by peer". Meant for a group whose timeout is longer than any wait on it (the async
+        merge service's)."""
+        done, failed = threading.Event(), []
+
+        def wait() -> None:
+            try:
+                work.wait()
+            except Exception as exc:  # noqa: BLE001 - raised in the caller's thread
+                failed.append(exc)
+            finally:
+                done.set()
+
+        threading.Thread(target=wait, name="dptrain-point-to-point", daemon=True).start()
+        deadline = time.monotonic() + seconds + every  # (the thread's own wait ends first)
+        while not done.wait(every):
+            if time.monotonic() >= deadline:
+                raise RuntimeError(f"a point-to-point message was not done within {seconds:g} s")
+            look()
+        if failed:
+            raise failed[0]
+
     # -- bookkeeping (metric traffic: never counted), each bounded and named ----------------
     # Values travel as JSON in a byte tensor, never pickled: a peer (or a process that took a peer's place
     # in a group) can send wrong values, but nothing it sends runs here. Tuples come back as lists.

@@ -83,9 +83,10 @@ run, as before.
 from __future__ import annotations
 
 import copy
+import json
 import threading
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
 from datetime import timedelta
 from typing import Optional
 
@@ -114,6 +115,9 @@ TAG_REQUEST, TAG_PAYLOAD, TAG_REPLY, TAG_GLOBAL = 11, 12, 13, 14
 # brackets travel with live membership only (LIVE_HEADER_SIZE), so that other runs send what they did.
 HEADER_SIZE, LIVE_HEADER_SIZE = 4, 5
 ASYNC_MEMBERS = PREFIX + "async/"  # + "GROUP/GENERATION": "MEMBERS;EPOCH;LEFT" (live membership, see the docstring)
+# + "RANK/EPOCH" (a rank of the job, an epoch from 1): that worker's numbers of that epoch, as JSON (live membership:
+# what a worker lost later measured stays in the records; see `workers_history`)
+ASYNC_EPOCHS = PREFIX + "async-epochs/"
 LOST_POLL = 0.5  # seconds between the service's looks at the heartbeats and the launcher's exit notes
 # How rank 0 concludes the run for a rank that is done (the first field of the reply to DONE).
 FINISH, STOP = 1, 2
@@ -312,12 +316,13 @@ class MergeService:
             self._send(self._fields(0, 0, 0, self.generation, 1), rank, TAG_REPLY)
             return
         if kind == DONE:
-            self.pending.discard(rank)
+            with self.model.lock:  # `lose` (the watcher's thread) rewrites these lists
+                self.pending.discard(rank)
+                if not stopping:
+                    self.finished.append(rank)
             if stopping:  # it has checkpointed and leaves now; the others stop at their next merge
                 self.model.stop_requested = True
                 self._conclude_for(rank, STOP)
-            else:
-                self.finished.append(rank)
             return
         self.epochs[rank] = epoch
         if kind == MERGE:
@@ -563,18 +568,14 @@ class Async(AsyncRules, Strategy):
         """One point-to-point message with rank 0, bounded by the run's timeout; counted both ways. Where the
         workers can take over (`_can_take_over`), ServiceLost as soon as rank 0 is judged gone."""
         watching = self._can_take_over()
-        deadline = time.monotonic() + self.ctx.timeout
         try:
             work = operation(tensor, 0, tag)
-            while True:
-                wait = min(LOST_POLL, deadline - time.monotonic()) if watching else self.ctx.timeout
-                try:
-                    work.wait(timeout=timedelta(seconds=max(wait, 0.001)))
-                    break
-                except RuntimeError as exc:
-                    if not watching or "timed out" not in str(exc) or time.monotonic() >= deadline:
-                        raise
-                self._look_for_loss(now=True)
+            if watching:  # (a wait that times out would close this worker's connections: see Group.wait_looking)
+                self.group.wait_looking(work, self.ctx.timeout, lambda: self._look_for_loss(now=True), LOST_POLL)
+            else:
+                work.wait(timeout=timedelta(seconds=self.ctx.timeout))
+        except ServiceLost:
+            raise
         except RuntimeError as exc:
             if watching:  # a message to a rank that died fails at once: whether it is gone takes a look or two
                 self._look_for_loss(until=time.monotonic() + STALL + 2 * LOST_POLL)
@@ -793,12 +794,20 @@ class Async(AsyncRules, Strategy):
             counts = [(self.merges, self.refreshes, self.max_staleness_seen)]
         self._final = {"merges": [c[0] for c in counts], "refreshes": [c[1] for c in counts],
                        "max_staleness_seen": max(c[2] for c in counts)}
+        if self.live:  # the ranks of the job lost on the way (also where no epoch was left to share the data out)
+            self._final["left"] = [rank for rank in self._first if rank not in self.ctx.group.members]
         return self.model
 
     # -- agreement without a barrier ------------------------------------------------------------
     def gather_stats(self, stats):
-        """Only this rank's numbers live (nobody waits); workers_history gathers everyone's at the end."""
-        return [stats]
+        """Only this rank's numbers live (nobody waits); workers_history gathers everyone's at the end. They are
+        named by this worker's rank of the job (a take-over renumbers the group); with live membership they are
+        also put in the store at once, so that a worker lost later keeps the epochs it finished in the records."""
+        mine = replace(stats, rank=self.ctx.group.members[self.ctx.rank])
+        if self.live and self.ctx.world_size > 1 and self.ctx.group.store is not None:
+            # (end_epoch just set _epoch to the epoch this worker starts next: the one ended, counted from 1)
+            signed.put(self.ctx.group.store, f"{ASYNC_EPOCHS}{mine.rank}/{self._epoch}", json.dumps(asdict(mine)))
+        return [mine]
 
     def agree_stop(self, requested: Optional[str]) -> Optional[str]:
         """This rank's own signal, or another rank's as the service last reported it."""
@@ -818,13 +827,23 @@ class Async(AsyncRules, Strategy):
             self.service.conclude(STOP)
 
     def workers_history(self, history: list[dict]) -> Optional[dict[int, list[dict]]]:
-        """Every worker's numbers of each epoch, gathered once at the end (live records hold only this rank's)."""
-        if self.ctx.world_size == 1:
+        """Every worker's numbers of each epoch it finished, in the order of their ranks of the job: the workers
+        left gather theirs once at the end (live records hold only this rank's); those of a worker lost on the
+        way come from the store (`gather_stats`), for the epochs it finished before it was lost."""
+        lost = [rank for rank in self._first if rank not in self.ctx.group.members]
+        if self.ctx.world_size == 1 and not lost:
             return None
         # pairs, not a dict: JSON would make the epochs strings
         mine = [[record["epoch"], record["workers"][0]] for record in history]
         gathered = [dict(pairs) for pairs in self.ctx.group.gather_objects("metrics", mine)]
-        return {record["epoch"]: [theirs[record["epoch"]] for theirs in gathered if record["epoch"] in theirs]
+        store = self.ctx.group.store
+        if lost and store is not None:
+            epochs = [record["epoch"] for record in history]
+            gathered += [{epoch: json.loads(said) for epoch in epochs
+                          if (said := signed.read(store, f"{ASYNC_EPOCHS}{rank}/{epoch}")) is not None}
+                         for rank in lost]
+        return {record["epoch"]: sorted((theirs[record["epoch"]] for theirs in gathered if record["epoch"] in theirs),
+                                        key=lambda worker: worker["rank"])
                 for record in history}
 
     def state_dict(self) -> dict:
