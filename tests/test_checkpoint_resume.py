@@ -176,3 +176,33 @@ def test_a_run_that_died_after_its_last_checkpoint_finishes_on_the_next_attempt(
     assert "resuming after epoch 3" in again.stdout
     resumed = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert resumed["test_accuracy"] == summary["test_accuracy"] and resumed["epochs"] == 3
+
+
+def test_cuda_random_state_is_this_ranks_gpu_only_and_a_resume_seeing_fewer_gpus_restores_it(monkeypatch):
+    """get_rng_state_all() saved every visible GPU's stream and set_rng_state_all() restored them all: a resume
+    under srun --gpus-per-task=1 (one GPU visible) raised IndexError, and a rank whose GPU index changed took
+    another GPU's stream. Now a checkpoint holds the rank's own GPU's state and restores it to the rank's GPU."""
+    import torch
+
+    from dptrain.train import checkpoint_files
+
+    streams = {0: torch.tensor([1], dtype=torch.uint8), 1: torch.tensor([2], dtype=torch.uint8)}
+    restored = {}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device: streams[device].clone())
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: [streams[0], streams[1]])
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device: restored.update({device: state}))
+
+    def set_all(states):  # what torch does with more states than visible GPUs after the resume
+        raise IndexError("list index out of range")
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", set_all)
+    state = checkpoint_files.rng_state()
+    assert torch.equal(state["cuda_device"], streams[1]) and "cuda" not in state
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)  # resumed where the rank sees one GPU
+    checkpoint_files.set_rng_state(state)
+    assert list(restored) == [0] and torch.equal(restored[0], streams[1])
+    restored.clear()
+    checkpoint_files.set_rng_state({**{k: v for k, v in state.items() if k != "cuda_device"},
+                                    "cuda": [streams[0], streams[1]]})  # an older checkpoint: every GPU's
+    assert list(restored) == [0] and torch.equal(restored[0], streams[0])

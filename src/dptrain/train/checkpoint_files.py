@@ -225,16 +225,20 @@ def rng_state() -> dict[str, Any]:
              "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "position": int(position),
                        "has_gauss": int(has_gauss), "gauss": float(gauss)},
              "python": {"version": version, "state": list(python_state), "gauss": python_gauss}}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    if torch.cuda.is_available():  # this rank's GPU only: a resume may see other GPUs, or fewer (one per task)
+        state["cuda_device"] = torch.cuda.get_rng_state(torch.cuda.current_device())
     return state
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
     """Restore rng_state() output (checkpoints written before numpy's and Python's were kept lack them)."""
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    if torch.cuda.is_available():
+        device = torch.cuda.current_device()
+        if "cuda_device" in state:
+            torch.cuda.set_rng_state(state["cuda_device"], device)
+        elif "cuda" in state and device < len(state["cuda"]):  # written with every GPU's state: this one's
+            torch.cuda.set_rng_state(state["cuda"][device], device)
     if "numpy" in state:
         saved = state["numpy"]
         np.random.set_state((saved["kind"], saved["keys"].numpy().astype(np.uint32), saved["position"],
