@@ -860,7 +860,8 @@ class Async(AsyncRules, Strategy):
 
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
-        self.base, self.base_version = state["base"], state["base_version"]
+        # (checkpoints load on the CPU; the base is taken from the model, so it lives where the model does)
+        self.base, self.base_version = state["base"].to(self.base.device), state["base_version"]
         self.merges, self.refreshes = state["merges"], state["refreshes"]
         self.max_staleness_seen, self._diverged = state["max_staleness_seen"], state["diverged"]
         if self.compression != "none" and "feedback" in state:
