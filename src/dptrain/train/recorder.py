@@ -173,6 +173,8 @@ class Recorder:
             **(checked or {}),
         }
         self._recorded_by[epoch + 1] = self.members if self.members is not None else tuple(range(self.job_world))
+        if self.history and self.history[-1]["epoch"] > epoch:  # an epoch done again replaces its records from then
+            self.replace_history([kept for kept in self.history if kept["epoch"] <= epoch])
         self.history.append(record)
         if path := self._file("metrics.jsonl"):
             append_jsonl(path, record)
