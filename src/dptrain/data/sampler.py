@@ -75,16 +75,6 @@ class Rest:
         return Rest(self.epoch, done, tuple(np.array_split(rows, world)), steps, tuple(members),
                     tuple(sorted(read.items())))
 
-    def state(self) -> dict:
-        """This rest as a checkpoint holds it (tensors and plain values: torch.load's weights_only reads it)."""
-        return {"epoch": self.epoch, "done": self.done, "parts": [torch.from_numpy(part.astype(np.int64)) for part in self.parts],
-                "steps": self.steps, "members": list(self.members), "read": [list(pair) for pair in self.read]}
-
-    @classmethod
-    def from_state(cls, state: dict) -> "Rest":
-        return cls(state["epoch"], state["done"], tuple(part.numpy() for part in state["parts"]), state["steps"],
-                   tuple(state["members"]), tuple((rank, rows) for rank, rows in state["read"]))
-
     def read_by(self, ranks) -> int:
         """Rows of the epoch read before this rest by `ranks` (of the job)."""
         return sum(rows for rank, rows in self.read if rank in ranks)

@@ -170,8 +170,7 @@ class Checkpointer:
             self.log(f"dptrain: resuming {where} from {self.out}")
         else:
             if isinstance(at, tuple):
-                replanned = (f"; the rest of epoch {at[0] + 1} re-planned over {world} workers"
-                             if len(members) != world or state["position"].get("rest") else "")
+                replanned = f"; the rest of epoch {at[0] + 1} re-planned over {world} workers" if len(members) != world else ""
             else:
                 replanned = f"; the epochs from {at + 1} on planned over {world} workers" if len(members) != world else ""
             self.log(f"dptrain: resuming {where} from {self.out} on {world} worker{'s' if world != 1 else ''} "

@@ -719,9 +719,6 @@ class Trainer:
                     "health": self._health.state_dict() if self._health is not None else {},
                     "lr_guard": ({"best_loss": self._lr_guard.best_loss, "good": self._lr_guard.good_state()}
                                  if self._lr_guard is not None else {})}
-        rest = self._rest
-        if rest is not None and rest.epoch == epoch and rest.members == tuple(self.ctx.group.members):
-            position["rest"] = rest.state()  # the epoch's rows were shared out again: resuming reads the same rest
         self.checkpointer.save(epoch, step, now - self._started, self._parts, self.recorder.history, position,
                                members=self._members())
         if stop:
@@ -866,9 +863,9 @@ class Trainer:
 
     def _restore(self, parts: dict, train: Dataset) -> tuple[int, int, float, Optional[dict]]:
         """Continue from the newest complete checkpoint, if any: (epoch, step, wall seconds) to start from, and
-        the position within that epoch (None at its start). Written by another world than this one, or within an
-        epoch whose rows were shared out again, the rest of that epoch is planned over this world (`_rest`): every
-        row no writer had read, once; `_resized` is then the number of workers that wrote it."""
+        the position within that epoch (None at its start). Written by another number of workers than this world
+        has (`_resized`: that number), a checkpoint within an epoch has the rest of that epoch planned over this
+        world (`_rest`): every row no writer had read, once."""
         self._resized = None
         state = self.checkpointer.restore(parts)
         if state is None:
@@ -879,13 +876,12 @@ class Trainer:
         if state["copy"]:  # a worker new to the run: the bytes of the one whose state it copies stay that one's
             self.strategy.comm_bytes = 0
         members, position = state["members"], state.get("position")
-        if len(members) != self.ctx.world_size or (position and position.get("rest")):
+        if len(members) != self.ctx.world_size:
             self._resized = len(members)
-        if position and self._resized is not None:
-            rest = (Rest.from_state(position["rest"]) if position.get("rest") else
-                    Rest.whole(state["epoch"], len(train), members, self.batch_size, self.seed, self.shuffle,
-                               getattr(train, "block_size", None)))
-            self._rest = rest.after(position["steps"], tuple(self.ctx.group.members), self.batch_size)
+            if position:  # (a checkpoint within an epoch is never taken after rows were shared out again)
+                rest = Rest.whole(state["epoch"], len(train), members, self.batch_size, self.seed, self.shuffle,
+                                  getattr(train, "block_size", None))
+                self._rest = rest.after(position["steps"], tuple(self.ctx.group.members), self.batch_size)
         # a copy draws its own random numbers within the epoch too (its source's stay its source's)
         position = {**position, "rng": checkpoint_files.rng_state() if state["copy"] else state["rng"]} if position else None
         return state["epoch"], state["step"], state["wall_seconds"], position

@@ -34,10 +34,9 @@ class FedAvgRules(StrategyRules):
     def other_world_refused(cls, config: Any, within_epoch: bool = False) -> Optional[str]:
         # iid partitions are drawn again over the new world at an epoch end, as after a lost client.
         if config.partition != "iid":
-            return f"its {config.partition} partitions give each client its own data (--partition iid can)"
+            return f"its {config.partition} partitions give each client data of its own, which iid ones do not"
         if within_epoch:
-            return ("a checkpoint within an epoch holds each client's place in its own partition (one at an "
-                    "epoch end can)")
+            return "a checkpoint within an epoch holds each client's place in its own partition, one at an epoch end does not"
         return None
 
     @classmethod
