@@ -17,6 +17,7 @@ import torch
 from dptrain.errors import UserError
 from dptrain import faults
 from dptrain.runtime.distributed import DistContext
+from dptrain.strategies.rules import RESUME_ON_ANY_NUMBER
 from dptrain.train import checkpoint_files
 from dptrain.train.rundir import run_id
 
@@ -30,14 +31,14 @@ def load_model_state(model, saved: dict, epoch: checkpoint_files.At, run_dir: Pa
                         f"{checkpoint_files.first_mismatch(exc)}") from None
 
 
-def resume_refusal(out: Path, at: checkpoint_files.At, saved: dict, run_id: Optional[str], data: Optional[dict],
+def resume_refusal(out: Path, at: checkpoint_files.At, saved: dict, this_run: Optional[str], data: Optional[dict],
                    changed_data_ok: bool, world: int, strategy: str,
                    other_world_refused: Callable[[bool], Optional[str]]) -> Optional[str]:
     """Why the checkpoint of `at` (its manifest `saved`) cannot be continued by this run on `world` workers, in one
     line, or None: another run's, trained on other data, or written by another number of workers than
     `strategy` can resume on (`other_world_refused(within_epoch)`: why not, or None). Checked where the run
     directory is opened (before anything is written) and again where the ranks restore."""
-    why = checkpoint_files.foreign(saved, run_id, data, changed_data_ok)
+    why = checkpoint_files.foreign(saved, this_run, data, changed_data_ok)
     if why is not None:
         return f"the checkpoint of {checkpoint_files.describe(at)} in '{out}' cannot be continued: {why}"
     if len(saved["members"]) != world:
@@ -46,7 +47,7 @@ def resume_refusal(out: Path, at: checkpoint_files.At, saved: dict, run_id: Opti
             return (f"the checkpoint of {checkpoint_files.describe(at)} in '{out}' was written by "
                     f"{checkpoint_files.who_wrote(saved)}, and {strategy} cannot resume on another number of "
                     f"workers ({world} now): {refused}; give --workers {len(saved['members'])} to continue it "
-                    "(allreduce, sync and fedavg with iid partitions resume on any number)")
+                    f"({RESUME_ON_ANY_NUMBER})")
     return None
 
 

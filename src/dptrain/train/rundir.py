@@ -305,6 +305,7 @@ def _check_other_world(path: str, settings: dict[str, Any], recorded: int, worke
     number (its rules' other_world_refused; whether a checkpoint within an epoch can is decided with the
     checkpoint, dptrain.train.checkpointer), or on as many as wrote its newest complete checkpoint."""
     from dptrain import registry
+    from dptrain.strategies.rules import RESUME_ON_ANY_NUMBER
     from dptrain.train import checkpoint_files  # torch: only a run continued on another number of workers needs it
 
     strategy = settings.get("strategy", "allreduce")
@@ -316,8 +317,7 @@ def _check_other_world(path: str, settings: dict[str, Any], recorded: int, worke
     if workers != written:
         raise UserError(f"run directory '{path}' holds a run of {strategy} on {written} workers, {workers} now: "
                         f"{strategy} cannot resume on another number of workers ({refused}); give --workers "
-                        f"{written} to continue it (allreduce, sync and fedavg with iid partitions resume on any "
-                        "number), or --out a new directory")
+                        f"{written} to continue it ({RESUME_ON_ANY_NUMBER}), or --out a new directory")
 
 
 def open_run_dir(path: str, settings: dict[str, Any], resume: bool = False) -> tuple[Path, bool]:

@@ -876,6 +876,8 @@ class Trainer:
         if state["copy"]:  # a worker new to the run: the bytes of the one whose state it copies stay that one's
             self.strategy.comm_bytes = 0
         members, position = state["members"], state.get("position")
+        if members != list(self.ctx.group.members):
+            self.recorder.resume_without(min(len(members), self.ctx.world_size))
         if len(members) != self.ctx.world_size:
             self._resized = len(members)
             if position:  # (a checkpoint within an epoch is never taken after rows were shared out again)

@@ -21,6 +21,10 @@ from typing import Any, ClassVar, Optional
 from pydantic import BaseModel, ConfigDict
 
 
+# What the refusal of another number of workers says works instead (the strategies whose rules allow it).
+RESUME_ON_ANY_NUMBER = "allreduce, sync and fedavg with iid partitions resume on any number"
+
+
 class StrategyRules:
     """The defaults: no options, no rules, the LR is not scaled, nothing to check before spawning."""
 
