@@ -106,7 +106,9 @@ class Trainer:
     steps_per_epoch, epochs)` may return an LR scheduler stepped once per step. With `out`, the
     run directory receives metrics.jsonl, summary.json, model.pt and, every `checkpoint_every`
     epochs (and every `checkpoint_every_steps` steps within an epoch), checkpoints (`resume=True`
-    continues from the newest, bit for bit). Nothing joins a process group before `fit`.
+    continues from the newest, bit for bit; on another number of workers where the strategy can, and
+    never from another run's or one trained on other data, unless `resume_with_changed_data`). Nothing
+    joins a process group before `fit`.
     With `min_workers`, the run goes on without failed or departed workers down to that many, and
     workers joining it (`dptrain join`) enter while fewer than `max_workers` train (default: the
     world it started with); `lr_rule(W)` (the factor your LR rule gives W workers) then has the LR follow the live world.
