@@ -147,6 +147,9 @@ class TrainConfig(BaseModel):
     keep_checkpoints: int = Field(2, ge=1, description="how many checkpoints to keep")
     resume: bool = Field(False, description="continue the run in --out from its last checkpoint (also automatic when "
                                             "--out holds an unfinished run with the same settings)")
+    resume_with_changed_data: bool = Field(False, description="continue the run in --out although its training data "
+                                                              "changed since its checkpoint (other rows, or other "
+                                                              "rows held out); without it such a run is refused")
     max_restarts: int = Field(0, ge=0, description="local launcher: restart the workers from the last checkpoint up to N times")
     grace: Optional[float] = Field(None, gt=0, description="local launcher: seconds the workers have, after a stop "
                                    "signal passed on to them, to save and exit; those still running then are killed "

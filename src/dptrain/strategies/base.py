@@ -12,6 +12,7 @@ dptrain.strategies.rules when the strategy's own imports torch), and registering
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
 from typing import TYPE_CHECKING, Callable, Optional
 
@@ -200,6 +201,10 @@ class Strategy(StrategyRules):
     def load_state_dict(self, state: dict) -> None:
         """Restore state_dict() output; called after setup()."""
         self.comm_bytes = state["comm_bytes"]
+
+    def refuses_other_world(self, within_epoch: bool) -> Optional[str]:
+        """`other_world_refused` for this strategy as it was built (its settings as `describe` says them)."""
+        return self.other_world_refused(SimpleNamespace(**self.describe()), within_epoch)
 
     def summary(self) -> dict:
         """Strategy-specific results for summary.json (after finish)."""

@@ -2,26 +2,32 @@
 
 Layout in the run directory:
 
+    checkpoints/epoch-000004/checkpoint.json   the manifest: who wrote it (members, job ranks), world size,
+                                               strategy, the run's id, the training data's fingerprint
     checkpoints/epoch-000004/rank-00000.pt     model, optimizer, scheduler, strategy, RNG, history
     checkpoints/epoch-000004/rank-00000.pt.sha256
-    ...one pair per rank
+    ...one pair per member, named by its rank of the job (a run that went on without rank 1 writes
+    rank-00000 and rank-00002, never a renumbered rank-00001)
     checkpoints/epoch-000004-step-000017/...   17 steps into epoch 5 (--checkpoint-every-steps): also
                                                the position in the epoch ("position")
 
 A checkpoint is named by where it was taken: an epoch end as the int E (epochs complete), a point
 within an epoch as the pair (E, K): K steps into epoch E + 1. Pairs sort after E and before E + 1.
 
-A checkpoint is complete when every rank's file is present and matches its checksum. Files
+A checkpoint is complete when its manifest is there and every member it names wrote its file,
+matching its checksum (a checkpoint written before manifests: every rank of the run's world). Files
 are written to a temporary name, fsynced and renamed, so a crash never leaves a half file
 under the real name; a truncated or altered file fails its checksum and resuming falls back
 to the previous complete checkpoint. Everything is loaded with torch.load(weights_only=True):
-tensors, numbers, strings, lists and dicts only, never arbitrary pickled objects.
+tensors, numbers, strings, lists and dicts only, never arbitrary pickled objects (which is also why
+torch.distributed.checkpoint's FileSystemReader is not used: it reads its .metadata with pickle.load).
 """
 
 from __future__ import annotations
 
 import hashlib
 import io
+import json
 import random
 import re
 import shutil
@@ -32,9 +38,11 @@ import numpy as np
 import torch
 
 from dptrain.errors import UserError
-from dptrain.io import atomic_write_bytes, make_dirs
+from dptrain.data.fingerprint import difference
+from dptrain.io import atomic_write_bytes, make_dirs, write_json
 
 DIRECTORY = "checkpoints"
+MANIFEST = "checkpoint.json"
 EPOCH_DIR = re.compile(r"^epoch-(\d{6})(?:-step-(\d{6,}))?$")
 At = Union[int, tuple[int, int]]  # an epoch end E, or (E, K): K steps into epoch E + 1
 
@@ -60,7 +68,8 @@ def _rank_file(directory: Path, rank: int) -> Path:
 
 
 def save(run_dir: Path, epoch: At, rank: int, state: dict[str, Any]) -> Path:
-    """Write this rank's state for `epoch` (counted from 1, or a point within an epoch) atomically, with its checksum."""
+    """Write the state of `rank` (of the job) for `epoch` (counted from 1, or a point within an epoch) atomically,
+    with its checksum."""
     directory = _epoch_dir(run_dir, epoch)
     make_dirs(directory)
     buffer = io.BytesIO()
@@ -73,19 +82,45 @@ def save(run_dir: Path, epoch: At, rank: int, state: dict[str, Any]) -> Path:
     return path
 
 
+def write_manifest(run_dir: Path, epoch: At, members, strategy: str, run_id: Optional[str],
+                   data: Optional[dict]) -> None:
+    """The manifest of the checkpoint of `epoch`: its members (ranks of the job, in the order of their ranks in
+    the group that wrote it), so that it is complete once each of them wrote its file, whatever the world."""
+    directory = _epoch_dir(run_dir, epoch)
+    make_dirs(directory)
+    write_json(directory / MANIFEST, {"members": [int(member) for member in members], "world_size": len(members),
+                                      "strategy": strategy, "run_id": run_id, "data": data})
+
+
+def manifest(run_dir: Path, epoch: At, world_size: int) -> dict:
+    """The manifest of the checkpoint of `epoch`; for one written before manifests, the run's `world_size`
+    ranks as members and nothing else known."""
+    path = _epoch_dir(run_dir, epoch) / MANIFEST
+    try:
+        found = json.loads(path.read_text())
+    except (OSError, ValueError):
+        found = None
+    if not isinstance(found, dict) or not isinstance(found.get("members"), list):
+        if path.exists():  # being written, or cut short: nobody is known to have written this checkpoint
+            return {"members": None, "world_size": None}
+        return {"members": list(range(world_size)), "world_size": world_size, "legacy": True}
+    return found
+
+
 def prune(run_dir: Path, keep: int, world_size: int) -> None:
     """Keep the newest `keep` complete checkpoints and every epoch directory newer than them.
 
     Rank 0 calls this right after its own save, when other ranks may still be writing that
-    epoch (or, under async, an older one): a directory is counted only once every rank's file
-    and checksum are in it, and nothing newer than the oldest kept checkpoint is touched, so
-    a rank killed mid-write or a slow worker never costs the last complete checkpoint.
-    Presence is enough: both files are renamed into place whole, and load() verifies them.
+    epoch (or, under async, an older one), and again once every rank's last save is done (the end
+    of the run, a stop): a directory is counted only once every member's file and checksum are in
+    it, and nothing newer than the oldest kept checkpoint is touched, so a rank killed mid-write or
+    a slow worker never costs the last complete checkpoint. Presence is enough: both files are
+    renamed into place whole, and load() verifies them.
     """
     if keep <= 0:
         return
     epochs = _epochs(Path(run_dir))
-    complete = [epoch for epoch in epochs if _has_every_rank(_epoch_dir(run_dir, epoch), world_size)]
+    complete = [epoch for epoch in epochs if _has_every_member(run_dir, epoch, world_size)]
     if len(complete) < keep:
         return  # fewer complete checkpoints than asked for: every one, and all newer partial ones, stay
     oldest_kept = _key(complete[-keep])
@@ -99,9 +134,10 @@ def _epoch_dir(run_dir: Path, at: At) -> Path:
     return Path(run_dir) / DIRECTORY / (f"epoch-{epoch:06d}-step-{steps:06d}" if steps else f"epoch-{epoch:06d}")
 
 
-def _has_every_rank(directory: Path, world_size: int) -> bool:
-    return all(_rank_file(directory, rank).is_file() and _checksum_file(_rank_file(directory, rank)).is_file()
-               for rank in range(world_size))
+def _has_every_member(run_dir: Path, epoch: At, world_size: int) -> bool:
+    members = manifest(run_dir, epoch, world_size)["members"]
+    directory = _epoch_dir(run_dir, epoch)
+    return members is not None and all(_complete_pair(_rank_file(directory, rank)) for rank in members)
 
 
 def _checksum_file(path: Path) -> Path:
@@ -126,15 +162,20 @@ def _verified_bytes(path: Path) -> Optional[bytes]:
 
 
 def latest_complete(run_dir: Path, world_size: int) -> tuple[Optional[At], list[str]]:
-    """(newest checkpoint whose files all verify, or None; a note for each newer one skipped).
+    """(newest checkpoint whose manifest is there and whose members' files all verify, or None; a note for
+    each newer one skipped). `world_size`: the members of a checkpoint written before manifests.
 
-    A checkpoint with rank files missing was being written when the run stopped (Ctrl-C, a kill):
+    A checkpoint with member files missing was being written when the run stopped (Ctrl-C, a kill):
     expected, and said calmly. One whose files are there but fail their checksum is corrupt."""
     skipped: list[tuple[At, list[int], list[int]]] = []  # (epoch, missing ranks, corrupt ranks)
     found = None
     for epoch in reversed(_epochs(Path(run_dir))):
         directory = _epoch_dir(run_dir, epoch)
-        bad = [rank for rank in range(world_size) if _verified_bytes(_rank_file(directory, rank)) is None]
+        members = manifest(run_dir, epoch, world_size)["members"]
+        if members is None:
+            skipped.append((epoch, [], []))
+            continue
+        bad = [rank for rank in members if _verified_bytes(_rank_file(directory, rank)) is None]
         if not bad:
             found = epoch
             break
@@ -151,13 +192,35 @@ def latest_complete(run_dir: Path, world_size: int) -> tuple[Optional[At], list[
     return found, notes
 
 
+def foreign(saved: dict, run_id: Optional[str], data: Optional[dict], changed_data_ok: bool) -> Optional[str]:
+    """Why a checkpoint (its manifest `saved`) does not belong to this run, or None: another run's id (a
+    checkpoint copied in from elsewhere), or training data whose fingerprint differs (unless the user said
+    --resume-with-changed-data). A checkpoint written before manifests is taken as it is."""
+    if saved.get("legacy"):
+        return None
+    if saved.get("run_id") and run_id and saved["run_id"] != run_id:
+        return (f"it belongs to another run (run id {saved['run_id']}, this run's is {run_id}); give --out a new "
+                "directory, or copy no checkpoints between runs")
+    changed = difference(saved.get("data"), data) if data is not None else None
+    if changed and not changed_data_ok:
+        return (f"it was trained on other data ({changed}); give the same data to continue it, "
+                "--resume-with-changed-data to go on with this data, or --out a new directory")
+    return None
+
+
+def who_wrote(saved: dict) -> str:
+    """"2: job ranks 0, 2" for a manifest naming members 0 and 2."""
+    members = saved["members"]
+    return f"{len(members)}: job rank{'s' if len(members) != 1 else ''} {', '.join(map(str, members))}"
+
+
 def _complete_pair(path: Path) -> bool:
     """Whether a rank file and its checksum were both written (else the save was cut short)."""
     return path.is_file() and _checksum_file(path).is_file()
 
 
 def load(run_dir: Path, epoch: At, rank: int) -> dict[str, Any]:
-    """This rank's verified state of `epoch`, loaded without unpickling arbitrary objects."""
+    """The verified state `rank` (of the job) wrote for `epoch`, loaded without unpickling arbitrary objects."""
     path = _rank_file(_epoch_dir(run_dir, epoch), rank)
     data = _verified_bytes(path)
     if data is None:

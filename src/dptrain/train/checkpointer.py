@@ -12,10 +12,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable, Optional
 
+import torch
+
 from dptrain.errors import UserError
 from dptrain import faults
 from dptrain.runtime.distributed import DistContext
+from dptrain.strategies.rules import RESUME_ON_ANY_NUMBER
 from dptrain.train import checkpoint_files
+from dptrain.train.rundir import run_id
 
 
 def load_model_state(model, saved: dict, epoch: checkpoint_files.At, run_dir: Path) -> None:
@@ -27,14 +31,55 @@ def load_model_state(model, saved: dict, epoch: checkpoint_files.At, run_dir: Pa
                         f"{checkpoint_files.first_mismatch(exc)}") from None
 
 
+def resume_refusal(out: Path, at: checkpoint_files.At, saved: dict, this_run: Optional[str], data: Optional[dict],
+                   changed_data_ok: bool, world: int, strategy: str,
+                   other_world_refused: Callable[[bool], Optional[str]]) -> Optional[str]:
+    """Why the checkpoint of `at` (its manifest `saved`) cannot be continued by this run on `world` workers, in one
+    line, or None: another run's, trained on other data, or written by another number of workers than
+    `strategy` can resume on (`other_world_refused(within_epoch)`: why not, or None). Checked where the run
+    directory is opened (before anything is written) and again where the ranks restore."""
+    why = checkpoint_files.foreign(saved, this_run, data, changed_data_ok)
+    if why is not None:
+        return f"the checkpoint of {checkpoint_files.describe(at)} in '{out}' cannot be continued: {why}"
+    if len(saved["members"]) != world:
+        refused = other_world_refused(isinstance(at, tuple))
+        if refused is not None:
+            return (f"the checkpoint of {checkpoint_files.describe(at)} in '{out}' was written by "
+                    f"{checkpoint_files.who_wrote(saved)}, and {strategy} cannot resume on another number of "
+                    f"workers ({world} now): {refused}; give --workers {len(saved['members'])} to continue it "
+                    f"({RESUME_ON_ANY_NUMBER})")
+    return None
+
+
+def source_of(members: list[int], rank: int) -> int:
+    """The member (rank of the job) whose files rank `rank` of a new world of any size continues from: its own
+    place among the writers, or, in a world larger than theirs, a copy of one of them in turn."""
+    return members[rank % len(members)]
+
+
 class Checkpointer:
     """Saves every `every` epochs into OUT/checkpoints (0: never), and every `every_steps` steps within an
-    epoch (0: never), and keeps `keep`; restores the newest."""
+    epoch (0: never), and keeps `keep`; restores the newest, on the world the run has now.
+
+    `identify` says what each checkpoint's manifest records beside its members: the strategy's name, the
+    training data's fingerprint and why the strategy cannot resume on another number of workers."""
 
     def __init__(self, out: Optional[Path], ctx: DistContext, every: int, keep: int,
-                 log: Callable[[str], None], every_steps: int = 0) -> None:
+                 log: Callable[[str], None], every_steps: int = 0, changed_data_ok: bool = False) -> None:
         self.out, self.ctx, self.every, self.keep, self.log = out, ctx, every, keep, log
-        self.every_steps = every_steps
+        self.every_steps, self.changed_data_ok = every_steps, changed_data_ok
+        self.strategy = "local"
+        self._fingerprint: Optional[Callable[[], dict]] = None
+        self._data: Optional[dict] = None
+        self._other_world_refused: Callable[[bool], Optional[str]] = lambda within: None
+
+    def identify(self, strategy: str, data: Callable[[], dict], other_world_refused: Callable[[bool], Optional[str]]) -> None:
+        self.strategy, self._fingerprint, self._other_world_refused = strategy, data, other_world_refused
+
+    def _data_fingerprint(self) -> Optional[dict]:
+        if self._data is None and self._fingerprint is not None:
+            self._data = self._fingerprint()
+        return self._data
 
     @property
     def enabled(self) -> bool:
@@ -50,45 +95,88 @@ class Checkpointer:
         return bool(self.every_steps) and 0 < steps < common and steps % self.every_steps == 0
 
     def save(self, epoch: int, step: int, wall: float, components: dict, history: list[dict],
-             position: Optional[dict] = None) -> None:
+             position: Optional[dict] = None, members: Optional[tuple[int, ...]] = None) -> None:
         """This rank's state after `epoch` (from 1); `components` map a name to an object with state_dict() or None.
 
-        With `position` (steps > 0 done of epoch `epoch` + 1) it is a checkpoint within that epoch."""
+        With `position` (steps > 0 done of epoch `epoch` + 1) it is a checkpoint within that epoch. `members`:
+        the ranks of the job that write it (default: the group's); this rank's file is named by its own."""
         if self.out is None:
             return
+        members = tuple(members if members is not None else self.ctx.group.members)
         at = checkpoint_files.named(epoch, position["steps"]) if position else epoch
         state = {"epoch": epoch, "step": step, "wall_seconds": wall,
                  **{name: (part.state_dict() if part is not None else {}) for name, part in components.items()},
                  "rng": checkpoint_files.rng_state(), "history": history, **({"position": position} if position else {})}
-        faults.at(self.ctx.job_rank, None if position else epoch)  # the save fault points name epoch ends
+        job_rank = self.ctx.job_rank
+        faults.at(job_rank, None if position else epoch)  # the save fault points name epoch ends
         faults.point("save-begin")
-        checkpoint_files.save(self.out, at, self.ctx.rank, state)
+        if self.ctx.is_main:  # before its own file: a checkpoint with rank 0's file has its manifest
+            checkpoint_files.write_manifest(self.out, at, members, self.strategy, run_id(self.out),
+                                            self._data_fingerprint())
+        checkpoint_files.save(self.out, at, job_rank, state)
         faults.point("save-end")
-        faults.at(self.ctx.job_rank, None)  # other files written later are not part of a save
-        if self.ctx.is_main:
+        faults.at(job_rank, None)  # other files written later are not part of a save
+        self.prune()
+
+    def prune(self) -> None:
+        """Rank 0: drop the checkpoints beyond `keep` complete ones (after each save, and once every rank's last
+        save is done: the newest is counted only when complete)."""
+        if self.out is not None and self.ctx.is_main and self.enabled:
             checkpoint_files.prune(self.out, self.keep, self.ctx.world_size)
 
     def restore(self, components: dict) -> Optional[dict]:
-        """Load the newest complete checkpoint into `components` (rank 0 chooses it for all); its state or None."""
-        epoch = None
+        """Load the newest complete checkpoint into `components` (rank 0 chooses it for all), from the file of
+        this rank's member (`source_of`) when another world wrote it; its state or None. The state's "members"
+        are the ranks of the job that wrote it; a rank that continues from a copy of another's state has "copy"
+        True; within an epoch, the position's samples and loss of writers beyond this world are added to the
+        rank that continues their place (so that the epoch's record still counts every row read)."""
+        decision = None
         if self.ctx.is_main and self.out:
-            epoch, notes = checkpoint_files.latest_complete(self.out, self.ctx.world_size)
+            at, notes = checkpoint_files.latest_complete(self.out, self.ctx.world_size)
             for note in notes:
                 self.log(f"dptrain: {note}")
-        epoch = self.ctx.group.broadcast_object("resume", epoch)
-        epoch = tuple(epoch) if isinstance(epoch, list) else epoch  # JSON carries a point within an epoch as a list
-        if epoch is None:
+            if at is not None:
+                saved = checkpoint_files.manifest(self.out, at, self.ctx.world_size)
+                refused = resume_refusal(self.out, at, saved, run_id(self.out, create=False),
+                                         self._data_fingerprint(), self.changed_data_ok, self.ctx.world_size,
+                                         self.strategy, self._other_world_refused)
+                decision = {"at": at, "members": saved["members"], "refused": refused}
+        decision = self.ctx.group.broadcast_object("resume", decision)
+        if decision is None:
             return None
-        state = checkpoint_files.load(self.out, epoch, self.ctx.rank)
+        if decision["refused"]:
+            raise UserError(decision["refused"])
+        at = decision["at"]
+        at = tuple(at) if isinstance(at, list) else at  # JSON carries a point within an epoch as a list
+        members, rank, world = list(decision["members"]), self.ctx.rank, self.ctx.world_size
+        source = source_of(members, rank)
+        state = checkpoint_files.load(self.out, at, source)
+        copy = rank >= len(members)
         for name, part in components.items():
             if name == "model":
-                load_model_state(part, state[name], epoch, self.out)
+                load_model_state(part, state[name], at, self.out)
             elif part is not None and state.get(name):
                 part.load_state_dict(state[name])
-        checkpoint_files.set_rng_state(state["rng"])
-        where = f"at {checkpoint_files.describe(epoch)}" if isinstance(epoch, tuple) else f"after epoch {epoch}"
-        self.log(f"dptrain: resuming {where} from {self.out}")
-        return state
+        if not copy:  # a copy draws its own random numbers (seeded by its rank), not its source's again
+            checkpoint_files.set_rng_state(state["rng"])
+        if state.get("position") and len(members) > world:
+            for member in members[world:][rank::world] if rank < world else ():
+                theirs = checkpoint_files.load(self.out, at, member)["position"]
+                state["position"]["samples"] += theirs["samples"]
+                state["position"]["loss_sum"] = state["position"]["loss_sum"] + theirs["loss_sum"]
+        if copy and state.get("position"):  # its place in the epoch is new: it has read nothing of it yet
+            state["position"].update(samples=0, loss_sum=torch.zeros_like(state["position"]["loss_sum"]))
+        where = f"at {checkpoint_files.describe(at)}" if isinstance(at, tuple) else f"after epoch {at}"
+        if members == list(self.ctx.group.members):
+            self.log(f"dptrain: resuming {where} from {self.out}")
+        else:
+            if isinstance(at, tuple):
+                replanned = f"; the rest of epoch {at[0] + 1} re-planned over {world} workers" if len(members) != world else ""
+            else:
+                replanned = f"; the epochs from {at + 1} on planned over {world} workers" if len(members) != world else ""
+            self.log(f"dptrain: resuming {where} from {self.out} on {world} worker{'s' if world != 1 else ''} "
+                     f"(written by {checkpoint_files.who_wrote({'members': members})}){replanned}")
+        return {**state, "members": members, "copy": copy}
 
 
 def describe_interruption(out: Optional[Path], world_size: int, epochs_done: int, epochs: int) -> str:

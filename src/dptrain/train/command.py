@@ -22,6 +22,7 @@ import torch
 from dptrain import lr_policy, registry
 from dptrain.config import BUILTIN_LOSSES, TrainConfig, build_config, recorded, to_yaml, with_absolute_paths
 from dptrain.data import sharding
+from dptrain.data.fingerprint import fingerprint
 from dptrain.data.kinds import DataSplits, load_data
 from dptrain.data.sampler import as_dataset, loader
 from dptrain.user_code import check_spec_file, load_callable
@@ -38,11 +39,12 @@ from dptrain.runtime.spawn import Ranks
 from dptrain.strategies import build_strategy
 from dptrain.train.optim import build_optimizer
 from dptrain.train import checkpoint_files
-from dptrain.train.rundir import JOIN_FILE, check_not_busy, check_run_dir, default_run_dir, lock_run_dir, open_run_dir
+from dptrain.train.rundir import (JOIN_FILE, check_not_busy, check_run_dir, default_run_dir, lock_run_dir, open_run_dir,
+                                  run_id)
 from dptrain.train.preemption import (STOP_SIGNALS, catch_stop_signals_early, release_early_stop_signals,
                                      take_early_stop_signal)
 from dptrain.train.recorder import Summary, summary_line
-from dptrain.train.checkpointer import describe_interruption, epochs_recorded, load_model_state
+from dptrain.train.checkpointer import describe_interruption, epochs_recorded, load_model_state, resume_refusal
 from dptrain.train.trainer import Trainer, check_amp
 
 
@@ -116,7 +118,12 @@ def check_first(config: TrainConfig) -> None:
 
 def validate(config: TrainConfig) -> torch.nn.Module:
     """Everything that can be checked before workers start: the cheap checks first, then data, model, loss,
-    worker count."""
+    worker count. Returns the model."""
+    return _validate(config)[0]
+
+
+def _validate(config: TrainConfig) -> tuple[torch.nn.Module, DataSplits]:
+    """validate(), returning the data too."""
     device = choose_device(config.device, 0)
     check_amp(config.amp, device)
     if backend_for(device) == "nccl" and not detect().launched and config.workers > torch.cuda.device_count():
@@ -133,11 +140,14 @@ def validate(config: TrainConfig) -> torch.nn.Module:
         raise UserError(f"--batch-size {config.batch_size} is larger than a worker's shard of "
                         f"{samples // config.workers} samples ({samples} samples over "
                         f"{config.workers} workers); use at most {samples // config.workers}")
-    return model
+    return model, data
 
 
-def prepare_run_dir(config: TrainConfig, out: str, world: int, model: torch.nn.Module) -> tuple[Path, bool]:
-    """Open (or continue) the run directory; refuse unusable checkpoints before anything is written."""
+def prepare_run_dir(config: TrainConfig, out: str, world: int, model: torch.nn.Module,
+                    data: Optional[DataSplits] = None) -> tuple[Path, bool]:
+    """Open (or continue) the run directory; refuse unusable checkpoints before anything is written: corrupt,
+    of another model, of another run, on other `data` than now, or of another world than `world` where the
+    strategy cannot resume on another number of workers."""
     # Data, model and loss files as absolute paths: `dptrain train --config RUN/config.yaml` repeats the run
     # from anywhere (and an interrupted run is recognised whichever directory it is continued from).
     # Only the settings that apply are compared: those of other strategies and data kinds are not recorded.
@@ -150,7 +160,15 @@ def prepare_run_dir(config: TrainConfig, out: str, world: int, model: torch.nn.M
             raise UserError(f"run directory '{out}' has checkpoints but none is complete and readable ({note}); "
                             f"remove its {checkpoint_files.DIRECTORY}/ folder to start the run over")
         if epoch is not None:
-            load_model_state(model, checkpoint_files.load(run_dir, epoch, 0)["model"], epoch, out)
+            saved = checkpoint_files.manifest(run_dir, epoch, world)
+            rules = registry.load("strategy rules", config.strategy)
+            refused = resume_refusal(Path(out), epoch, saved, run_id(run_dir, create=False),
+                                     fingerprint(data.train_set()) if data is not None else None,
+                                     config.resume_with_changed_data, world, config.strategy,
+                                     lambda within: rules.other_world_refused(config, within))
+            if refused:
+                raise UserError(refused)
+            load_model_state(model, checkpoint_files.load(run_dir, epoch, saved["members"][0])["model"], epoch, out)
     paths = {key: settings[key] for key in ("data", "model", "loss")}
     text = to_yaml(config.model_copy(update={**paths, "out": str(run_dir), "resume": False, "workers": world}))
     saved_config = run_dir / "config.yaml"
@@ -177,10 +195,10 @@ def _train(config: TrainConfig, prestarted: Optional[Ranks] = None) -> tuple[int
             if prestarted is None:
                 prestarted = own = prestart(config.workers, serve_store=config.min_workers is not None)
             stop_while_starting(take_early_stop_signal())
-        model = validate(config)
+        model, data = _validate(config)
         if config.workers == 1:
             return 0, run_worker(config, env)
-        return spawn_workers(config, model, prestarted)
+        return spawn_workers(config, model, prestarted, data)
     finally:
         if own is not None:
             own.close()
@@ -212,15 +230,15 @@ def train_from_config(config: Union[TrainConfig, dict]) -> Summary:
     return Summary.from_dict(json.loads((result / "summary.json").read_text()))
 
 
-def spawn_workers(config: TrainConfig, model: torch.nn.Module,
-                  prestarted: Optional[Ranks] = None) -> tuple[int, Path]:
+def spawn_workers(config: TrainConfig, model: torch.nn.Module, prestarted: Optional[Ranks] = None,
+                  data: Optional[DataSplits] = None) -> tuple[int, Path]:
     """Run `config.workers` local ranks (restarting up to --max-restarts times); (exit code, run directory).
 
     `prestarted`: the first attempt's ranks, already importing (dptrain.runtime.prestart).
     """
     out = config.out or default_run_dir(config.strategy)
     with lock_run_dir(out):  # the launcher holds the run directory while its workers run
-        run_dir, resuming = prepare_run_dir(config, out, config.workers, model)
+        run_dir, resuming = prepare_run_dir(config, out, config.workers, model, data)
         verb = "continuing the run in" if resuming else "run directory"
         print(f"dptrain: {verb} {run_dir}; starting {config.workers} workers on this machine...", flush=True)
         argv = ["train", "--config", str(run_dir / "config.yaml")]
@@ -254,8 +272,8 @@ def _join_run_dir(config: TrainConfig, env: DistEnv, ctx, held: ExitStack) -> Tr
         out = config.out or default_run_dir(config.strategy, env.job_id or os.environ.get("TORCHELASTIC_RUN_ID"))
         try:
             held.enter_context(lock_run_dir(out))
-            model = make_model(config, load_data(config, check_values=False, log=lambda message: None))
-            run_dir, _ = prepare_run_dir(config, out, ctx.world_size, model)
+            data = load_data(config, check_values=False, log=lambda message: None)
+            run_dir, _ = prepare_run_dir(config, out, ctx.world_size, make_model(config, data), data)
             decision = [str(run_dir), None]
         except UserError as exc:
             decision = [None, str(exc)]
@@ -350,6 +368,7 @@ def train_in_group(config: TrainConfig, env: DistEnv, ctx, held: ExitStack) -> S
                       lr_scale=lr_policy.guarded_scale(config, world),
                       min_workers=config.min_workers, max_workers=config.max_workers,
                       commit_every_steps=config.commit_every_steps or 0,
+                      resume_with_changed_data=config.resume_with_changed_data,
                       lr_rule=lambda world: lr_policy.lr_scale(config, world)[0])
     trainer.emulate_straggler(config.slow_workers().get(ctx.rank if ctx.joining is None else ctx.joining, 1.0))
     trainer.data_record = data_record(config, data)

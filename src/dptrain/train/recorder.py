@@ -143,6 +143,14 @@ class Recorder:
             self.departed_bytes = last["comm_bytes"] - sum(worker["comm_bytes"] for worker in kept)
         self.members, self.world_size = tuple(members), len(members)
 
+    def resume_without(self, places: int) -> None:
+        """The run resumed from a checkpoint of other members than it has now, on whose first `places` workers'
+        states it carries on: the bytes of the others (and of those gone before), as the last record has them,
+        stay in every total from now on, as after a membership change (`follow`)."""
+        if self.history:
+            last = self.history[-1]
+            self.departed_bytes = last["comm_bytes"] - sum(worker["comm_bytes"] for worker in last["workers"][:places])
+
     def _live(self, before: str) -> str:
         """The live membership where it differs from the job's start: "2 of 3 workers (ranks 0, 1)", or
         "4 workers, 1 more than at the start (ranks 0, 1, 2, 3)" grown beyond it."""
@@ -173,6 +181,8 @@ class Recorder:
             **(checked or {}),
         }
         self._recorded_by[epoch + 1] = self.members if self.members is not None else tuple(range(self.job_world))
+        if self.history and self.history[-1]["epoch"] > epoch:  # an epoch done again replaces its records from then
+            self.replace_history([kept for kept in self.history if kept["epoch"] <= epoch])
         self.history.append(record)
         if path := self._file("metrics.jsonl"):
             append_jsonl(path, record)

@@ -9,11 +9,13 @@ import errno
 import json
 import fcntl
 import os
+import secrets
 import socket
 import time
 import sys
 from contextlib import contextmanager
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Iterator, Optional
 
 from dptrain.config import RUN_SETTINGS, TrainConfig, read_yaml, with_absolute_paths
@@ -25,6 +27,7 @@ RUN_FILES = ("config.yaml", "metrics.jsonl", "summary.json", "model.pt")
 # Marks a directory dptrain claimed for a run (`dptrain launch` claims it before the job writes its
 # script and output there): only such a directory, a new one or an empty one takes a run.
 MARKER = ".dptrain-run"
+RUN_ID = "run id: "  # the marker's line naming the run: a random id made when the run directory is first claimed
 
 
 def default_run_dir(strategy: str, job_id: Optional[str] = None) -> str:
@@ -35,7 +38,9 @@ def default_run_dir(strategy: str, job_id: Optional[str] = None) -> str:
 # Settings that may change between an interrupted run and its continuation.
 RESUMABLE_CHANGES = {"out", "resume", "progress", "timeout", "epochs", "max_restarts", "grace", "checkpoint_every",
                      "checkpoint_every_steps", "keep_checkpoints", "replace_workers", "max_workers",
-                     "commit_every_steps"}
+                     "commit_every_steps", "resume_with_changed_data"}
+# A setting that may change where the strategy can take it (other_world_refused says why one cannot).
+WORKERS = "workers"
 
 
 def claim_run_dir(path: str) -> Path:
@@ -46,8 +51,25 @@ def claim_run_dir(path: str) -> Path:
     _check_claim(path)
     _make_run_dir(path)
     if not (directory / MARKER).exists():
-        write_text(directory / MARKER, "a dptrain run directory\n")
+        write_text(directory / MARKER, f"a dptrain run directory\n{RUN_ID}{secrets.token_hex(8)}\n")
     return directory
+
+
+def run_id(directory: Path, create: bool = True) -> Optional[str]:
+    """The id of the run in `directory` (its marker's `run id:` line). Each checkpoint records it, so that one
+    copied in from another run is told apart (dptrain.train.checkpoint_files). A run directory claimed before
+    runs had ids, or made by the Python API without a claim, gets one now (`create`; else None)."""
+    marker = Path(directory) / MARKER
+    text = marker.read_text() if marker.is_file() else "a dptrain run directory\n"
+    for line in text.splitlines():
+        if line.startswith(RUN_ID) and line[len(RUN_ID):].strip():
+            return line[len(RUN_ID):].strip()
+    if not create:
+        return None
+    made = secrets.token_hex(8)
+    make_dirs(Path(directory))
+    write_text(marker, f"{text.rstrip()}\n{RUN_ID}{made}\n")
+    return made
 
 
 def _check_claim(path: str) -> None:
@@ -276,6 +298,26 @@ def _default(key: str) -> Any:
     return None if field is None else json.loads(json.dumps(field.default))
 
 
+def _check_other_world(path: str, settings: dict[str, Any], recorded: int, workers: int) -> None:
+    """A run continued on `workers` workers, `recorded` in its config.yaml: where its strategy resumes on another
+    number (its rules' other_world_refused; whether a checkpoint within an epoch can is decided with the
+    checkpoint, dptrain.train.checkpointer), or on as many as wrote its newest complete checkpoint."""
+    from dptrain import registry
+    from dptrain.strategies.rules import RESUME_ON_ANY_NUMBER
+    from dptrain.train import checkpoint_files  # torch: only a run continued on another number of workers needs it
+
+    strategy = settings.get("strategy", "allreduce")
+    refused = registry.load("strategy rules", strategy).other_world_refused(SimpleNamespace(**settings))
+    if refused is None:
+        return
+    at, _ = checkpoint_files.latest_complete(Path(path), recorded)
+    written = checkpoint_files.manifest(Path(path), at, recorded)["world_size"] if at is not None else recorded
+    if workers != written:
+        raise UserError(f"run directory '{path}' holds a run of {strategy} on {written} workers, {workers} now: "
+                        f"{strategy} cannot resume on another number of workers ({refused}); give --workers "
+                        f"{written} to continue it ({RESUME_ON_ANY_NUMBER}), or --out a new directory")
+
+
 def open_run_dir(path: str, settings: dict[str, Any], resume: bool = False) -> tuple[Path, bool]:
     """(run directory, whether it continues an interrupted run with the same settings).
 
@@ -314,7 +356,9 @@ def check_run_dir(path: str, settings: dict[str, Any], resume: bool = False, onl
         recorded = previous[key] if key in previous else _default(key)  # a setting newer than the run
         if key in OLD_DEFAULTS and value is None and recorded == OLD_DEFAULTS[key] and "lr_scaling" not in previous:
             recorded = None
-        if key not in RESUMABLE_CHANGES and recorded != value and not _moved(key, recorded, value):
+        if key == WORKERS and recorded != value:
+            _check_other_world(path, settings, recorded, value)
+        elif key not in RESUMABLE_CHANGES and recorded != value and not _moved(key, recorded, value):
             raise UserError(f"run directory '{path}' holds a run with other settings ({key}: {recorded!r} "
                             f"there, {value!r} now); give --out a new directory, or the same settings to continue it")
     if resume and not (directory / "checkpoints").is_dir():

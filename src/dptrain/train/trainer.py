@@ -26,6 +26,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from dptrain import faults
+from dptrain.data.fingerprint import fingerprint
 from dptrain.data.sampler import PlanBatches, Rest, TrainData, as_dataset, evaluation_loader, labels_of, loader
 from dptrain.errors import Diverged, Interrupted, JoinedTooLate, Left, Preempted, UserError
 from dptrain.runtime.distributed import DistContext, init_process_group, store_served
@@ -106,7 +107,9 @@ class Trainer:
     steps_per_epoch, epochs)` may return an LR scheduler stepped once per step. With `out`, the
     run directory receives metrics.jsonl, summary.json, model.pt and, every `checkpoint_every`
     epochs (and every `checkpoint_every_steps` steps within an epoch), checkpoints (`resume=True`
-    continues from the newest, bit for bit). Nothing joins a process group before `fit`.
+    continues from the newest, bit for bit; on another number of workers where the strategy can, and
+    never from another run's or one trained on other data, unless `resume_with_changed_data`). Nothing
+    joins a process group before `fit`.
     With `min_workers`, the run goes on without failed or departed workers down to that many, and
     workers joining it (`dptrain join`) enter while fewer than `max_workers` train (default: the
     world it started with); `lr_rule(W)` (the factor your LR rule gives W workers) then has the LR follow the live world.
@@ -123,7 +126,8 @@ class Trainer:
                  keep_checkpoints: int = 2, resume: bool = False, check_averages: bool = True,
                  stop_on_collapse: bool = False, lr_scale: float = 1.0, checkpoint_every_steps: int = 0,
                  min_workers: Optional[int] = None, max_workers: Optional[int] = None,
-                 lr_rule: Optional[Callable[[int], float]] = None, commit_every_steps: int = 0) -> None:
+                 lr_rule: Optional[Callable[[int], float]] = None, commit_every_steps: int = 0,
+                 resume_with_changed_data: bool = False) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer over the model's parameters, "
                             f"not {type(optimizer).__name__}")
@@ -141,6 +145,7 @@ class Trainer:
         self.progress, self.verbose, self.loader_workers = progress, verbose, loader_workers
         self.checkpoint_every, self.keep_checkpoints, self.resume = checkpoint_every, keep_checkpoints, resume
         self.checkpoint_every_steps = checkpoint_every_steps
+        self.resume_with_changed_data = resume_with_changed_data  # resume although the data's fingerprint differs
         # The check of every average (dptrain.train.health); with lr_scale > 1 (the factor --lr-scaling auto
         # multiplied the optimizer's LR by) it also backs that factor off when averages go wrong.
         self.check_averages, self.stop_on_collapse, self.lr_scale = check_averages, stop_on_collapse, lr_scale
@@ -157,6 +162,7 @@ class Trainer:
         self.commit_every_steps = commit_every_steps
         self._commits = 0  # steps between this run's commits (0: none; set in fit, for strategies meeting every step)
         self._rest: Optional[Rest] = None  # the rest of an epoch shared out again after a commit (`_continue_without`)
+        self._resized: Optional[int] = None  # the workers that wrote the checkpoint resumed, when another number
         # The factor the LR rule gives W workers (dptrain.lr_policy.lr_scale): after a membership change the LR
         # follows the live world (None: it is kept).
         self.lr_rule = lr_rule
@@ -192,7 +198,7 @@ class Trainer:
         self.recorder = Recorder(self.out, self.ctx.is_main and self.ctx.joining is None, self.verbose, self.progress,
                                  self.ctx.world_size)
         self.checkpointer = Checkpointer(self.out, self.ctx, self.checkpoint_every, self.keep_checkpoints,
-                                         self.recorder.log, self.checkpoint_every_steps)
+                                         self.recorder.log, self.checkpoint_every_steps, self.resume_with_changed_data)
         return self.ctx
 
     # -- the loop -----------------------------------------------------------------------
@@ -233,6 +239,7 @@ class Trainer:
             self.recorder.log(f"dptrain: --commit-every-steps does not apply to {strategy.name}, which auto picked: "
                               "a lost worker's epoch is redone from its start")
         labels = lambda: labels_of(train, self.recorder.log)  # noqa: E731 - asked again after a membership change
+        self.checkpointer.identify(strategy.name, lambda: fingerprint(train), strategy.refuses_other_world)
         plan, batches, reader = self._plan(train, labels)
         scheduler = self.schedule(self.optimizer, plan.steps, epochs) if self.schedule else None
         torch.manual_seed(self.seed + ctx.rank)  # dropout and friends differ per worker, reproducibly
@@ -250,7 +257,12 @@ class Trainer:
             scheduler = self._reschedule(parts, parts["scheduler"], plan.steps, start_epoch, epochs)
             wall_before, position = 0.0, None
         elif self.resume:
-            start_epoch, step, wall_before, position = self._restore(parts)
+            start_epoch, step, wall_before, position = self._restore(parts, train)
+            if self._resized is not None:  # on another world than wrote the checkpoint: its epochs planned anew
+                self._scale_lr(self._resized, ctx.world_size)
+                plan, batches, reader = self._plan(train, labels)
+                scheduler = self._reschedule(parts, scheduler, plan.steps, start_epoch, epochs,
+                                             self._rest_steps(start_epoch))
         else:
             start_epoch, step, wall_before, position = 0, 0, 0.0, None
         if ctx.joining is None and position is not None:  # within an epoch: the checks go on as they were
@@ -306,9 +318,11 @@ class Trainer:
             if recovered is None:
                 self._check_loss_growth(epoch)
             if stop or self.checkpointer.due(epoch + 1):
-                self.checkpointer.save(epoch + 1, step, time.perf_counter() - started, parts, self.recorder.history)
+                self.checkpointer.save(epoch + 1, step, time.perf_counter() - started, parts, self.recorder.history,
+                                       members=self._members())
             if stop:
                 ctx.group.bounded("checkpoint before stopping", strategy.stop_together)
+                self.checkpointer.prune()  # every rank's file of the last checkpoint is written now
                 raise Preempted(f"rank {ctx.rank}: stopped by {stop} after epoch {epoch + 1}; a checkpoint is saved "
                                 f"in {self.out}: run the same command again to continue")
             if self._leaving is not None:
@@ -334,7 +348,13 @@ class Trainer:
             # attempt resumed after the last epoch and trained nothing, nor when others merged later).
             reuse = evaluated and strategy.final_model_is_last_evaluated
             final_metrics = self.recorder.last_evaluation() if reuse else self.evaluate(final, test)
-        return self._summarise(final, epochs, wall, final_metrics)
+        summary = self._summarise(final, epochs, wall, final_metrics)
+        self.checkpointer.prune()  # the summary's gather came after every rank's last save
+        return summary
+
+    def _members(self) -> tuple[int, ...]:
+        """The ranks of the job training now (async: those live, over a group that stays the job's)."""
+        return self.recorder.members if self.recorder.members is not None else tuple(self.ctx.group.members)
 
     def _lead_if_taken_over(self) -> None:
         """async: this rank became rank 0 when the others took over from a lost rank 0 (it holds the global
@@ -705,10 +725,12 @@ class Trainer:
                     "health": self._health.state_dict() if self._health is not None else {},
                     "lr_guard": ({"best_loss": self._lr_guard.best_loss, "good": self._lr_guard.good_state()}
                                  if self._lr_guard is not None else {})}
-        self.checkpointer.save(epoch, step, now - self._started, self._parts, self.recorder.history, position)
+        self.checkpointer.save(epoch, step, now - self._started, self._parts, self.recorder.history, position,
+                               members=self._members())
         if stop:
             where = checkpoint_files.describe(checkpoint_files.named(epoch, done))
             self.ctx.group.bounded("checkpoint before stopping", self.strategy.stop_together)
+            self.checkpointer.prune()
             raise Preempted(f"rank {self.ctx.rank}: stopped by {stop} at {where}; a checkpoint is saved "
                             f"in {self.out}: run the same command again to continue")
 
@@ -845,14 +867,31 @@ class Trainer:
     def _entered_forward(self, module: nn.Module, inputs) -> None:
         self._in_user_forward = True
 
-    def _restore(self, parts: dict) -> tuple[int, int, float, Optional[dict]]:
+    def _restore(self, parts: dict, train: Dataset) -> tuple[int, int, float, Optional[dict]]:
         """Continue from the newest complete checkpoint, if any: (epoch, step, wall seconds) to start from, and
-        the position within that epoch (None at its start)."""
+        the position within that epoch (None at its start). Written by another number of workers than this world
+        has (`_resized`: that number), a checkpoint within an epoch has the rest of that epoch planned over this
+        world (`_rest`): every row no writer had read, once."""
+        self._resized = None
         state = self.checkpointer.restore(parts)
         if state is None:
+            if self.out is not None and (self.out / "metrics.jsonl").exists():
+                self.recorder.replace_history([])  # the run starts over: its epochs will be recorded again
             return 0, 0, 0.0, None
         self.recorder.replace_history(state["history"])  # metrics after the checkpoint belong to the lost attempt
-        position = {**state["position"], "rng": state["rng"]} if state.get("position") else None
+        if state["copy"]:  # a worker new to the run: the bytes of the one whose state it copies stay that one's
+            self.strategy.comm_bytes = 0
+        members, position = state["members"], state.get("position")
+        if members != list(self.ctx.group.members):
+            self.recorder.resume_without(min(len(members), self.ctx.world_size))
+        if len(members) != self.ctx.world_size:
+            self._resized = len(members)
+            if position:  # (a checkpoint within an epoch is never taken after rows were shared out again)
+                rest = Rest.whole(state["epoch"], len(train), members, self.batch_size, self.seed, self.shuffle,
+                                  getattr(train, "block_size", None))
+                self._rest = rest.after(position["steps"], tuple(self.ctx.group.members), self.batch_size)
+        # a copy draws its own random numbers within the epoch too (its source's stay its source's)
+        position = {**position, "rng": checkpoint_files.rng_state() if state["copy"] else state["rng"]} if position else None
         return state["epoch"], state["step"], state["wall_seconds"], position
 
     # -- evaluation and the summary ------------------------------------------------------------

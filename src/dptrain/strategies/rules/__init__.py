@@ -21,6 +21,10 @@ from typing import Any, ClassVar, Optional
 from pydantic import BaseModel, ConfigDict
 
 
+# What the refusal of another number of workers says works instead (the strategies whose rules allow it).
+RESUME_ON_ANY_NUMBER = "allreduce, sync and fedavg with iid partitions resume on any number"
+
+
 class StrategyRules:
     """The defaults: no options, no rules, the LR is not scaled, nothing to check before spawning."""
 
@@ -29,6 +33,10 @@ class StrategyRules:
 
     # Why this strategy cannot checkpoint within an epoch (--checkpoint-every-steps), or None when it can.
     no_step_checkpoints: ClassVar[Optional[str]] = None
+    # Why a run of this strategy cannot resume on another number of workers than wrote its checkpoint, or
+    # None when it can (every worker holds the model alike, or a copy of it serves a new worker, and the
+    # rest of an epoch is re-planned over the new world: dptrain.train.checkpointer).
+    no_other_world: ClassVar[Optional[str]] = "each worker's state belongs to its place in the world"
 
     @classmethod
     def option_names(cls) -> tuple[str, ...]:
@@ -54,6 +62,12 @@ class StrategyRules:
     def scales_lr(cls, config: Any) -> bool:
         """Whether --lr-scaling auto raises this run's LR (dptrain.lr_policy.lr_scale)."""
         return False
+
+    @classmethod
+    def other_world_refused(cls, config: Any, within_epoch: bool = False) -> Optional[str]:
+        """Why `config`'s run cannot resume on another number of workers (from a checkpoint within an epoch:
+        `within_epoch`), or None when it can."""
+        return cls.no_other_world
 
     @classmethod
     def check_before_spawn(cls, config: Any, model: Any) -> None:

@@ -17,6 +17,8 @@ class AllReduceRules(StrategyRules):
         min_workers: Optional[int] = Field(None, ge=1)
         commit_every_steps: Optional[int] = Field(None, ge=1)
 
+    no_other_world = None  # every worker holds the same model and optimizer state
+
     @classmethod
     def check(cls, config: Any) -> None:
         check_min_workers(config)

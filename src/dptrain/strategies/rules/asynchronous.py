@@ -19,6 +19,8 @@ class AsyncRules(StrategyRules):
         compression: Literal["none", "fp16", "bf16", "int8"] = "none"
         min_workers: Optional[int] = Field(None, ge=1)
 
+    no_other_world = "each worker's model and its versions at the merge service belong to its rank"
+
     no_step_checkpoints = ("its workers never stand at the same step (no barrier) and merges are in flight "
                            "between them, so files written within an epoch are no one state of the run")
 

@@ -17,6 +17,8 @@ class AutoRules(StrategyRules):
         auto_candidates: Literal["safe", "all"] = "safe"
         compression: Literal["none", "fp16", "bf16", "int8"] = "none"
 
+    no_other_world = "it chose its strategy by measuring the world it started in"
+
     @classmethod
     def reads(cls, config: Any) -> tuple[str, ...]:
         """Its own options and those of every strategy among its candidates, which it builds from the same

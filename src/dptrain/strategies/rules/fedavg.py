@@ -31,6 +31,15 @@ class FedAvgRules(StrategyRules):
                              "(clients_per_round 1): a client that sat a round out has no state to average")
 
     @classmethod
+    def other_world_refused(cls, config: Any, within_epoch: bool = False) -> Optional[str]:
+        # iid partitions are drawn again over the new world at an epoch end, as after a lost client.
+        if config.partition != "iid":
+            return f"its {config.partition} partitions give each client data of its own, which iid ones do not"
+        if within_epoch:
+            return "a checkpoint within an epoch holds each client's place in its own partition, one at an epoch end does not"
+        return None
+
+    @classmethod
     def scales_lr(cls, config: Any) -> bool:
         # Under label skew (non-iid partitions) the clients' models drift apart: --lr stays.
         return config.partition == "iid" and trains_alone_for_epochs(config)

@@ -16,6 +16,8 @@ class HierarchicalRules(StrategyRules):
         ranks_per_node: Optional[int] = Field(None, ge=1)
         min_workers: Optional[int] = Field(None, ge=1)
 
+    no_other_world = "its groups of ranks are made per node"
+
     @classmethod
     def check(cls, config: Any) -> None:
         check_one_period(config)

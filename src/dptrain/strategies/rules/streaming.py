@@ -18,6 +18,8 @@ class StreamingRules(StrategyRules):
         # A lost worker's part of the epoch is dropped, with the average then in flight; the others redo it.
         min_workers: Optional[int] = Field(None, ge=1)
 
+    no_other_world = "its fragment averages belong to each worker's place in the rotation"
+
     no_step_checkpoints = ("its fragment averages stay in flight across steps (overlap_steps), "
                            "which no checkpoint holds")
 

@@ -17,6 +17,8 @@ class SyncRules(StrategyRules):
         allreduce_epochs: int = Field(0, ge=0)
         min_workers: Optional[int] = Field(None, ge=1)
 
+    no_other_world = None  # a worker's state is a copy of the average (or its own, kept): one serves a new worker
+
     @classmethod
     def check(cls, config: Any) -> None:
         check_one_period(config)
