@@ -211,3 +211,20 @@ def test_a_worker_killed_by_sigkill_mid_epoch_restarts_from_its_step_checkpoint(
     assert same_model(tmp_path / "clean", tmp_path / "killed")
     records = [json.loads(line) for line in (tmp_path / "killed" / "metrics.jsonl").read_text().splitlines()]
     assert [r["epoch"] for r in records] == [1, 2]
+
+
+def test_train_middle_still_fires_in_an_epoch_that_had_a_checkpoint_within_it(tmp_path):
+    """A checkpoint within an epoch reset the fault points' epoch, so train-middle@R:E never fired in an epoch with
+    --checkpoint-every-steps checkpoints before its middle (tests had to use step@ instead)."""
+    import os
+    import subprocess
+    import sys
+
+    marker = tmp_path / "fired"
+    env = {**os.environ, "DPTRAIN_FAULT": "train-middle@1:2", "DPTRAIN_FAULT_ONCE": str(marker)}
+    done = subprocess.run([sys.executable, "-m", "dptrain", "train", "--dataset", "digits", "--model", "mlp",
+                           "--strategy", "sync", "--workers", "2", "--epochs", "3", "--checkpoint-every-steps", "3",
+                           "--max-restarts", "1", "--no-progress", "--out", str(tmp_path / "run")],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert marker.exists(), done.stderr[-2000:]
+    assert done.returncode == 0 and "worker rank 1 was killed by SIGKILL" in done.stderr, done.stderr[-2000:]

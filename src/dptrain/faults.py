@@ -45,6 +45,11 @@ def at(rank: int, epoch: int) -> None:
     _where.update(rank=rank, epoch=epoch)
 
 
+def where() -> tuple[Optional[int], Optional[int]]:
+    """The (rank, epoch) the next fault points belong to (what `at` said last)."""
+    return _where["rank"], _where["epoch"]
+
+
 def point(name: str) -> None:
     """Die here if DPTRAIN_FAULT names this point, rank and epoch (and it has not fired before)."""
     _fire(name, _where["rank"], _where["epoch"])

@@ -107,7 +107,7 @@ class Checkpointer:
         state = {"epoch": epoch, "step": step, "wall_seconds": wall,
                  **{name: (part.state_dict() if part is not None else {}) for name, part in components.items()},
                  "rng": checkpoint_files.rng_state(), "history": history, **({"position": position} if position else {})}
-        job_rank = self.ctx.job_rank
+        job_rank, training = self.ctx.job_rank, faults.where()
         faults.at(job_rank, None if position else epoch)  # the save fault points name epoch ends
         faults.point("save-begin")
         if self.ctx.is_main:  # before its own file: a checkpoint with rank 0's file has its manifest
@@ -115,7 +115,9 @@ class Checkpointer:
                                             self._data_fingerprint())
         checkpoint_files.save(self.out, at, job_rank, state)
         faults.point("save-end")
-        faults.at(job_rank, None)  # other files written later are not part of a save
+        # Other files written later are not part of a save; within an epoch, its points (train-middle, regroup)
+        # still name it after a checkpoint within it.
+        faults.at(*(training if position else (job_rank, None)))
         self.prune()
 
     def prune(self) -> None:
