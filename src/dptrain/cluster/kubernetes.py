@@ -79,6 +79,12 @@ def _check(spec: JobSpec) -> None:
                         "(kubectl config set-context --current --namespace NAME)")
 
 
+def cpus(spec: JobSpec) -> int:
+    """The CPUs a pod asks for and its rank's threads: --cpus-per-task, else 1 (a pod sees the whole node's
+    CPUs in nproc, not its share, so there is nothing to derive them from)."""
+    return spec.cpus_per_task or 1
+
+
 def volumes(spec: JobSpec) -> list[tuple[str, str]]:
     """(claim, mount path) of each --volume CLAIM:PATH; one line naming a bad one."""
     pairs = []
@@ -110,7 +116,7 @@ def manifests(spec: JobSpec) -> list[dict[str, Any]]:
     env: list[dict[str, Any]] = [
         {"name": "MASTER_ADDR", "value": f"{name}-0.{name}"},
         {"name": "MASTER_PORT", "value": str(PORT)},
-        {"name": "OMP_NUM_THREADS", "value": str(spec.cpus_per_task)},
+        {"name": "OMP_NUM_THREADS", "value": str(cpus(spec))},
         # torch reads it once, at import: the rank's process starts with it (as the job scripts export it).
         {"name": "TORCH_CPP_LOG_LEVEL", "value": "ERROR"},
         {"name": "DPTRAIN_KUBERNETES_JOB", "value": name},
@@ -123,7 +129,7 @@ def manifests(spec: JobSpec) -> list[dict[str, Any]]:
                 {"name": "WORLD_SIZE", "value": str(spec.world_size)},
                 {"name": "LOCAL_WORLD_SIZE", "value": "1"},
                 {"name": "DPTRAIN_RUN_DIR", "value": spec.run_dir}]
-    resources: dict[str, Any] = {"requests": {"cpu": str(spec.cpus_per_task)}}
+    resources: dict[str, Any] = {"requests": {"cpu": str(cpus(spec))}}
     if spec.gpus_per_node:
         resources["limits"] = {"nvidia.com/gpu": str(spec.gpus_per_node)}
     container: dict[str, Any] = {"name": CONTAINER, "image": spec.image, "workingDir": spec.workdir,

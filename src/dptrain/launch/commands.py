@@ -60,11 +60,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nodes", type=int, default=1, help="nodes (default: 1)")
     parser.add_argument("--tasks-per-node", type=int, default=1, help="ranks per node, usually one per GPU (default: 1)")
     parser.add_argument("--gpus-per-node", type=int, default=0, help="GPUs to request per node (default: 0)")
-    parser.add_argument("--cpus-per-task", type=int, default=1, help="CPU cores per rank; sets OMP_NUM_THREADS (default: 1)")
+    parser.add_argument("--cpus-per-task", type=int, default=None,
+                        help="CPU cores per rank; sets OMP_NUM_THREADS (default: none asked for; SLURM, PBS and local "
+                             "jobs set OMP_NUM_THREADS as they start to the CPUs the node lets the job use divided "
+                             "among its ranks, at least 1, or SLURM_CPUS_PER_TASK when set; Kubernetes: 1)")
     parser.add_argument("--time", help="wall-time limit HH:MM:SS or D-HH:MM:SS (default: the queue's)")
     parser.add_argument("--partition", help="SLURM partition, PBS queue or Kubernetes Kueue LocalQueue")
     parser.add_argument("--account", help="account to charge")
     parser.add_argument("--job-name", default="dptrain", help="job name (default: dptrain)")
+    parser.add_argument("--mem", help="SLURM and PBS: memory per node, e.g. 16G (K, M, G, T; M when none; SLURM: 0 for "
+                                      "all of it)")
+    parser.add_argument("--qos", help="SLURM: quality of service")
+    parser.add_argument("--constraint", help="SLURM: node features, e.g. a100")
+    parser.add_argument("--exclusive", action="store_true", help="SLURM and PBS: whole nodes, shared with no other job")
+    parser.add_argument("--sbatch-option", action="append", default=[], metavar="OPTION",
+                        help="SLURM: one more #SBATCH line, written as given, e.g. --sbatch-option '--mem=0' "
+                             "(repeatable)")
+    parser.add_argument("--pbs-option", action="append", default=[], metavar="OPTION",
+                        help="PBS: one more #PBS line, written as given, e.g. --pbs-option '-l software=x' (repeatable)")
+    parser.add_argument("--setup", metavar="FILE|LINES",
+                        help="SLURM, PBS and local: shell lines the job script runs before the ranks start, after "
+                             "'set -euo pipefail' (e.g. 'module load cuda; source venv/bin/activate'), or a FILE "
+                             "holding them (a value without spaces is a file)")
+    parser.add_argument("--python", metavar="PATH",
+                        help="the absolute path of the Python that runs dptrain on every rank (default: this one, "
+                             f"{sys.executable}; in a --container: dptrain in the image)")
     parser.add_argument("--container", metavar="RUNTIME:IMAGE", help=container_forms())
     parser.add_argument("--image", help="Kubernetes: the container image every pod runs (with dptrain, or the "
                                             "command's program, installed)")
@@ -104,6 +124,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("train_args", nargs=argparse.REMAINDER, metavar="-- TRAIN_ARGS | COMMAND",
                         help="after '--': arguments of 'dptrain train' (the first starts with '-'), or a command "
                              "every rank runs, e.g. python train.py --epochs 3")
+
+
+# Options whose value is itself an option (--sbatch-option --mem=0), which argparse would read as a flag.
+OPTION_VALUED = ("--sbatch-option", "--pbs-option")
+
+
+def split_argv(words: list[str]) -> tuple[list[str], None]:
+    """The words with `--sbatch-option VALUE` joined into `--sbatch-option=VALUE` before the first '--', so that
+    a VALUE starting with '-' is taken as the value it is; nothing is passed on untouched."""
+    joined: list[str] = []
+    at = 0
+    while at < len(words):
+        if words[at] == "--":
+            return joined + list(words[at:]), None
+        if words[at] in OPTION_VALUED and at + 1 < len(words):
+            joined.append(f"{words[at]}={words[at + 1]}")
+            at += 2
+            continue
+        joined.append(words[at])
+        at += 1
+    return joined, None
 
 
 def without_out(train_args: list[str]) -> list[str]:
@@ -172,6 +213,43 @@ def check_files(config: TrainConfig, workdir: Path) -> None:
     check_spec_file(config.model, "--model")
 
 
+def read_setup(text: Optional[str], workdir: Path) -> tuple[str, str]:
+    """(lines, where they came from) of --setup: a value without spaces names a file, read here; any other
+    value is the lines themselves."""
+    if text is None:
+        return "", ""
+    if any(character.isspace() for character in text.strip()):
+        return text, "given with --setup"
+    path = (workdir / text).resolve()
+    if not path.is_file():
+        raise UserError(f"--setup {text!r} is not a file (in {workdir}); give a file of set-up lines, or the lines "
+                        "themselves, e.g. --setup 'module load cuda'")
+    try:
+        lines = path.read_text()
+    except (OSError, UnicodeDecodeError) as error:
+        raise UserError(f"--setup {text!r} cannot be read as text ({error.__class__.__name__})") from None
+    if not lines.strip():
+        raise UserError(f"--setup {text!r} is empty; give a file of set-up lines, or leave --setup out")
+    return lines, f"from {path} (--setup)"
+
+
+def dptrain_command(args: argparse.Namespace, container: Optional[ContainerSpec]) -> str:
+    """How a rank runs dptrain: --dptrain as given, else an absolute interpreter with -m dptrain (--python, or
+    this one; no PATH needed on the nodes), else in a container the image's dptrain."""
+    if args.python is not None:
+        if args.dptrain is not None:
+            raise UserError(f"--python {args.python} and --dptrain '{args.dptrain}' both say how ranks run dptrain; "
+                            "give one")
+        if not os.path.isabs(args.python):
+            raise UserError(f"--python {args.python!r} is not an absolute path; give the interpreter's whole path, "
+                            "e.g. /opt/venv/bin/python")
+    if args.dptrain is not None:
+        return args.dptrain
+    if args.python is None and container is not None:
+        return "dptrain"
+    return f"{shlex.quote(args.python or sys.executable)} -m dptrain"
+
+
 def build_spec(args: argparse.Namespace, workdir: Path) -> JobSpec:
     train_args, command = split_words(list(args.train_args))
     ranks = args.nodes * args.tasks_per_node
@@ -182,9 +260,10 @@ def build_spec(args: argparse.Namespace, workdir: Path) -> JobSpec:
     binds = list(args.bind)
     config = None
     if command:
-        if args.dptrain is not None:
-            raise UserError(f"--dptrain '{args.dptrain}' says how ranks run dptrain train, but this job runs the "
-                            f"command '{command[0]}' itself; leave --dptrain out")
+        for flag, value in (("--dptrain", args.dptrain), ("--python", args.python)):
+            if value is not None:
+                raise UserError(f"{flag} '{value}' says how ranks run dptrain train, but this job runs the "
+                                f"command '{command[0]}' itself; leave {flag} out")
         if container is None and args.image is None:  # inside a container the program is the image's
             check_command(command, workdir)
         out = args.out or timestamped("runs", "command")
@@ -209,15 +288,20 @@ def build_spec(args: argparse.Namespace, workdir: Path) -> JobSpec:
             binds += [str((workdir / path).resolve().parent) for path in (config.data, spec_file(config.model))
                       if path]
     run_dir = (workdir / out).resolve()
+    setup, setup_from = read_setup(args.setup, workdir)
     return JobSpec(scheduler=args.scheduler, workdir=str(workdir), run_dir=str(run_dir),
                    train_args=tuple(without_out(train_args)), command=tuple(command), nodes=args.nodes,
                    tasks_per_node=args.tasks_per_node, gpus_per_node=args.gpus_per_node,
                    cpus_per_task=args.cpus_per_task, time=args.time, partition=args.partition, account=args.account,
-                   job_name=args.job_name, container=container, binds=tuple(binds), dptrain=args.dptrain or "dptrain",
+                   job_name=args.job_name, container=container, binds=tuple(binds),
+                   dptrain=dptrain_command(args, container) if not command else "dptrain",
                    stop_before=args.stop_before, stop_signal=args.stop_signal, max_requeues=args.max_requeues,
                    image=args.image,
                    volumes=tuple(args.volume), elastic=config is not None and config.min_workers is not None,
-                   replacements=ranks if config is not None and config.replace_workers else 0)
+                   replacements=ranks if config is not None and config.replace_workers else 0,
+                   mem=args.mem, qos=args.qos, constraint=args.constraint, exclusive=args.exclusive,
+                   sbatch_options=tuple(args.sbatch_option), pbs_options=tuple(args.pbs_option), setup=setup,
+                   setup_from=setup_from)
 
 
 def main(args: argparse.Namespace) -> int:

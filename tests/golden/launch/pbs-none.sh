@@ -30,7 +30,7 @@ for name in PATH PYTHONPATH VIRTUAL_ENV LD_LIBRARY_PATH; do
 done
 
 # One process per rank (one container each), started by the host's Open MPI.
-mpirun -np 4 --hostfile "$PBS_NODEFILE" --map-by ppr:2:node --bind-to none "${forward[@]}" dptrain train --dataset digits --strategy sync --epochs 10 --out /home/ada/project/runs/digits-sync &
+mpirun -np 4 --hostfile "$PBS_NODEFILE" --map-by ppr:2:node --bind-to none "${forward[@]}" /home/ada/venv/bin/python -m dptrain train --dataset digits --strategy sync --epochs 10 --out /home/ada/project/runs/digits-sync &
 launcher=$!
 # SIGUSR1 300 s before the walltime (PBS has no --signal): mpirun passes it on to
 # every rank, which saves a checkpoint and exits with 75.
