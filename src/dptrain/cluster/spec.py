@@ -66,6 +66,10 @@ class JobSpec:
     pbs_options: tuple[str, ...] = ()  # --pbs-option: each one #PBS line, verbatim
     setup: str = ""  # --setup: shell lines run before the ranks start, verbatim
     setup_from: str = ""  # where they came from ("from FILE (--setup)"), said in a comment above them
+    # Kubernetes: the run directory as the pods see it (--out as given: relative to the image's working
+    # directory, or absolute, e.g. on a --volume), and the (flag, path) of each file the pods read, as given
+    pod_run_dir: str = ""
+    pod_files: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self):
         if self.scheduler not in registry.names("scheduler"):
@@ -188,11 +192,12 @@ def setup_lines(spec: JobSpec) -> list[str]:
     return ["", f"# Set-up {spec.setup_from or 'given with --setup'}:", *spec.setup.rstrip("\n").split("\n")]
 
 
-def train_command(spec: JobSpec) -> list[str]:
-    """The words one rank runs: `dptrain train ARGS --out RUN_DIR`, or the spec's command."""
+def train_command(spec: JobSpec, run_dir: str = "") -> list[str]:
+    """The words one rank runs: `dptrain train ARGS --out RUN_DIR` (`run_dir`, else the spec's), or the
+    spec's command."""
     if spec.command:
         return list(spec.command)
-    return [*shlex.split(spec.dptrain), "train", *spec.train_args, "--out", spec.run_dir]
+    return [*shlex.split(spec.dptrain), "train", *spec.train_args, "--out", run_dir or spec.run_dir]
 
 
 def command_environment(spec: JobSpec, port: str) -> list[str]:

@@ -27,7 +27,7 @@ from dptrain.arguments import train_config
 from dptrain.config import TrainConfig
 from dptrain.data.kinds import check_spec
 from dptrain.errors import UserError
-from dptrain.user_code import check_spec_file, spec_file
+from dptrain.user_code import check_spec_file, looks_like_spec, spec_file
 from dptrain.io import timestamped
 from dptrain.cluster.spec import ContainerSpec, JobSpec
 from dptrain.cluster.submit import follow
@@ -235,7 +235,7 @@ def read_setup(text: Optional[str], workdir: Path) -> tuple[str, str]:
 
 def dptrain_command(args: argparse.Namespace, container: Optional[ContainerSpec]) -> str:
     """How a rank runs dptrain: --dptrain as given, else an absolute interpreter with -m dptrain (--python, or
-    this one; no PATH needed on the nodes), else in a container the image's dptrain."""
+    this one; no PATH needed on the nodes), else in a container (or a Kubernetes pod) the image's dptrain."""
     if args.python is not None:
         if args.dptrain is not None:
             raise UserError(f"--python {args.python} and --dptrain '{args.dptrain}' both say how ranks run dptrain; "
@@ -245,9 +245,19 @@ def dptrain_command(args: argparse.Namespace, container: Optional[ContainerSpec]
                             "e.g. /opt/venv/bin/python")
     if args.dptrain is not None:
         return args.dptrain
-    if args.python is None and container is not None:
+    if args.python is None and (container is not None or args.scheduler == "kubernetes"):
         return "dptrain"
     return f"{shlex.quote(args.python or sys.executable)} -m dptrain"
+
+
+def pod_files(config: Optional[TrainConfig], command: list[str]) -> list[tuple[str, str]]:
+    """(flag, path as given) of each file a Kubernetes pod reads: --data (or its factory's file), --model's file,
+    a command's script."""
+    if config is None:
+        script = python_script(command)
+        return [("the command's script", script)] if script else []
+    data = config.data and (spec_file(config.data) if looks_like_spec(config.data) else config.data)
+    return [(flag, path) for flag, path in (("--data", data), ("--model", spec_file(config.model))) if path]
 
 
 def build_spec(args: argparse.Namespace, workdir: Path) -> JobSpec:
@@ -280,7 +290,8 @@ def build_spec(args: argparse.Namespace, workdir: Path) -> JobSpec:
         config = train_config(train_args + world)
         if config.min_workers is not None:
             train_args += world
-        check_files(config, workdir)
+        if args.scheduler != "kubernetes":  # a pod sees the image and its volumes, not this machine
+            check_files(config, workdir)
         from dptrain.train.rundir import default_run_dir
 
         out = config.out or default_run_dir(config.strategy)
@@ -289,6 +300,7 @@ def build_spec(args: argparse.Namespace, workdir: Path) -> JobSpec:
                       if path]
     run_dir = (workdir / out).resolve()
     setup, setup_from = read_setup(args.setup, workdir)
+    in_pods = args.scheduler == "kubernetes"
     return JobSpec(scheduler=args.scheduler, workdir=str(workdir), run_dir=str(run_dir),
                    train_args=tuple(without_out(train_args)), command=tuple(command), nodes=args.nodes,
                    tasks_per_node=args.tasks_per_node, gpus_per_node=args.gpus_per_node,
@@ -301,7 +313,8 @@ def build_spec(args: argparse.Namespace, workdir: Path) -> JobSpec:
                    replacements=ranks if config is not None and config.replace_workers else 0,
                    mem=args.mem, qos=args.qos, constraint=args.constraint, exclusive=args.exclusive,
                    sbatch_options=tuple(args.sbatch_option), pbs_options=tuple(args.pbs_option), setup=setup,
-                   setup_from=setup_from)
+                   setup_from=setup_from, pod_run_dir=os.path.normpath(out) if in_pods else "",
+                   pod_files=tuple(pod_files(config, command)) if in_pods else ())
 
 
 def main(args: argparse.Namespace) -> int:
@@ -310,6 +323,9 @@ def main(args: argparse.Namespace) -> int:
     spec = build_spec(args, Path(os.getcwd()).resolve())
     scheduler = registry.load("scheduler", spec.scheduler)
     text = scheduler.render(spec)
+    # (a scheduler whose ranks do not see this machine says where it expects the files they read)
+    for where in scheduler.expected_files(spec) if hasattr(scheduler, "expected_files") else ():
+        print(f"dptrain: the pods expect {where}", file=sys.stderr if args.dry_run else sys.stdout)
     if args.dry_run:
         sys.stdout.write(text)
         return 0
