@@ -617,6 +617,7 @@ def test_an_sbatch_option_is_taken_as_typed_even_though_it_starts_with_dashes(tm
     (["--pbs-option", "-l mem=1gb"], "--pbs-option '-l mem=1gb' is for --scheduler pbs, not slurm"),
     (["--setup", "nope.sh"], "--setup 'nope.sh' is not a file (in {cwd}); give a file of set-up lines, or the lines "
                              "themselves, e.g. --setup 'module load cuda'"),
+    (["--qos", "high prio"], "--qos 'high prio' must be one word without spaces, e.g. normal"),
     (["--mem", "16GB"], "--mem '16GB' is not an amount of memory per node: a number with K, M, G or T (M when none), "
                         "e.g. 16G, or 0 for all of a node's memory"),
     (["--python", "venv/bin/python"], "--python 'venv/bin/python' is not an absolute path; give the interpreter's "

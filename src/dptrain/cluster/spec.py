@@ -113,37 +113,33 @@ class JobSpec:
 
     def _check_site_options(self) -> None:
         """One line for a site option the scheduler has no directive for, or a directive that is not one."""
-        for flag, lines, own, dashes in (("--sbatch-option", self.sbatch_options, "slurm", "--"),
-                                         ("--pbs-option", self.pbs_options, "pbs", "-")):
+        for flag, lines, own, dashes, example in (("--sbatch-option", self.sbatch_options, "slurm", "--", "'--mem=0'"),
+                                                  ("--pbs-option", self.pbs_options, "pbs", "-", "'-l mem=16gb'")):
             for line in lines:
                 if self.scheduler != own:
                     raise UserError(f"{flag} {line!r} is for --scheduler {own}, not {self.scheduler}")
                 if not line.startswith(dashes) or "\n" in line or "\r" in line or not line[len(dashes):].strip():
-                    raise UserError(f"{flag} {line!r} is not one {own.upper() if own == 'pbs' else 'sbatch'} option; "
-                                    f"give one option on one line starting with '{dashes}', e.g. {flag} "
-                                    + ("'--mem=0'" if own == "slurm" else "'-l mem=16gb'"))
-        given = [(flag, value) for flag, value in (("--mem", self.mem), ("--qos", self.qos),
-                                                   ("--constraint", self.constraint)) if value is not None]
-        for flag, value in given:
-            if not value or any(character.isspace() for character in value):
+                    raise UserError(f"{flag} {line!r} is not one {'sbatch' if own == 'slurm' else 'PBS'} option; give "
+                                    f"one option on one line starting with '{dashes}', e.g. {flag} {example}")
+        for flag, value in (("--mem", self.mem), ("--qos", self.qos), ("--constraint", self.constraint)):
+            if value is not None and (not value or any(character.isspace() for character in value)):
                 raise UserError(f"{flag} {value!r} must be one word without spaces, e.g. {SITE_EXAMPLES[flag]}")
         if self.mem is not None and not MEMORY_PATTERN.fullmatch(self.mem):
             raise UserError(f"--mem {self.mem!r} is not an amount of memory per node: a number with K, M, G or T "
                             "(M when none), e.g. 16G, or 0 for all of a node's memory")
-        if self.exclusive:
-            given.append(("--exclusive", None))
-        if self.scheduler not in ("slurm", "pbs"):
-            for flag, _ in given:
-                raise UserError(f"{flag} is a SLURM and PBS directive; --scheduler {self.scheduler} has none")
+        given = [flag for flag, value in (("--mem", self.mem), ("--qos", self.qos), ("--constraint", self.constraint),
+                                          ("--exclusive", self.exclusive or None)) if value is not None]
+        if given and self.scheduler not in ("slurm", "pbs"):
+            raise UserError(f"{given[0]} is a SLURM and PBS directive; --scheduler {self.scheduler} has none")
         if self.setup and self.scheduler == "kubernetes":
             raise UserError("--setup runs lines in a job script; a Kubernetes pod runs its --image as it is: put "
                             "the set-up into the image")
         if self.scheduler == "pbs":
-            for flag, _ in given:
-                if flag in ("--qos", "--constraint"):
-                    raise UserError(f"{flag} is SLURM's and PBS has no equivalent ({'a PBS queue is --partition' if flag == '--qos' else 'node features are site resources'}); "
-                                    "give the site's own with --pbs-option '-l ...'")
-            if self.mem is not None and MEMORY_PATTERN.fullmatch(self.mem) and int(self.mem.rstrip("KMGT")) == 0:
+            for flag, why in (("--qos", "a PBS queue is --partition"), ("--constraint", "node features are site resources")):
+                if flag in given:
+                    raise UserError(f"{flag} is SLURM's and PBS has no equivalent ({why}); give the site's own with "
+                                    "--pbs-option '-l ...'")
+            if self.mem is not None and int(self.mem.rstrip("KMGT")) == 0:
                 raise UserError("--mem 0 (all of a node's memory) is SLURM's; under PBS give an amount, e.g. --mem 64G")
 
     @property
