@@ -46,7 +46,7 @@ _started: dict[str, subprocess.Popen] = {}
 
 def render(spec: JobSpec) -> str:
     own_launcher = spec.container is None and not spec.command
-    lines = [*header(spec, "Local job"), "set -euo pipefail", f"cd {quote([spec.workdir])}",
+    lines = [*header(spec, "Local job", "--setup adds set-up lines"), "set -euo pipefail", f"cd {quote([spec.workdir])}",
              *process_environment(spec), *setup_lines(spec), ""]
     if own_launcher:
         grace = f" --grace {spec.stop_before}" if spec.stop_before else ""

@@ -80,7 +80,7 @@ def render(spec: JobSpec) -> str:
         command = (f"bash -c 'trap \"\" {' '.join(STOP_SIGNALS)}; \"$@\"; code=$?; mkdir -p \"$DPTRAIN_EXITS\"; "
                    f"echo \"$code\" > \"$DPTRAIN_EXITS/rank-$OMPI_COMM_WORLD_RANK\"; exit \"$code\"' rank " + command)
     lines = [
-        *header(spec, "PBS job"),
+        *header(spec, "PBS job", "--pbs-option and --setup add a site's own lines"),
         *(f"#PBS {d}" for d in directives),
         *(f"#PBS {line}" for line in spec.pbs_options),  # the user's, verbatim; after ours, so they win
         "set -euo pipefail",

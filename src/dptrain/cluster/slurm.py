@@ -78,7 +78,7 @@ def render(spec: JobSpec) -> str:
                     "# then requeues itself and resumes from it."]
         stopped = "stopped at a checkpoint; requeueing it to resume"
     lines = [
-        *header(spec, "SLURM job"),
+        *header(spec, "SLURM job", "--sbatch-option and --setup add a site's own lines"),
         *(f"#SBATCH {quote([d])}" for d in directives),
         *(f"#SBATCH {line}" for line in spec.sbatch_options),  # the user's, verbatim; after ours, so they win
         "set -euo pipefail",

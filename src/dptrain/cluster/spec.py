@@ -147,15 +147,17 @@ class JobSpec:
         return self.nodes * self.tasks_per_node
 
 
-def header(spec: JobSpec, what: str) -> list[str]:
-    """The first lines of every script: what it is and how it was made."""
+def header(spec: JobSpec, what: str, own_lines: str = "") -> list[str]:
+    """The first lines of every script: what it is, how it was made, and (`own_lines`) which flags add a
+    site's own lines to it, so that nobody needs to edit it."""
     ranks = f"{spec.world_size} rank{'s' if spec.world_size > 1 else ''}"
     layout = f"{spec.nodes} node{'s' if spec.nodes > 1 else ''} x {spec.tasks_per_node} task{'s' if spec.tasks_per_node > 1 else ''}"
     inside = f", each in {spec.container.runtime} container {spec.container.image}" if spec.container else ""
     # (a line break inside an argument, e.g. of python -c, is shown as \n: it would end the comment)
     runs = [f"# Every rank runs: {quote(list(spec.command))}".replace("\n", "\\n")] if spec.command else []
     return ["#!/bin/bash", f"# {what}: {ranks} ({layout}){inside}.", *runs,
-            "# Written by dptrain launch; rerun it rather than editing this file."]
+            "# Written by dptrain launch; rerun it rather than editing this file"
+            + (f" ({own_lines})." if own_lines else ".")]
 
 
 def process_environment(spec: JobSpec, *, cpus_variable: str = "", tasks_variable: str = "") -> list[str]:

@@ -1,6 +1,6 @@
 #!/bin/bash
 # Local job: 2 ranks (1 node x 2 tasks), each in apptainer container /home/ada/images/dptrain.sif.
-# Written by dptrain launch; rerun it rather than editing this file.
+# Written by dptrain launch; rerun it rather than editing this file (--setup adds set-up lines).
 set -euo pipefail
 cd /home/ada/project
 # CPU threads per rank (no --cpus-per-task): the CPUs this job may use on this node

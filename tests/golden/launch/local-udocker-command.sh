@@ -1,7 +1,7 @@
 #!/bin/bash
 # Local job: 2 ranks (1 node x 2 tasks), each in udocker container dptrain.
 # Every rank runs: python train.py --epochs 3
-# Written by dptrain launch; rerun it rather than editing this file.
+# Written by dptrain launch; rerun it rather than editing this file (--setup adds set-up lines).
 set -euo pipefail
 cd /home/ada/project
 # CPU threads per rank (no --cpus-per-task): the CPUs this job may use on this node
