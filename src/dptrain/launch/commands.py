@@ -95,8 +95,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="extra path to bind into the container (repeatable); the project and run "
                              "directories and --data are bound anyway")
     parser.add_argument("--dptrain", default=None, metavar="COMMAND",
-                        help="how a rank runs dptrain train (default: dptrain from the PATH; e.g. "
-                             "'/opt/venv/bin/python -m dptrain')")
+                        help="how a rank runs dptrain train, the whole command (default: PYTHON -m dptrain, "
+                             "PYTHON being --python; in a container or a Kubernetes pod: the image's dptrain)")
     parser.add_argument("--stop-before", "--grace", type=int, default=300, metavar="SECONDS", dest="stop_before",
                         help="SLURM and PBS (with --time): signal the ranks this long before --time runs out; they "
                              "save a checkpoint after the current epoch and the job requeues itself to resume (0: no "
