@@ -192,7 +192,8 @@ FOREIGN_FLAGS = {"--nproc-per-node": "torchrun", "--ntasks": "srun", "--nodes": 
                  "--allow-root": "udocker", "--signal": "sbatch", "--requeue": "sbatch", "--fault-runs": "pytest",
                  "--fault-report": "pytest", "--save-faults": "pytest", "--logdir": "tensorboard",
                  "--index-url": "pip", "--strict": "mkdocs", "--site-dir": "mkdocs", "--kill-on-bad-exit": "srun",
-                 "--overlap": "srun", "--enable-recovery": "mpirun", "--max-np": "horovodrun"}
+                 "--overlap": "srun", "--enable-recovery": "mpirun", "--max-np": "horovodrun",
+                 "--mail-type": "sbatch", "--gres-flags": "sbatch"}
 TEXT = {page: page.read_text() for page in PAGES}
 
 

@@ -30,13 +30,16 @@ MODELS = {("v1", "Service"): "V1Service", ("batch/v1", "Job"): "V1Job"}
 
 def example_spec(mode: str) -> JobSpec:
     """A 2-pod job with a GPU each, a time limit, a Kueue queue and the run directory on a volume."""
-    what = (dict(command=("python", "train.py", "--epochs", "3"), run_dir="/home/ada/project/runs/mine")
+    # The laptop's directories (workdir, run_dir) are where the manifest is written; the pods see pod_run_dir.
+    what = (dict(command=("python", "train.py", "--epochs", "3"), run_dir="/home/ada/project/runs/mine",
+                 pod_run_dir="/runs/mine", pod_files=(("the command's script", "train.py"),))
             if mode == "command" else
-            dict(train_args=("--dataset", "digits", "--strategy", "sync", "--epochs", "10"),
-                 run_dir="/home/ada/project/runs/digits-sync"))
+            dict(train_args=("--data", "./mydata.py:make", "--strategy", "sync", "--epochs", "10"),
+                 run_dir="/home/ada/project/runs/digits-sync", pod_run_dir="/runs/digits-sync",
+                 pod_files=(("--data", "./mydata.py"), ("--model", "/runs/models/net.py"))))
     return JobSpec(scheduler="kubernetes", workdir="/home/ada/project", **what, nodes=2, gpus_per_node=1,
                    cpus_per_task=4, time="01:30:00", partition="team-a", job_name="digits-sync",
-                   image="registry.example.org/ada/dptrain:1.0", volumes=("runs-claim:/home/ada/project/runs",))
+                   image="registry.example.org/ada/dptrain:1.0", volumes=("runs-claim:/runs",))
 
 
 def documents(text: str) -> list[dict]:
@@ -112,7 +115,7 @@ def test_the_job_is_what_the_api_server_accepts_and_what_the_ranks_need(mode):
     assert spec["activeDeadlineSeconds"] == 5400 and pod["terminationGracePeriodSeconds"] == 300
     assert job["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a"
     assert container["image"] == "registry.example.org/ada/dptrain:1.0"
-    assert container["volumeMounts"] == [{"name": "volume-0", "mountPath": "/home/ada/project/runs"}]
+    assert container["volumeMounts"] == [{"name": "volume-0", "mountPath": "/runs"}]
     assert pod["volumes"] == [{"name": "volume-0", "persistentVolumeClaim": {"claimName": "runs-claim"}}]
 
 
@@ -154,7 +157,7 @@ def test_a_pod_of_a_command_job_has_torchrun_s_variables(index):
                                          "MASTER_PORT", "DPTRAIN_RUN_DIR")} == \
         {"RANK": str(index), "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "1",
          "MASTER_ADDR": "digits-sync-0.digits-sync", "MASTER_PORT": "29500",
-         "DPTRAIN_RUN_DIR": "/home/ada/project/runs/mine"}
+         "DPTRAIN_RUN_DIR": "/runs/mine"}
     detected = detect(env)
     assert (detected.rank, detected.world_size, detected.scheduler) == (index, 2, "kubernetes")
 
@@ -186,7 +189,7 @@ def test_time_is_the_job_s_active_deadline_in_seconds(time, seconds):
 @pytest.mark.parametrize("changes, message", [
     (dict(image=None), "--scheduler kubernetes needs --image IMAGE: the container image every pod runs (with "
                        "dptrain, or the command's program, installed)"),
-    (dict(tasks_per_node=2), "--tasks-per-node 2: a Kubernetes job runs one rank per pod; ask for --nodes 4 pods "
+    (dict(tasks_per_node=2, gpus_per_node=0), "--tasks-per-node 2: a Kubernetes job runs one rank per pod; ask for --nodes 4 pods "
                              "(e.g. with --gpus-per-node 1) and --tasks-per-node 1"),
     (dict(container=ContainerSpec("udocker", "dptrain")), "--container udocker:dptrain is for SLURM, PBS and local "
                                                           "jobs; a Kubernetes pod runs its --image itself"),
@@ -313,7 +316,7 @@ def test_two_pods_train_together_from_the_manifest_s_variables_alone(tmp_path):
     # Each "pod" a process with its pod's variables (and the image's PATH); only the rendezvous address is
     # this machine's, since the Service's DNS name resolves inside the cluster.
     port = str(free_port())
-    spec = JobSpec(**{**example_spec("train").__dict__, "run_dir": str(tmp_path / "run"),
+    spec = JobSpec(**{**example_spec("train").__dict__, "run_dir": str(tmp_path / "run"), "pod_run_dir": "run",
                       "train_args": ("--dataset", "digits", "--epochs", "1", "--strategy", "allreduce")})
     _, job = documents(kubernetes.render(spec))
     command = job["spec"]["template"]["spec"]["containers"][0]["command"]
@@ -329,3 +332,26 @@ def test_two_pods_train_together_from_the_manifest_s_variables_alone(tmp_path):
     assert [pod.returncode for pod in pods] == [0, 0], outputs
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert (summary["workers"], summary["launcher"]) == (2, "kubernetes"), summary
+
+
+def test_the_manifest_carries_none_of_the_launching_machine_s_paths():
+    for mode in ("train", "command"):
+        text = kubernetes.render(example_spec(mode))
+        assert "/home/ada/project" not in text and "workingDir" not in text, text
+
+
+def test_launch_says_where_the_pods_expect_each_file_and_checks_none_here(tmp_path):
+    # Neither file exists on this machine: the pods read them from the image and the volume.
+    result = subprocess.run([sys.executable, "-m", "dptrain", "launch", "--scheduler", "kubernetes", "--image", "img",
+                             "--volume", "runs:/mnt/runs", "--", "--data", "./mydata.py:make", "--model",
+                             "/mnt/runs/net.py:Net", "--out", "runs/one"],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[:2] == [
+        "dptrain: the pods expect ./mydata.py (--data) in the image's working directory",
+        "dptrain: the pods expect /mnt/runs/net.py (--model) on volume runs (mounted at /mnt/runs)"]
+    _, job = documents((tmp_path / "runs" / "one" / "job.yaml").read_text())
+    container = job["spec"]["template"]["spec"]["containers"][0]
+    assert "workingDir" not in container
+    assert container["command"][-2:] == ["--out", "runs/one"]  # relative to the image's working directory
+    assert str(tmp_path) not in (tmp_path / "runs" / "one" / "job.yaml").read_text()

@@ -46,9 +46,11 @@ def example_spec(scheduler: str, container: str, mode: str = "train") -> JobSpec
                  run_dir="/home/ada/project/runs/digits-sync"))
     return JobSpec(scheduler=scheduler, workdir="/home/ada/project", **what,
                    nodes=2 if cluster else 1, tasks_per_node=2, gpus_per_node=2 if cluster else 0,
-                   cpus_per_task=4 if cluster else 1, time="01:30:00" if cluster else None,
+                   cpus_per_task=4 if cluster else None, time="01:30:00" if cluster else None,
                    partition="gpu" if cluster else None, account="proj42" if cluster else None,
-                   container=CONTAINERS[container], binds=("/scratch/ada/data",) if container != "none" else ())
+                   container=CONTAINERS[container], binds=("/scratch/ada/data",) if container != "none" else (),
+                   # outside a container the ranks run the launching environment's interpreter, by its path
+                   dptrain="/home/ada/venv/bin/python -m dptrain" if container == "none" else "dptrain")
 
 
 @pytest.mark.parametrize("mode", list(MODES))
@@ -550,3 +552,141 @@ def test_job_scripts_quiet_torchs_cpp_log_unless_the_user_chose_a_level(schedule
         shown = subprocess.run(["bash", "-c", exports[0] + '; echo "$TORCH_CPP_LOG_LEVEL"'], env=env,
                                capture_output=True, text=True, timeout=10).stdout.strip()
         assert shown == seen
+
+
+def _lines_between(text: str, first: str, last: str) -> list[str]:
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(first))
+    end = next(i for i, line in enumerate(lines) if i >= start and line.startswith(last))
+    return lines[start:end + 1]
+
+
+def test_site_directives_are_written_as_slurm_lines_after_dptrain_s_own():
+    spec = JobSpec(**{**example_spec("slurm", "none").__dict__, "mem": "0", "qos": "high", "constraint": "a100&ib",
+                      "exclusive": True, "sbatch_options": ("--mail-type=END", "--gres=gpu:a100:2")})
+    text = slurm.render(spec)
+    assert _lines_between(text, "#SBATCH --account", "set -euo pipefail") == [
+        "#SBATCH --account=proj42", "#SBATCH --mem=0", "#SBATCH --qos=high", "#SBATCH '--constraint=a100&ib'",
+        "#SBATCH --exclusive", "#SBATCH --output=/home/ada/project/runs/digits-sync/slurm-%j.out",
+        "#SBATCH --open-mode=append", "#SBATCH --requeue", "#SBATCH --signal=USR1@300",
+        "#SBATCH --mail-type=END", "#SBATCH --gres=gpu:a100:2", "set -euo pipefail"]
+
+
+def test_site_directives_are_written_as_pbs_lines_where_pbs_has_them():
+    spec = JobSpec(**{**example_spec("pbs", "none").__dict__, "mem": "16G", "exclusive": True,
+                      "pbs_options": ("-l software=matlab", "-m abe")})
+    lines = pbs.render(spec).splitlines()
+    assert "#PBS -l select=2:ncpus=8:mpiprocs=2:ngpus=2:mem=16gb" in lines
+    assert "#PBS -l place=scatter:excl" in lines
+    assert lines[lines.index("set -euo pipefail") - 2:lines.index("set -euo pipefail")] == [
+        "#PBS -l software=matlab", "#PBS -m abe"]
+    assert pbs.memory("4000") == "4000mb" and pbs.memory("2T") == "2tb"
+
+
+@pytest.mark.parametrize("scheduler", ["slurm", "pbs", "local"])
+def test_setup_lines_run_after_set_e_and_before_the_ranks_start(tmp_path, scheduler):
+    (tmp_path / "env.sh").write_text("module load cuda/12\nsource /opt/venv/bin/activate\n")
+    file_given = dptrain("launch", "--scheduler", scheduler, "--setup", "env.sh", "--dry-run", "--", "--out", "run",
+                         cwd=tmp_path)
+    assert file_given.returncode == 0, file_given.stderr
+    lines = file_given.stdout.splitlines()
+    at = lines.index(f"# Set-up from {tmp_path}/env.sh (--setup):")
+    assert lines[at + 1:at + 3] == ["module load cuda/12", "source /opt/venv/bin/activate"]
+    assert lines.index("set -euo pipefail") < at
+    start = next(i for i, line in enumerate(lines) if line.startswith(("srun ", "mpirun ", "start_ranks() {")))
+    assert at < start
+    typed = dptrain("launch", "--scheduler", scheduler, "--setup", "module load cuda; nvidia-smi -L", "--dry-run",
+                    "--", "--out", "run", cwd=tmp_path)
+    lines = typed.stdout.splitlines()
+    assert lines[lines.index("# Set-up given with --setup:") + 1] == "module load cuda; nvidia-smi -L"
+
+
+def test_an_sbatch_option_is_taken_as_typed_even_though_it_starts_with_dashes(tmp_path):
+    result = dptrain("launch", "--scheduler", "slurm", "--sbatch-option", "--mem=0", "--sbatch-option=--exclusive",
+                     "--dry-run", "--", "--out", "run", "--epochs", "2", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "#SBATCH --mem=0\n#SBATCH --exclusive\nset -euo pipefail\n" in result.stdout
+    assert f"--epochs 2 --out {tmp_path}/run" in result.stdout  # the words after -- are still train's
+
+
+@pytest.mark.parametrize("words, message", [
+    (["--sbatch-option", "mem=0"], "--sbatch-option 'mem=0' is not one sbatch option; give one option on one line "
+                                   "starting with '--', e.g. --sbatch-option '--mem=0'"),
+    (["--sbatch-option", "--mem=0\n--qos=x"], "--sbatch-option '--mem=0\\n--qos=x' is not one sbatch option; give "
+                                              "one option on one line starting with '--', e.g. --sbatch-option '--mem=0'"),
+    (["--pbs-option", "-l mem=1gb"], "--pbs-option '-l mem=1gb' is for --scheduler pbs, not slurm"),
+    (["--setup", "nope.sh"], "--setup 'nope.sh' is not a file (in {cwd}); give a file of set-up lines, or the lines "
+                             "themselves, e.g. --setup 'module load cuda'"),
+    (["--qos", "high prio"], "--qos 'high prio' must be one word without spaces, e.g. normal"),
+    (["--mem", "16GB"], "--mem '16GB' is not an amount of memory per node: a number with K, M, G or T (M when none), "
+                        "e.g. 16G, or 0 for all of a node's memory"),
+    (["--python", "venv/bin/python"], "--python 'venv/bin/python' is not an absolute path; give the interpreter's "
+                                      "whole path, e.g. /opt/venv/bin/python"),
+    (["--python", "/usr/bin/python3", "--dptrain", "dptrain"], "--python /usr/bin/python3 and --dptrain 'dptrain' "
+                                                               "both say how ranks run dptrain; give one"),
+    (["--scheduler", "pbs", "--qos", "high"], "--qos is SLURM's and PBS has no equivalent (a PBS queue is "
+                                              "--partition); give the site's own with --pbs-option '-l ...'"),
+    (["--scheduler", "pbs", "--constraint", "a100"], "--constraint is SLURM's and PBS has no equivalent (node features "
+                                                     "are site resources); give the site's own with --pbs-option '-l ...'"),
+    (["--scheduler", "pbs", "--mem", "0"], "--mem 0 (all of a node's memory) is SLURM's; under PBS give an amount, "
+                                           "e.g. --mem 64G"),
+    (["--scheduler", "pbs", "--pbs-option", "l mem=1gb"], "--pbs-option 'l mem=1gb' is not one PBS option; give one "
+                                                          "option on one line starting with '-', e.g. --pbs-option "
+                                                          "'-l mem=16gb'"),
+    (["--scheduler", "local", "--exclusive"], "--exclusive is a SLURM and PBS directive; --scheduler local has none"),
+    (["--scheduler", "kubernetes", "--image", "i", "--setup", "a b"],
+     "--setup runs lines in a job script; a Kubernetes pod runs its --image as it is: put the set-up into the image"),
+])
+def test_a_bad_site_option_is_one_line_and_nothing_is_written(tmp_path, words, message):
+    scheduler = [] if words[0] == "--scheduler" else ["--scheduler", "slurm"]
+    result = dptrain("launch", *scheduler, *words, "--", "--out", "run", cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == ["dptrain: error: " + message.format(cwd=tmp_path)]
+    assert not (tmp_path / "run").exists()
+
+
+def _threads(text: str, tmp_path: Path, cpus: int, **env: str) -> str:
+    """OMP_NUM_THREADS as the script's own lines set it, run by bash on a node whose nproc says `cpus`."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / "nproc").write_text(f"#!/bin/bash\necho {cpus}\n")
+    (bin_dir / "nproc").chmod(0o755)
+    lines = _lines_between(text, "export OMP_NUM_THREADS" if "threads=" not in text else "threads=",
+                           "export OMP_NUM_THREADS")
+    done = subprocess.run(["bash", "-c", "set -euo pipefail\n" + "\n".join(lines) + '\necho "$OMP_NUM_THREADS"'],
+                          env={"PATH": f"{bin_dir}:/usr/bin:/bin", **env}, capture_output=True, text=True, timeout=10)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+def test_without_cpus_per_task_the_threads_are_what_the_node_offers(tmp_path):
+    spec = JobSpec(**{**example_spec("slurm", "none").__dict__, "cpus_per_task": None})
+    text = slurm.render(spec)
+    assert "--cpus-per-task=" not in text  # neither asked of SLURM nor pinned on srun
+    assert _threads(text, tmp_path, 32, SLURM_NTASKS_PER_NODE="4") == "8"
+    assert _threads(text, tmp_path, 32, SLURM_NTASKS_PER_NODE="4", SLURM_CPUS_PER_TASK="6") == "6"
+    assert _threads(text, tmp_path, 3, SLURM_NTASKS_PER_NODE="4") == "1"  # at least 1
+    assert _threads(text, tmp_path, 8) == "4"  # no SLURM_NTASKS_PER_NODE: --tasks-per-node (2)
+    pbs_text = pbs.render(JobSpec(**{**example_spec("pbs", "none").__dict__, "cpus_per_task": None}))
+    assert "#PBS -l select=2:ncpus=2:mpiprocs=2:ngpus=2" in pbs_text.splitlines()
+    assert _threads(pbs_text, tmp_path, 48) == "24"
+    given = slurm.render(example_spec("slurm", "none"))  # --cpus-per-task 4: asked for and pinned
+    assert "#SBATCH --cpus-per-task=4" in given and " --cpus-per-task=4 " in given
+    assert _threads(given, tmp_path, 32, SLURM_CPUS_PER_TASK="9") == "4"
+
+
+@pytest.mark.parametrize("scheduler", ["slurm", "pbs", "local"])
+def test_ranks_start_dptrain_by_the_launching_interpreter_s_absolute_path(tmp_path, scheduler):
+    result = dptrain("launch", "--scheduler", scheduler, "--dry-run", "--", "--out", "run", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    rank = next(line for line in result.stdout.splitlines() if " -m dptrain train " in line)
+    assert f" {sys.executable} -m dptrain train " in f" {rank.strip()}", rank
+    assert os.path.isabs(sys.executable) and os.access(sys.executable, os.X_OK)
+    chosen = dptrain("launch", "--scheduler", scheduler, "--python", "/opt/site/venv/bin/python", "--dry-run", "--",
+                     "--out", "run", cwd=tmp_path)
+    assert "/opt/site/venv/bin/python -m dptrain train " in chosen.stdout
+    # In a container the laptop's interpreter does not exist: the image's dptrain runs.
+    boxed = dptrain("launch", "--scheduler", scheduler, "--container", "udocker:img", "--dry-run", "--", "--out",
+                    "run", cwd=tmp_path)
+    assert boxed.returncode == 0, boxed.stderr
+    assert sys.executable not in boxed.stdout and " img dptrain train " in boxed.stdout

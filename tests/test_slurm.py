@@ -25,10 +25,14 @@ def launch(cluster, *args: str, cwd: Path, timeout: float = 240) -> subprocess.C
 
 
 def test_launch_trains_digits_from_a_user_dataset_factory_across_two_slurm_nodes(slurm_cluster, tmp_path):
-    # The user's own Dataset factory (tests/digits_factory.py) reaches every rank through PYTHONPATH.
-    env = {**slurm_cluster.env, "PYTHONPATH": str(Path(__file__).parent)}
+    # The user's own Dataset factory (tests/digits_factory.py) reaches every rank through PYTHONPATH. No dptrain
+    # on the PATH: the ranks start this interpreter by its absolute path, as launch ran in it.
+    path = os.pathsep.join(part for part in slurm_cluster.env["PATH"].split(os.pathsep)
+                           if Path(part) != Path(sys.executable).parent)
+    env = {**slurm_cluster.env, "PYTHONPATH": str(Path(__file__).parent), "PATH": path}
+    assert shutil.which("dptrain", path=path) is None
     result = subprocess.run([sys.executable, "-m", "dptrain", "launch", "--scheduler", "slurm", "--nodes", "2",
-                             "--tasks-per-node", "1", "--dptrain", f"{sys.executable} -m dptrain", "--submit", "--wait",
+                             "--tasks-per-node", "1", "--submit", "--wait",
                              "--wait-timeout", "180", "--", "--data", "digits_factory:make", *DIGITS[2:],
                              "--strategy", "allreduce", "--out", "run"],
                             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
@@ -42,6 +46,7 @@ def test_launch_trains_digits_from_a_user_dataset_factory_across_two_slurm_nodes
     assert summary["test_accuracy"] >= 0.90, summary
     assert "data: digits_factory:make" in (tmp_path / "run" / "config.yaml").read_text()
     assert (tmp_path / "run" / "job.slurm").exists() and (tmp_path / "run" / f"slurm-{job_id}.out").exists()
+    assert f" rank {sys.executable} -m dptrain train " in (tmp_path / "run" / "job.slurm").read_text()
 
 
 def test_launch_runs_a_user_s_own_ddp_script_on_two_slurm_nodes(slurm_cluster, tmp_path):

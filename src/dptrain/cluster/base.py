@@ -70,7 +70,9 @@ class Scheduler(Protocol):
     A scheduler whose jobs write no output file into the run directory (Kubernetes: the pods' logs) may
     also define `describe_output(job_id) -> str`, where `dptrain launch --submit` says the output goes. One
     whose jobs requeue themselves as a new job (PBS) defines `requeued_as(run_dir, job_id) -> Optional[str]`,
-    the id `dptrain launch --wait` follows next.
+    the id `dptrain launch --wait` follows next. One whose ranks do not see the launching machine's files
+    (Kubernetes: the image and its volumes) defines `expected_files(spec) -> list[str]`, a sentence for each
+    file they read saying where it must be, which `dptrain launch` prints instead of checking the files here.
     """
 
     SCRIPT_NAME: str  # the job script's file name in the run directory, e.g. job.slurm

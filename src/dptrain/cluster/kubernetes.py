@@ -79,6 +79,12 @@ def _check(spec: JobSpec) -> None:
                         "(kubectl config set-context --current --namespace NAME)")
 
 
+def cpus(spec: JobSpec) -> int:
+    """The CPUs a pod asks for and its rank's threads: --cpus-per-task, else 1 (a pod sees the whole node's
+    CPUs in nproc, not its share, so there is nothing to derive them from)."""
+    return spec.cpus_per_task or 1
+
+
 def volumes(spec: JobSpec) -> list[tuple[str, str]]:
     """(claim, mount path) of each --volume CLAIM:PATH; one line naming a bad one."""
     pairs = []
@@ -89,6 +95,28 @@ def volumes(spec: JobSpec) -> list[tuple[str, str]]:
                             "path every pod mounts it at, e.g. runs-claim:/home/ada/project/runs")
         pairs.append((claim, path))
     return pairs
+
+
+def pod_run_dir(spec: JobSpec) -> str:
+    """The run directory as the pods see it: --out as given (relative to the image's working directory), else
+    the spec's."""
+    return spec.pod_run_dir or spec.run_dir
+
+
+def expected_files(spec: JobSpec) -> list[str]:
+    """Where each file the pods read must be, one sentence each (`dptrain launch` says them; nothing on the
+    launching machine is checked, since the pods see only the image and the volumes)."""
+    mounts = volumes(spec)
+    sentences = []
+    for flag, path in spec.pod_files:
+        if not posixpath.isabs(path):
+            where = "in the image's working directory"
+        else:
+            claim = next((claim for claim, mount in mounts if _on_volume(path, [(claim, mount)])), None)
+            where = (f"on volume {claim} (mounted at {dict(mounts)[claim]})" if claim is not None
+                     else "in the image (on no --volume)")
+        sentences.append(f"{path} ({flag}) {where}")
+    return sentences
 
 
 def seconds(time: str) -> int:
@@ -110,7 +138,7 @@ def manifests(spec: JobSpec) -> list[dict[str, Any]]:
     env: list[dict[str, Any]] = [
         {"name": "MASTER_ADDR", "value": f"{name}-0.{name}"},
         {"name": "MASTER_PORT", "value": str(PORT)},
-        {"name": "OMP_NUM_THREADS", "value": str(spec.cpus_per_task)},
+        {"name": "OMP_NUM_THREADS", "value": str(cpus(spec))},
         # torch reads it once, at import: the rank's process starts with it (as the job scripts export it).
         {"name": "TORCH_CPP_LOG_LEVEL", "value": "ERROR"},
         {"name": "DPTRAIN_KUBERNETES_JOB", "value": name},
@@ -122,12 +150,15 @@ def manifests(spec: JobSpec) -> list[dict[str, Any]]:
                 {"name": "LOCAL_RANK", "value": "0"},
                 {"name": "WORLD_SIZE", "value": str(spec.world_size)},
                 {"name": "LOCAL_WORLD_SIZE", "value": "1"},
-                {"name": "DPTRAIN_RUN_DIR", "value": spec.run_dir}]
-    resources: dict[str, Any] = {"requests": {"cpu": str(spec.cpus_per_task)}}
+                {"name": "DPTRAIN_RUN_DIR", "value": pod_run_dir(spec)}]
+    resources: dict[str, Any] = {"requests": {"cpu": str(cpus(spec))}}
     if spec.gpus_per_node:
         resources["limits"] = {"nvidia.com/gpu": str(spec.gpus_per_node)}
-    container: dict[str, Any] = {"name": CONTAINER, "image": spec.image, "workingDir": spec.workdir,
-                                 "command": train_command(spec), "env": env, "resources": resources}
+    # No workingDir: the pods start in the image's own, which the relative paths (--out, --data ...) are
+    # taken from; the launching machine's directories exist in neither the image nor a volume.
+    container: dict[str, Any] = {"name": CONTAINER, "image": spec.image,
+                                 "command": train_command(spec, pod_run_dir(spec)), "env": env,
+                                 "resources": resources}
     pod: dict[str, Any] = {"subdomain": name, "restartPolicy": "Never"}
     if spec.stop_before:
         pod["terminationGracePeriodSeconds"] = spec.stop_before
@@ -182,7 +213,8 @@ def render(spec: JobSpec) -> str:
         "not counted as",
         "# a failure, and resumes from the checkpoint; any other failure fails the job.",
     ]
-    if not _on_volume(spec.run_dir, mounts):
+    comments += [f"# The pods expect {where}" for where in expected_files(spec)]
+    if not _on_volume(pod_run_dir(spec), mounts):
         comments += ["# The run directory is on no --volume: each pod writes it into its own file system, which is",
                      "# lost with the pod (and with it the checkpoints a recreated pod would resume from)."]
     body = yaml.dump_all(documents, Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=120,

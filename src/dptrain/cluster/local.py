@@ -25,7 +25,8 @@ from typing import Mapping, Optional
 
 from dptrain.cluster.base import Job, Placement
 from dptrain.cluster.containers import rank_command
-from dptrain.cluster.spec import JobSpec, header, ignoring, process_environment, quote, train_command
+from dptrain.cluster.spec import (JobSpec, header, ignoring, process_environment, quote, setup_lines,
+                                  train_command)
 from dptrain.cluster.submit import JobStatus
 from dptrain.cluster.torchrun import torchrun_ranks
 
@@ -45,8 +46,8 @@ _started: dict[str, subprocess.Popen] = {}
 
 def render(spec: JobSpec) -> str:
     own_launcher = spec.container is None and not spec.command
-    lines = [*header(spec, "Local job"), "set -euo pipefail", f"cd {quote([spec.workdir])}",
-             *process_environment(spec), ""]
+    lines = [*header(spec, "Local job", "--setup adds set-up lines"), "set -euo pipefail", f"cd {quote([spec.workdir])}",
+             *process_environment(spec), *setup_lines(spec), ""]
     if own_launcher:
         grace = f" --grace {spec.stop_before}" if spec.stop_before else ""
         start = ["# dptrain's own launcher starts the ranks, stops them all if one fails and passes a stop signal on",

@@ -25,7 +25,7 @@ from typing import Mapping, Optional
 from dptrain.cluster.base import Job, Placement
 from dptrain.cluster.containers import rank_command
 from dptrain.cluster.spec import (STOP_SIGNALS, JobSpec, command_environment, header, ignoring, process_environment,
-                                  quote, rank_environment, serve_store)
+                                  quote, rank_environment, serve_store, setup_lines)
 from dptrain.cluster.submit import JobStatus, run_tool
 
 SCRIPT_NAME = "job.pbs"
@@ -38,12 +38,16 @@ PRIORITY = 50  # after SLURM: inside a SLURM job, that job's id and nodes are th
 
 
 def render(spec: JobSpec) -> str:
-    select = f"select={spec.nodes}:ncpus={spec.tasks_per_node * spec.cpus_per_task}:mpiprocs={spec.tasks_per_node}"
+    # Without --cpus-per-task, one CPU per rank is asked for; the ranks' threads are what the node then offers.
+    select = (f"select={spec.nodes}:ncpus={spec.tasks_per_node * (spec.cpus_per_task or 1)}"
+              f":mpiprocs={spec.tasks_per_node}")
     if spec.gpus_per_node:
         select += f":ngpus={spec.gpus_per_node}"
+    if spec.mem:  # per node, as SLURM's --mem: one chunk of the select is one node
+        select += f":mem={memory(spec.mem)}"
     # -V: the job starts with the submitting shell's environment (PATH, PYTHONPATH, VIRTUAL_ENV ...), as
     # sbatch's does, so dptrain and the user's modules are found on the first node.
-    directives = [f"-N {spec.job_name}", f"-l {select}", "-l place=scatter", "-V"]
+    directives = [f"-N {spec.job_name}", f"-l {select}", f"-l place=scatter{':excl' if spec.exclusive else ''}", "-V"]
     if spec.time:
         directives.append(f"-l walltime={spec.time}")
     if spec.partition:
@@ -76,8 +80,9 @@ def render(spec: JobSpec) -> str:
         command = (f"bash -c 'trap \"\" {' '.join(STOP_SIGNALS)}; \"$@\"; code=$?; mkdir -p \"$DPTRAIN_EXITS\"; "
                    f"echo \"$code\" > \"$DPTRAIN_EXITS/rank-$OMPI_COMM_WORLD_RANK\"; exit \"$code\"' rank " + command)
     lines = [
-        *header(spec, "PBS job"),
+        *header(spec, "PBS job", "--pbs-option and --setup add a site's own lines"),
         *(f"#PBS {d}" for d in directives),
+        *(f"#PBS {line}" for line in spec.pbs_options),  # the user's, verbatim; after ours, so they win
         "set -euo pipefail",
         f"exec >>{quote([spec.run_dir + '/' + OUTPUT_NAME])} 2>&1  # after the output of the jobs before it",
         f"cd {quote([spec.workdir])}",
@@ -88,6 +93,7 @@ def render(spec: JobSpec) -> str:
         "export MASTER_ADDR",
         *process_environment(spec),
         'echo "dptrain: job $PBS_JOBID on $(sort -u "$PBS_NODEFILE" | paste -sd,), rendezvous $MASTER_ADDR"',
+        *setup_lines(spec),
         *command_environment(spec, port),
         *serve_store(spec, port, replace),
         *([f'export DPTRAIN_EXITS={quote([spec.run_dir])}/.exits-"$PBS_JOBID"'] if elastic else []),
@@ -126,6 +132,12 @@ def render(spec: JobSpec) -> str:
         'exit "$status"',
     ]
     return "\n".join(lines) + "\n"
+
+
+def memory(amount: str) -> str:
+    """SLURM's --mem amount (16G; M when no unit) in PBS's units (16gb)."""
+    number, unit = (amount[:-1], amount[-1]) if amount[-1] in "KMGT" else (amount, "M")
+    return f"{number}{unit.lower()}b"
 
 
 def elastic_status(spec: JobSpec) -> list[str]:

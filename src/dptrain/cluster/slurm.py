@@ -17,7 +17,7 @@ import hostlist
 from dptrain.cluster.base import Job, Placement, integer
 from dptrain.cluster.containers import rank_command
 from dptrain.cluster.spec import (STOP_SIGNALS, JobSpec, command_environment, header, process_environment, quote,
-                                  rank_environment, serve_store)
+                                  rank_environment, serve_store, setup_lines)
 from dptrain.cluster.submit import JobStatus, run_tool
 from dptrain.errors import UserError
 
@@ -32,12 +32,15 @@ PRIORITY = 40
 
 def render(spec: JobSpec) -> str:
     directives = [f"--job-name={spec.job_name}", f"--nodes={spec.nodes}", f"--ntasks-per-node={spec.tasks_per_node}",
-                  f"--cpus-per-task={spec.cpus_per_task}"]
+                  *cpus_per_task(spec)]
     if spec.gpus_per_node:
         directives.append(f"--gpus-per-node={spec.gpus_per_node}")
-    for flag, value in (("time", spec.time), ("partition", spec.partition), ("account", spec.account)):
+    for flag, value in (("time", spec.time), ("partition", spec.partition), ("account", spec.account),
+                        ("mem", spec.mem), ("qos", spec.qos), ("constraint", spec.constraint)):
         if value:
             directives.append(f"--{flag}={value}")
+    if spec.exclusive:
+        directives.append("--exclusive")
     directives.append(f"--output={spec.run_dir}/slurm-%j.out")
     # A requeued job appends to its output rather than starting it again.
     directives += ["--open-mode=append", "--requeue"]
@@ -75,8 +78,9 @@ def render(spec: JobSpec) -> str:
                     "# then requeues itself and resumes from it."]
         stopped = "stopped at a checkpoint; requeueing it to resume"
     lines = [
-        *header(spec, "SLURM job"),
+        *header(spec, "SLURM job", "--sbatch-option and --setup add a site's own lines"),
         *(f"#SBATCH {quote([d])}" for d in directives),
+        *(f"#SBATCH {line}" for line in spec.sbatch_options),  # the user's, verbatim; after ours, so they win
         "set -euo pipefail",
         f"cd {quote([spec.workdir])}",
         "",
@@ -85,8 +89,9 @@ def render(spec: JobSpec) -> str:
         'first_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
         "MASTER_ADDR=$(scontrol show node \"$first_node\" | sed -n 's/.*NodeAddr=\\([^ ]*\\).*/\\1/p')",
         'export MASTER_ADDR="${MASTER_ADDR:-$first_node}"',
-        *process_environment(spec),
+        *process_environment(spec, cpus_variable="SLURM_CPUS_PER_TASK", tasks_variable="SLURM_NTASKS_PER_NODE"),
         'echo "dptrain: job $SLURM_JOB_ID on $SLURM_JOB_NODELIST, rendezvous $MASTER_ADDR"',
+        *setup_lines(spec),
         *command_environment(spec, "$((20000 + SLURM_JOB_ID % 20000))"),
         *serve_store(spec, "$((20000 + SLURM_JOB_ID % 20000))", replace_step(spec)),
         *([""] + setup if setup else []),
@@ -98,7 +103,7 @@ def render(spec: JobSpec) -> str:
         *stopping,
         "status=0",
         f"srun --kill-on-bad-exit={0 if spec.elastic else 1} --nodes={spec.nodes} --ntasks-per-node={spec.tasks_per_node} "
-        f"--cpus-per-task={spec.cpus_per_task} {command} || status=$?",
+        f"{''.join(option + ' ' for option in cpus_per_task(spec))}{command} || status=$?",
         *([f'if [ "$status" -ne 0 ] && [ -f {quote([str(Path(spec.run_dir) / "summary.json")])} ]; then',
            '    echo "dptrain: the ranks left finished the run without the ranks that failed (srun exit $status)"',
            "    status=0",
@@ -117,8 +122,14 @@ def replace_step(spec: JobSpec) -> str:
     """The job step that starts one new worker in place of a lost rank (--replace-workers): one task on a node
     of the allocation, sharing the CPUs of the ranks' step (--overlap: SLURM keeps a step's resources until
     all of its tasks end, the lost rank's too)."""
-    return (f"srun --overlap --nodes=1 --ntasks=1 --cpus-per-task={spec.cpus_per_task} --kill-on-bad-exit=1 "
-            f"{spec.dptrain} join {quote([spec.run_dir])}")
+    return (f"srun --overlap --nodes=1 --ntasks=1 {''.join(option + ' ' for option in cpus_per_task(spec))}"
+            f"--kill-on-bad-exit=1 {spec.dptrain} join {quote([spec.run_dir])}")
+
+
+def cpus_per_task(spec: JobSpec) -> list[str]:
+    """--cpus-per-task=N when given; none otherwise, so that SLURM (and the script's OMP_NUM_THREADS) uses
+    what the node offers rather than one core per rank."""
+    return [f"--cpus-per-task={spec.cpus_per_task}"] if spec.cpus_per_task is not None else []
 
 
 def output_path(run_dir: Path, job_id: str) -> Path:

@@ -15,6 +15,8 @@ from dptrain import registry
 from dptrain.errors import UserError
 
 TIME_PATTERN = re.compile(r"(\d+-)?\d{1,3}:\d{2}:\d{2}")
+MEMORY_PATTERN = re.compile(r"\d+[KMGT]?")  # SLURM's --mem; PBS's mem= is written from it (pbs.memory)
+SITE_EXAMPLES = {"--mem": "16G", "--qos": "normal", "--constraint": "a100"}
 
 
 # The signals a scheduler may send ahead of the end (dptrain.runtime.spawn.FORWARDED_SIGNALS, by name).
@@ -41,7 +43,7 @@ class JobSpec:
     nodes: int = 1
     tasks_per_node: int = 1
     gpus_per_node: int = 0
-    cpus_per_task: int = 1
+    cpus_per_task: Optional[int] = None  # None: what the node offers, divided among its ranks (see threads())
     time: Optional[str] = None
     partition: Optional[str] = None
     account: Optional[str] = None
@@ -56,6 +58,18 @@ class JobSpec:
     max_requeues: int = 10  # local and PBS: how often a job whose ranks exit with 75 starts again
     elastic: bool = False  # dptrain train --min-workers: the ranks left go on when one fails (SLURM: srun keeps them)
     replacements: int = 0  # --replace-workers: new workers started at most, each in place of a lost one
+    mem: Optional[str] = None  # --mem: memory per node, SLURM's form (16G, 4000M, 0 for all of it)
+    qos: Optional[str] = None  # --qos: SLURM's quality of service
+    constraint: Optional[str] = None  # --constraint: SLURM's node features
+    exclusive: bool = False  # --exclusive: whole nodes, no other job beside
+    sbatch_options: tuple[str, ...] = ()  # --sbatch-option: each one #SBATCH line, verbatim
+    pbs_options: tuple[str, ...] = ()  # --pbs-option: each one #PBS line, verbatim
+    setup: str = ""  # --setup: shell lines run before the ranks start, verbatim
+    setup_from: str = ""  # where they came from ("from FILE (--setup)"), said in a comment above them
+    # Kubernetes: the run directory as the pods see it (--out as given: relative to the image's working
+    # directory, or absolute, e.g. on a --volume), and the (flag, path) of each file the pods read, as given
+    pod_run_dir: str = ""
+    pod_files: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self):
         if self.scheduler not in registry.names("scheduler"):
@@ -65,7 +79,7 @@ class JobSpec:
             raise UserError(f"--replace-workers under --scheduler {self.scheduler}: only SLURM, PBS and local jobs "
                             "start new workers in place of lost ones; drop it")
         for name in ("nodes", "tasks_per_node", "cpus_per_task"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise UserError(f"--{name.replace('_', '-')} {getattr(self, name)} must be at least 1")
         if self.stop_before < 0:
             raise UserError(f"--stop-before {self.stop_before} must be 0 (no warning) or a number of seconds")
@@ -91,40 +105,97 @@ class JobSpec:
             flag = f"--image {self.image}" if self.image else f"--volume {self.volumes[0]}"
             raise UserError(f"{flag} is for --scheduler kubernetes; under {self.scheduler} the ranks run on the "
                             "host, or in --container RUNTIME:IMAGE")
+        self._check_site_options()
         if not posixpath.isabs(self.workdir) or not posixpath.isabs(self.run_dir):
             raise ValueError("workdir and run_dir must be absolute")
         if self.command and self.train_args:
             raise ValueError("a job runs either dptrain train with train_args or a command, not both")
+
+    def _check_site_options(self) -> None:
+        """One line for a site option the scheduler has no directive for, or a directive that is not one."""
+        for flag, lines, own, dashes, example in (("--sbatch-option", self.sbatch_options, "slurm", "--", "'--mem=0'"),
+                                                  ("--pbs-option", self.pbs_options, "pbs", "-", "'-l mem=16gb'")):
+            for line in lines:
+                if self.scheduler != own:
+                    raise UserError(f"{flag} {line!r} is for --scheduler {own}, not {self.scheduler}")
+                if not line.startswith(dashes) or "\n" in line or "\r" in line or not line[len(dashes):].strip():
+                    raise UserError(f"{flag} {line!r} is not one {'sbatch' if own == 'slurm' else 'PBS'} option; give "
+                                    f"one option on one line starting with '{dashes}', e.g. {flag} {example}")
+        for flag, value in (("--mem", self.mem), ("--qos", self.qos), ("--constraint", self.constraint)):
+            if value is not None and (not value or any(character.isspace() for character in value)):
+                raise UserError(f"{flag} {value!r} must be one word without spaces, e.g. {SITE_EXAMPLES[flag]}")
+        if self.mem is not None and not MEMORY_PATTERN.fullmatch(self.mem):
+            raise UserError(f"--mem {self.mem!r} is not an amount of memory per node: a number with K, M, G or T "
+                            "(M when none), e.g. 16G, or 0 for all of a node's memory")
+        given = [flag for flag, value in (("--mem", self.mem), ("--qos", self.qos), ("--constraint", self.constraint),
+                                          ("--exclusive", self.exclusive or None)) if value is not None]
+        if given and self.scheduler not in ("slurm", "pbs"):
+            raise UserError(f"{given[0]} is a SLURM and PBS directive; --scheduler {self.scheduler} has none")
+        if self.setup and self.scheduler == "kubernetes":
+            raise UserError("--setup runs lines in a job script; a Kubernetes pod runs its --image as it is: put "
+                            "the set-up into the image")
+        if self.scheduler == "pbs":
+            for flag, why in (("--qos", "a PBS queue is --partition"), ("--constraint", "node features are site resources")):
+                if flag in given:
+                    raise UserError(f"{flag} is SLURM's and PBS has no equivalent ({why}); give the site's own with "
+                                    "--pbs-option '-l ...'")
+            if self.mem is not None and int(self.mem.rstrip("KMGT")) == 0:
+                raise UserError("--mem 0 (all of a node's memory) is SLURM's; under PBS give an amount, e.g. --mem 64G")
 
     @property
     def world_size(self) -> int:
         return self.nodes * self.tasks_per_node
 
 
-def header(spec: JobSpec, what: str) -> list[str]:
-    """The first lines of every script: what it is and how it was made."""
+def header(spec: JobSpec, what: str, own_lines: str = "") -> list[str]:
+    """The first lines of every script: what it is, how it was made, and (`own_lines`) which flags add a
+    site's own lines to it, so that nobody needs to edit it."""
     ranks = f"{spec.world_size} rank{'s' if spec.world_size > 1 else ''}"
     layout = f"{spec.nodes} node{'s' if spec.nodes > 1 else ''} x {spec.tasks_per_node} task{'s' if spec.tasks_per_node > 1 else ''}"
     inside = f", each in {spec.container.runtime} container {spec.container.image}" if spec.container else ""
     # (a line break inside an argument, e.g. of python -c, is shown as \n: it would end the comment)
     runs = [f"# Every rank runs: {quote(list(spec.command))}".replace("\n", "\\n")] if spec.command else []
     return ["#!/bin/bash", f"# {what}: {ranks} ({layout}){inside}.", *runs,
-            "# Written by dptrain launch; rerun it rather than editing this file."]
+            "# Written by dptrain launch; rerun it rather than editing this file"
+            + (f" ({own_lines})." if own_lines else ".")]
 
 
-def process_environment(spec: JobSpec) -> list[str]:
+def process_environment(spec: JobSpec, *, cpus_variable: str = "", tasks_variable: str = "") -> list[str]:
     """Script lines every rank's process environment starts from: its CPU threads, and torch's C++ log
     level at ERROR unless the user chose one (torch reads it once, at import, before dptrain runs in a
-    rank started by srun, mpirun or torchrun; dptrain's own local workers set it themselves)."""
-    return [f"export OMP_NUM_THREADS={spec.cpus_per_task}",
-            'export TORCH_CPP_LOG_LEVEL="${TORCH_CPP_LOG_LEVEL:-ERROR}"']
+    rank started by srun, mpirun or torchrun; dptrain's own local workers set it themselves).
+
+    The threads are --cpus-per-task when given. Otherwise they are found as the job starts: the
+    scheduler's own count of CPUs per task (`cpus_variable`, e.g. SLURM_CPUS_PER_TASK, set when an
+    --sbatch-option gives one) if set, else the CPUs this node lets the job use (nproc) divided among
+    the ranks on it (`tasks_variable` if set, else --tasks-per-node), at least 1."""
+    log_level = 'export TORCH_CPP_LOG_LEVEL="${TORCH_CPP_LOG_LEVEL:-ERROR}"'
+    if spec.cpus_per_task is not None:
+        return [f"export OMP_NUM_THREADS={spec.cpus_per_task}", log_level]
+    tasks = f"${{{tasks_variable}:-{spec.tasks_per_node}}}" if tasks_variable else str(spec.tasks_per_node)
+    offered = f"$(( $(nproc) / {tasks} ))"
+    source = f"{cpus_variable} if set, else " if cpus_variable else ""
+    return [f"# CPU threads per rank (no --cpus-per-task): {source}the CPUs this job may use on this node",
+            "# (nproc) shared among the ranks on it, at least 1.",
+            f"threads={f'${{{cpus_variable}:-{offered}}}' if cpus_variable else offered}",
+            "export OMP_NUM_THREADS=$(( threads > 1 ? threads : 1 ))",
+            log_level]
 
 
-def train_command(spec: JobSpec) -> list[str]:
-    """The words one rank runs: `dptrain train ARGS --out RUN_DIR`, or the spec's command."""
+def setup_lines(spec: JobSpec) -> list[str]:
+    """The user's --setup lines (module load, activating an environment ...), verbatim, under a comment
+    saying where they came from; run once on the first node before the ranks start."""
+    if not spec.setup:
+        return []
+    return ["", f"# Set-up {spec.setup_from or 'given with --setup'}:", *spec.setup.rstrip("\n").split("\n")]
+
+
+def train_command(spec: JobSpec, run_dir: str = "") -> list[str]:
+    """The words one rank runs: `dptrain train ARGS --out RUN_DIR` (`run_dir`, else the spec's), or the
+    spec's command."""
     if spec.command:
         return list(spec.command)
-    return [*shlex.split(spec.dptrain), "train", *spec.train_args, "--out", spec.run_dir]
+    return [*shlex.split(spec.dptrain), "train", *spec.train_args, "--out", run_dir or spec.run_dir]
 
 
 def command_environment(spec: JobSpec, port: str) -> list[str]:

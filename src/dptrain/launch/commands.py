@@ -27,7 +27,7 @@ from dptrain.arguments import train_config
 from dptrain.config import TrainConfig
 from dptrain.data.kinds import check_spec
 from dptrain.errors import UserError
-from dptrain.user_code import check_spec_file, spec_file
+from dptrain.user_code import check_spec_file, looks_like_spec, spec_file
 from dptrain.io import timestamped
 from dptrain.cluster.spec import ContainerSpec, JobSpec
 from dptrain.cluster.submit import follow
@@ -60,11 +60,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nodes", type=int, default=1, help="nodes (default: 1)")
     parser.add_argument("--tasks-per-node", type=int, default=1, help="ranks per node, usually one per GPU (default: 1)")
     parser.add_argument("--gpus-per-node", type=int, default=0, help="GPUs to request per node (default: 0)")
-    parser.add_argument("--cpus-per-task", type=int, default=1, help="CPU cores per rank; sets OMP_NUM_THREADS (default: 1)")
+    parser.add_argument("--cpus-per-task", type=int, default=None,
+                        help="CPU cores per rank; sets OMP_NUM_THREADS (default: none asked for; SLURM, PBS and local "
+                             "jobs set OMP_NUM_THREADS as they start to the CPUs the node lets the job use divided "
+                             "among its ranks, at least 1, or SLURM_CPUS_PER_TASK when set; Kubernetes: 1)")
     parser.add_argument("--time", help="wall-time limit HH:MM:SS or D-HH:MM:SS (default: the queue's)")
     parser.add_argument("--partition", help="SLURM partition, PBS queue or Kubernetes Kueue LocalQueue")
     parser.add_argument("--account", help="account to charge")
     parser.add_argument("--job-name", default="dptrain", help="job name (default: dptrain)")
+    parser.add_argument("--mem", help="SLURM and PBS: memory per node, e.g. 16G (K, M, G, T; M when none; SLURM: 0 for "
+                                      "all of it)")
+    parser.add_argument("--qos", help="SLURM: quality of service")
+    parser.add_argument("--constraint", help="SLURM: node features, e.g. a100")
+    parser.add_argument("--exclusive", action="store_true", help="SLURM and PBS: whole nodes, shared with no other job")
+    parser.add_argument("--sbatch-option", action="append", default=[], metavar="OPTION",
+                        help="SLURM: one more #SBATCH line, written as given, e.g. --sbatch-option '--mem=0' "
+                             "(repeatable)")
+    parser.add_argument("--pbs-option", action="append", default=[], metavar="OPTION",
+                        help="PBS: one more #PBS line, written as given, e.g. --pbs-option '-l software=x' (repeatable)")
+    parser.add_argument("--setup", metavar="FILE|LINES",
+                        help="SLURM, PBS and local: shell lines the job script runs before the ranks start, after "
+                             "'set -euo pipefail' (e.g. 'module load cuda; source venv/bin/activate'), or a FILE "
+                             "holding them (a value without spaces is a file)")
+    parser.add_argument("--python", metavar="PATH",
+                        help="the absolute path of the Python that runs dptrain on every rank (default: this one, "
+                             f"{sys.executable}; in a --container: dptrain in the image)")
     parser.add_argument("--container", metavar="RUNTIME:IMAGE", help=container_forms())
     parser.add_argument("--image", help="Kubernetes: the container image every pod runs (with dptrain, or the "
                                             "command's program, installed)")
@@ -75,8 +95,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="extra path to bind into the container (repeatable); the project and run "
                              "directories and --data are bound anyway")
     parser.add_argument("--dptrain", default=None, metavar="COMMAND",
-                        help="how a rank runs dptrain train (default: dptrain from the PATH; e.g. "
-                             "'/opt/venv/bin/python -m dptrain')")
+                        help="how a rank runs dptrain train, the whole command (default: PYTHON -m dptrain, "
+                             "PYTHON being --python; in a container or a Kubernetes pod: the image's dptrain)")
     parser.add_argument("--stop-before", "--grace", type=int, default=300, metavar="SECONDS", dest="stop_before",
                         help="SLURM and PBS (with --time): signal the ranks this long before --time runs out; they "
                              "save a checkpoint after the current epoch and the job requeues itself to resume (0: no "
@@ -104,6 +124,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("train_args", nargs=argparse.REMAINDER, metavar="-- TRAIN_ARGS | COMMAND",
                         help="after '--': arguments of 'dptrain train' (the first starts with '-'), or a command "
                              "every rank runs, e.g. python train.py --epochs 3")
+
+
+# Options whose value is itself an option (--sbatch-option --mem=0), which argparse would read as a flag.
+OPTION_VALUED = ("--sbatch-option", "--pbs-option")
+
+
+def split_argv(words: list[str]) -> tuple[list[str], None]:
+    """The words with `--sbatch-option VALUE` joined into `--sbatch-option=VALUE` before the first '--', so that
+    a VALUE starting with '-' is taken as the value it is; nothing is passed on untouched."""
+    joined: list[str] = []
+    at = 0
+    while at < len(words):
+        if words[at] == "--":
+            return joined + list(words[at:]), None
+        if words[at] in OPTION_VALUED and at + 1 < len(words):
+            joined.append(f"{words[at]}={words[at + 1]}")
+            at += 2
+            continue
+        joined.append(words[at])
+        at += 1
+    return joined, None
 
 
 def without_out(train_args: list[str]) -> list[str]:
@@ -172,6 +213,53 @@ def check_files(config: TrainConfig, workdir: Path) -> None:
     check_spec_file(config.model, "--model")
 
 
+def read_setup(text: Optional[str], workdir: Path) -> tuple[str, str]:
+    """(lines, where they came from) of --setup: a value without spaces names a file, read here; any other
+    value is the lines themselves."""
+    if text is None:
+        return "", ""
+    if any(character.isspace() for character in text.strip()):
+        return text, "given with --setup"
+    path = (workdir / text).resolve()
+    if not path.is_file():
+        raise UserError(f"--setup {text!r} is not a file (in {workdir}); give a file of set-up lines, or the lines "
+                        "themselves, e.g. --setup 'module load cuda'")
+    try:
+        lines = path.read_text()
+    except (OSError, UnicodeDecodeError) as error:
+        raise UserError(f"--setup {text!r} cannot be read as text ({error.__class__.__name__})") from None
+    if not lines.strip():
+        raise UserError(f"--setup {text!r} is empty; give a file of set-up lines, or leave --setup out")
+    return lines, f"from {path} (--setup)"
+
+
+def dptrain_command(args: argparse.Namespace, container: Optional[ContainerSpec]) -> str:
+    """How a rank runs dptrain: --dptrain as given, else an absolute interpreter with -m dptrain (--python, or
+    this one; no PATH needed on the nodes), else in a container (or a Kubernetes pod) the image's dptrain."""
+    if args.python is not None:
+        if args.dptrain is not None:
+            raise UserError(f"--python {args.python} and --dptrain '{args.dptrain}' both say how ranks run dptrain; "
+                            "give one")
+        if not os.path.isabs(args.python):
+            raise UserError(f"--python {args.python!r} is not an absolute path; give the interpreter's whole path, "
+                            "e.g. /opt/venv/bin/python")
+    if args.dptrain is not None:
+        return args.dptrain
+    if args.python is None and (container is not None or args.scheduler == "kubernetes"):
+        return "dptrain"
+    return f"{shlex.quote(args.python or sys.executable)} -m dptrain"
+
+
+def pod_files(config: Optional[TrainConfig], command: list[str]) -> list[tuple[str, str]]:
+    """(flag, path as given) of each file a Kubernetes pod reads: --data (or its factory's file), --model's file,
+    a command's script."""
+    if config is None:
+        script = python_script(command)
+        return [("the command's script", script)] if script else []
+    data = config.data and (spec_file(config.data) if looks_like_spec(config.data) else config.data)
+    return [(flag, path) for flag, path in (("--data", data), ("--model", spec_file(config.model))) if path]
+
+
 def build_spec(args: argparse.Namespace, workdir: Path) -> JobSpec:
     train_args, command = split_words(list(args.train_args))
     ranks = args.nodes * args.tasks_per_node
@@ -182,9 +270,10 @@ def build_spec(args: argparse.Namespace, workdir: Path) -> JobSpec:
     binds = list(args.bind)
     config = None
     if command:
-        if args.dptrain is not None:
-            raise UserError(f"--dptrain '{args.dptrain}' says how ranks run dptrain train, but this job runs the "
-                            f"command '{command[0]}' itself; leave --dptrain out")
+        for flag, value in (("--dptrain", args.dptrain), ("--python", args.python)):
+            if value is not None:
+                raise UserError(f"{flag} '{value}' says how ranks run dptrain train, but this job runs the "
+                                f"command '{command[0]}' itself; leave {flag} out")
         if container is None and args.image is None:  # inside a container the program is the image's
             check_command(command, workdir)
         out = args.out or timestamped("runs", "command")
@@ -201,7 +290,8 @@ def build_spec(args: argparse.Namespace, workdir: Path) -> JobSpec:
         config = train_config(train_args + world)
         if config.min_workers is not None:
             train_args += world
-        check_files(config, workdir)
+        if args.scheduler != "kubernetes":  # a pod sees the image and its volumes, not this machine
+            check_files(config, workdir)
         from dptrain.train.rundir import default_run_dir
 
         out = config.out or default_run_dir(config.strategy)
@@ -209,15 +299,22 @@ def build_spec(args: argparse.Namespace, workdir: Path) -> JobSpec:
             binds += [str((workdir / path).resolve().parent) for path in (config.data, spec_file(config.model))
                       if path]
     run_dir = (workdir / out).resolve()
+    setup, setup_from = read_setup(args.setup, workdir)
+    in_pods = args.scheduler == "kubernetes"
     return JobSpec(scheduler=args.scheduler, workdir=str(workdir), run_dir=str(run_dir),
                    train_args=tuple(without_out(train_args)), command=tuple(command), nodes=args.nodes,
                    tasks_per_node=args.tasks_per_node, gpus_per_node=args.gpus_per_node,
                    cpus_per_task=args.cpus_per_task, time=args.time, partition=args.partition, account=args.account,
-                   job_name=args.job_name, container=container, binds=tuple(binds), dptrain=args.dptrain or "dptrain",
+                   job_name=args.job_name, container=container, binds=tuple(binds),
+                   dptrain=dptrain_command(args, container) if not command else "dptrain",
                    stop_before=args.stop_before, stop_signal=args.stop_signal, max_requeues=args.max_requeues,
                    image=args.image,
                    volumes=tuple(args.volume), elastic=config is not None and config.min_workers is not None,
-                   replacements=ranks if config is not None and config.replace_workers else 0)
+                   replacements=ranks if config is not None and config.replace_workers else 0,
+                   mem=args.mem, qos=args.qos, constraint=args.constraint, exclusive=args.exclusive,
+                   sbatch_options=tuple(args.sbatch_option), pbs_options=tuple(args.pbs_option), setup=setup,
+                   setup_from=setup_from, pod_run_dir=os.path.normpath(out) if in_pods else "",
+                   pod_files=tuple(pod_files(config, command)) if in_pods else ())
 
 
 def main(args: argparse.Namespace) -> int:
@@ -226,6 +323,9 @@ def main(args: argparse.Namespace) -> int:
     spec = build_spec(args, Path(os.getcwd()).resolve())
     scheduler = registry.load("scheduler", spec.scheduler)
     text = scheduler.render(spec)
+    # (a scheduler whose ranks do not see this machine says where it expects the files they read)
+    for where in scheduler.expected_files(spec) if hasattr(scheduler, "expected_files") else ():
+        print(f"dptrain: the pods expect {where}", file=sys.stderr if args.dry_run else sys.stdout)
     if args.dry_run:
         sys.stdout.write(text)
         return 0

@@ -1,10 +1,13 @@
 #!/bin/bash
 # Local job: 2 ranks (1 node x 2 tasks).
 # Every rank runs: python train.py --epochs 3
-# Written by dptrain launch; rerun it rather than editing this file.
+# Written by dptrain launch; rerun it rather than editing this file (--setup adds set-up lines).
 set -euo pipefail
 cd /home/ada/project
-export OMP_NUM_THREADS=1
+# CPU threads per rank (no --cpus-per-task): the CPUs this job may use on this node
+# (nproc) shared among the ranks on it, at least 1.
+threads=$(( $(nproc) / 2 ))
+export OMP_NUM_THREADS=$(( threads > 1 ? threads : 1 ))
 export TORCH_CPP_LOG_LEVEL="${TORCH_CPP_LOG_LEVEL:-ERROR}"
 
 # Rendezvous on this machine; the port is derived from this script's PID, like a job id.

@@ -1,15 +1,18 @@
 #!/bin/bash
 # Local job: 2 ranks (1 node x 2 tasks).
-# Written by dptrain launch; rerun it rather than editing this file.
+# Written by dptrain launch; rerun it rather than editing this file (--setup adds set-up lines).
 set -euo pipefail
 cd /home/ada/project
-export OMP_NUM_THREADS=1
+# CPU threads per rank (no --cpus-per-task): the CPUs this job may use on this node
+# (nproc) shared among the ranks on it, at least 1.
+threads=$(( $(nproc) / 2 ))
+export OMP_NUM_THREADS=$(( threads > 1 ? threads : 1 ))
 export TORCH_CPP_LOG_LEVEL="${TORCH_CPP_LOG_LEVEL:-ERROR}"
 
 # dptrain's own launcher starts the ranks, stops them all if one fails and passes a stop signal on
 # to them, killing (and naming) those still running 300 s later (--grace).
 start_ranks() {
-    dptrain train --dataset digits --strategy sync --epochs 10 --out /home/ada/project/runs/digits-sync --workers 2 --grace 300 &
+    /home/ada/venv/bin/python -m dptrain train --dataset digits --strategy sync --epochs 10 --out /home/ada/project/runs/digits-sync --workers 2 --grace 300 &
     pids=($!)
 }
 

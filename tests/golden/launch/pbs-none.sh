@@ -1,6 +1,6 @@
 #!/bin/bash
 # PBS job: 4 ranks (2 nodes x 2 tasks).
-# Written by dptrain launch; rerun it rather than editing this file.
+# Written by dptrain launch; rerun it rather than editing this file (--pbs-option and --setup add a site's own lines).
 #PBS -N dptrain
 #PBS -l select=2:ncpus=8:mpiprocs=2:ngpus=2
 #PBS -l place=scatter
@@ -30,7 +30,7 @@ for name in PATH PYTHONPATH VIRTUAL_ENV LD_LIBRARY_PATH; do
 done
 
 # One process per rank (one container each), started by the host's Open MPI.
-mpirun -np 4 --hostfile "$PBS_NODEFILE" --map-by ppr:2:node --bind-to none "${forward[@]}" dptrain train --dataset digits --strategy sync --epochs 10 --out /home/ada/project/runs/digits-sync &
+mpirun -np 4 --hostfile "$PBS_NODEFILE" --map-by ppr:2:node --bind-to none "${forward[@]}" /home/ada/venv/bin/python -m dptrain train --dataset digits --strategy sync --epochs 10 --out /home/ada/project/runs/digits-sync &
 launcher=$!
 # SIGUSR1 300 s before the walltime (PBS has no --signal): mpirun passes it on to
 # every rank, which saves a checkpoint and exits with 75.

@@ -1,7 +1,7 @@
 #!/bin/bash
 # PBS job: 4 ranks (2 nodes x 2 tasks), each in udocker container dptrain.
 # Every rank runs: python train.py --epochs 3
-# Written by dptrain launch; rerun it rather than editing this file.
+# Written by dptrain launch; rerun it rather than editing this file (--pbs-option and --setup add a site's own lines).
 #PBS -N dptrain
 #PBS -l select=2:ncpus=8:mpiprocs=2:ngpus=2
 #PBS -l place=scatter

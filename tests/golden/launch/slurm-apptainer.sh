@@ -1,6 +1,6 @@
 #!/bin/bash
 # SLURM job: 4 ranks (2 nodes x 2 tasks), each in apptainer container /home/ada/images/dptrain.sif.
-# Written by dptrain launch; rerun it rather than editing this file.
+# Written by dptrain launch; rerun it rather than editing this file (--sbatch-option and --setup add a site's own lines).
 #SBATCH --job-name=dptrain
 #SBATCH --nodes=2
 #SBATCH --ntasks-per-node=2

@@ -1,6 +1,6 @@
 #!/bin/bash
 # SLURM job: 4 ranks (2 nodes x 2 tasks).
-# Written by dptrain launch; rerun it rather than editing this file.
+# Written by dptrain launch; rerun it rather than editing this file (--sbatch-option and --setup add a site's own lines).
 #SBATCH --job-name=dptrain
 #SBATCH --nodes=2
 #SBATCH --ntasks-per-node=2
@@ -29,7 +29,7 @@ echo "dptrain: job $SLURM_JOB_ID on $SLURM_JOB_NODELIST, rendezvous $MASTER_ADDR
 # SIGUSR1 before the time limit (or a pre-emption warning) makes every rank save a checkpoint
 # after its current epoch and exit with 75; the job then requeues itself and resumes from it.
 status=0
-srun --kill-on-bad-exit=1 --nodes=2 --ntasks-per-node=2 --cpus-per-task=4 bash -c 'trap "" USR1 USR2 TERM; exec "$@"' rank dptrain train --dataset digits --strategy sync --epochs 10 --out /home/ada/project/runs/digits-sync || status=$?
+srun --kill-on-bad-exit=1 --nodes=2 --ntasks-per-node=2 --cpus-per-task=4 bash -c 'trap "" USR1 USR2 TERM; exec "$@"' rank /home/ada/venv/bin/python -m dptrain train --dataset digits --strategy sync --epochs 10 --out /home/ada/project/runs/digits-sync || status=$?
 if [ "$status" -eq 75 ]; then
     echo "dptrain: job $SLURM_JOB_ID stopped at a checkpoint; requeueing it to resume"
     scontrol requeue "$SLURM_JOB_ID"

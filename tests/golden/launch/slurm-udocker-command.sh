@@ -1,7 +1,7 @@
 #!/bin/bash
 # SLURM job: 4 ranks (2 nodes x 2 tasks), each in udocker container dptrain.
 # Every rank runs: python train.py --epochs 3
-# Written by dptrain launch; rerun it rather than editing this file.
+# Written by dptrain launch; rerun it rather than editing this file (--sbatch-option and --setup add a site's own lines).
 #SBATCH --job-name=dptrain
 #SBATCH --nodes=2
 #SBATCH --ntasks-per-node=2
