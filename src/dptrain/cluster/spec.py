@@ -187,7 +187,9 @@ def setup_lines(spec: JobSpec) -> list[str]:
     saying where they came from; run once on the first node before the ranks start."""
     if not spec.setup:
         return []
-    return ["", f"# Set-up {spec.setup_from or 'given with --setup'}:", *spec.setup.rstrip("\n").split("\n")]
+    return ["", f"# Set-up {spec.setup_from or 'given with --setup'}:",
+            "set +u  # environment scripts (module, conda activate) may read variables that are not set",
+            *spec.setup.rstrip("\n").split("\n"), "set -u"]
 
 
 def train_command(spec: JobSpec, run_dir: str = "") -> list[str]:
