@@ -703,6 +703,16 @@ class Async(AsyncRules, Strategy):
                                  int(epoch), tuple(int(r) for r in left.split(",")))
         self._generation = generation
 
+    def members_now(self) -> Optional[tuple[int, ...]]:
+        """The workers merging now, by job rank: the service's own list on its host (it leaves a lost worker out
+        as soon as it hears of it, before the others take the change at an epoch they share), else the last
+        change heard. A checkpoint written after a loss names these, so it counts as complete without the lost
+        worker's file."""
+        if self.service is not None:
+            with self.service.model.lock:  # (`lose` changes the list under it)
+                return tuple(self.group.members[rank] for rank in self.service.members)
+        return self._heard.members if self._heard is not None else None
+
     def live_change(self, epoch: int) -> Optional[Membership]:
         """The membership the workers left share the data in from `epoch` (from 0) on, once: when a worker was
         lost and this epoch is where they all take it (see the module docstring); else None."""

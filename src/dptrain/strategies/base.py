@@ -103,6 +103,11 @@ class Strategy(StrategyRules):
         again (`epoch_plan`) and the LR rule follows the live world."""
         return None
 
+    def members_now(self) -> Optional[tuple[int, ...]]:
+        """A strategy that does not meet at epoch ends: the ranks of the job it merges with now, as this rank
+        knows them (they write this rank's checkpoint's manifest); None: the group's."""
+        return None
+
     def after_backward(self, model: nn.Module) -> None:
         """Called after loss.backward(), before the optimizer step (gradients exist)."""
 

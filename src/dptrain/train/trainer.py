@@ -354,6 +354,9 @@ class Trainer:
 
     def _members(self) -> tuple[int, ...]:
         """The ranks of the job training now (async: those live, over a group that stays the job's)."""
+        now = self.strategy.members_now()
+        if now is not None:
+            return now
         return self.recorder.members if self.recorder.members is not None else tuple(self.ctx.group.members)
 
     def _lead_if_taken_over(self) -> None:
