@@ -9,6 +9,7 @@ LSB_MCPU_HOSTS, the rank from blaunch's 1-based LSF_PM_TASKID). Nothing else of 
 from __future__ import annotations
 
 import json
+import shlex
 import subprocess
 import sys
 import textwrap
@@ -140,7 +141,9 @@ def test_dptrain_launch_renders_the_toy_s_job_script(toy_lsf, tmp_path, monkeypa
     run_dir = tmp_path / "runs" / "toy"
     assert text.splitlines()[1] == "# LSF job: 4 ranks (2 nodes x 2 tasks)."
     assert "#BSUB -n 4\n" in text and '#BSUB -R "span[ptile=2]"\n' in text
-    assert text.endswith(f"blaunch dptrain train --dataset digits --strategy sync --epochs 2 --out {run_dir}\n")
+    # ranks run dptrain by the launching interpreter's absolute path, not whatever `dptrain` is on the job's PATH
+    assert text.endswith(f"blaunch {shlex.quote(sys.executable)} -m dptrain train --dataset digits --strategy sync "
+                         f"--epochs 2 --out {run_dir}\n")
 
 
 def test_dptrain_launch_writes_the_toy_s_script_under_its_own_name(toy_lsf, tmp_path, monkeypatch, capsys):
@@ -151,7 +154,8 @@ def test_dptrain_launch_writes_the_toy_s_script_under_its_own_name(toy_lsf, tmp_
     assert f"dptrain: submit it by running this command again with --submit, or with: bsub {script}\n" in \
         capsys.readouterr().out
     assert script.read_text() == toy_lsf.render(JobSpec(
-        scheduler="lsf", workdir=str(tmp_path), run_dir=str(script.parent), train_args=("--dataset", "digits")))
+        scheduler="lsf", workdir=str(tmp_path), run_dir=str(script.parent), train_args=("--dataset", "digits"),
+        dptrain=f"{shlex.quote(sys.executable)} -m dptrain"))
 
 
 @pytest.mark.parametrize("rank", [0, 1, 2, 3])
