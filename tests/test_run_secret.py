@@ -92,11 +92,13 @@ def _modes(root: Path) -> dict[str, str]:
 
 def test_forged_membership_writes_change_nothing_and_the_run_directory_is_private(tmp_path):
     """sync, 3 workers, --min-workers 2; rank 1 slowed so that the others wait at each epoch end (where a
-    watched collective looks for the failure flag). While it trains, a plain store client says rank 0 failed
+    watched collective looks for the failure flag once it has waited half a second: --slow-worker's delay is
+    a multiple of the rank's own compute, about 0.03 ms per digits sample, so 1:150 makes the others wait
+    about 2 s per epoch). While it trains, a plain store client says rank 0 failed
     in generation 0, announces a joiner and names a decider and members for generation 1."""
     out = tmp_path / "run"
     proc = ForkedDptrain(["train", "--dataset", "digits", "--strategy", "sync", "--workers", "3", "--min-workers", "2",
-                          "--max-workers", "4", "--epochs", "8", "--slow-worker", "1:25", "--lr", "0.05",
+                          "--max-workers", "4", "--epochs", "8", "--slow-worker", "1:150", "--lr", "0.05",
                           "--no-progress", "--out", str(out)], cwd=tmp_path)
     try:
         address = out / "join.address"
