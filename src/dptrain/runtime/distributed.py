@@ -323,11 +323,21 @@ def _cpp_log_hidden():
     null = os.open(os.devnull, os.O_WRONLY)
     os.dup2(null, 2)
     os.close(null)
+    left_behind = False
     try:
         yield
+    except StoreUnanswered:
+        left_behind = True
+        raise
     finally:
-        os.dup2(saved, 2)
-        os.close(saved)
+        if left_behind:
+            # The store call still runs in a thread left behind (heartbeat.bounded), and torch logs its
+            # C++ stack on fd 2 whenever it gives up, after dptrain's line: fd 2 stays on /dev/null for
+            # the rest of this (failing) process, and Python's stderr writes to the real one.
+            sys.stderr = os.fdopen(saved, "w", buffering=1, errors="backslashreplace")
+        else:
+            os.dup2(saved, 2)
+            os.close(saved)
 
 
 _HEARTBEATS: list[Heartbeat] = []  # at most one: this process's, until the group is destroyed
