@@ -2,7 +2,7 @@
 
 DDP does the bucketing and overlaps communication with the backward pass; our hook hands each
 bucket to the run's Group (`mean_gradients`: as it is, or cast to fp16 or bf16) and counts the bytes.
-With --min-workers, a new DDP is made on the workers left after a membership change (`regroup`).
+With --min-workers, a new DDP is made on the workers left after a membership change (`rebind`).
 """
 
 from __future__ import annotations
@@ -54,12 +54,12 @@ class AllReduce(AllReduceRules, Strategy):
         ddp.register_comm_hook(state=None, hook=self.gradient_hook(ctx.group, self._add_bytes, dtype))
         return ddp
 
-    def regroup(self, ctx: DistContext) -> nn.Module:
+    def rebind(self, ctx: DistContext) -> nn.Module:
         """A new DDP on the new group (the old one's all-reduces went to the old members). Its constructor
         broadcasts nothing: the workers left hold the same weights already (every replica is the same model
         at every step, and the trainer set each back to the same epoch start); the buffers go from the new
         rank 0 before its first forward, as before every forward. Alone, the model trains unwrapped."""
-        model = super().regroup(ctx)
+        model = super().rebind(ctx)
         if ctx.world_size == 1:
             self._buffer_bytes = 0
             return model

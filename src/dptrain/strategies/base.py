@@ -60,7 +60,7 @@ class Strategy(StrategyRules):
     # Whether every worker takes part in a collective at every step (allreduce): live membership may then go on
     # from a commit within an epoch (the trainer's commit_every_steps), not only from the epoch's start.
     meets_every_step = False
-    # Set by the trainer before setup when the run has live membership: its min_workers (live: whether it has).
+    # Whether the run has live membership (--min-workers), and its min_workers: `enable_live`, before setup.
     live = False
     min_workers: Optional[int] = None
 
@@ -86,10 +86,14 @@ class Strategy(StrategyRules):
         self.model, self.optimizer, self.ctx = model, optimizer, ctx
         return model
 
-    def regroup(self, ctx: DistContext) -> nn.Module:
+    def enable_live(self, min_workers: int) -> None:
+        """The run has live membership (dptrain.train.live), down to `min_workers` workers: called before setup."""
+        self.live, self.min_workers = True, min_workers
+
+    def rebind(self, ctx: DistContext) -> nn.Module:
         """After the run's members changed (--min-workers: a worker was lost, or left at an epoch end):
         `ctx.group` is a new group of the workers left, `ctx.rank` and `ctx.world_size` this rank's place in it,
-        and the trainer has already set this strategy's state (`load_state_dict`) and the model back to where the
+        and the membership owner (dptrain.train.live) has already set this strategy's state (`load_state_dict`) and the model back to where the
         run goes on from. Drop what this strategy holds of the old group (a DDP wrapper on it, a collective in
         flight) and return the module to train from now on. The default suits a strategy that reaches the
         other ranks only through `ctx.group`, at the moment it communicates."""

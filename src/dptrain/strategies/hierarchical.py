@@ -195,14 +195,14 @@ class Hierarchical(HierarchicalRules, Strategy):
         ddp.register_comm_hook(state=None, hook=hook)
         return ddp
 
-    def regroup(self, ctx: DistContext) -> nn.Module:
+    def rebind(self, ctx: DistContext) -> nn.Module:
         """After a membership change: each worker left stays on its node (a node whose ranks were all lost is
         gone; the one whose leader was lost gets its lowest rank left as leader); a worker that joined goes to
         the node of a worker on its host (with --ranks-per-node, to the smallest node), or to a node of its own.
         The node groups and the leaders' group are made again over the new group; a node's DDP broadcasts
         nothing when its replicas are equal already (the trainer set each back to its node's epoch start),
         and its leader's weights when a worker joined it."""
-        model = super().regroup(ctx)
+        model = super().rebind(ctx)
         members = ctx.group.members
         if ctx.world_size == 1:
             self.nodes, self._node, self._node_of = [[0]], [0], {members[0]: 0}

@@ -54,7 +54,7 @@ changed evaluates it (collectively). The replicas themselves differ by their loc
 all-reduce (one per dtype per send), and the final average. Optimizer state stays per worker.
 
 Live membership (--min-workers). A lost worker's part of the epoch goes, with any average in flight: the
-others go back to their state at that epoch's start (g included, the same on each) and redo it (`regroup`).
+others go back to their state at that epoch's start (g included, the same on each) and redo it (`rebind`).
 
 Every wait is bounded: `Group.wait` gives `Work.wait` the run's `--timeout` (with --min-workers it also gives
 up on a member whose heartbeat stopped), and the trainer runs the hooks that wait (after_step, end_epoch,
@@ -154,7 +154,7 @@ class Streaming(StreamingRules, Strategy):
         self._global_changed = False  # g changed since the last epoch end
         self._global_model: Optional[nn.Module] = None
         self._groups: list[list[int]] = []
-        self._joined_global: Optional[dict] = None  # a joiner's g from the peer it healed from, until `regroup`
+        self._joined_global: Optional[dict] = None  # a joiner's g from the peer it healed from, until `rebind`
         self._sends = 0  # sends started over the run (fragment = sends % F)
         self._step = 0  # the last step seen
 
@@ -199,11 +199,11 @@ class Streaming(StreamingRules, Strategy):
             self._global_model = copy.deepcopy(model)  # g: the last global model, equal on every rank
         return model
 
-    def regroup(self, ctx: DistContext) -> nn.Module:
+    def rebind(self, ctx: DistContext) -> nn.Module:
         """The average in flight (on the old group, from a state the run has gone back from) is dropped; g and
         the replicas are those of the epoch start the trainer set back, when g had not changed yet. Alone, a
         worker's own model is the run's (nothing to average with): g goes."""
-        model = super().regroup(ctx)
+        model = super().rebind(ctx)
         self._pending, self._global_changed = None, False
         if ctx.world_size == 1:
             self._global_model = None
@@ -362,7 +362,7 @@ class Streaming(StreamingRules, Strategy):
         self.waited_seconds = state["waited_seconds"]
         if self._global_model is not None and state["global_model"]:
             self._global_model.load_state_dict(state["global_model"])
-        elif state["global_model"]:  # a joiner, alone until `regroup` (dptrain.runtime.membership): g for then
+        elif state["global_model"]:  # a joiner, alone until `rebind` (dptrain.train.live): g for then
             self._joined_global = state["global_model"]
 
     def summary(self) -> dict:

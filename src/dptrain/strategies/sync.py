@@ -114,11 +114,11 @@ class Sync(SyncRules, Strategy):
         self._ddp.register_comm_hook(state=None, hook=hook)
         return self._ddp
 
-    def regroup(self, ctx: DistContext) -> nn.Module:
+    def rebind(self, ctx: DistContext) -> nn.Module:
         """With --allreduce-epochs, a new DDP on the new group, broadcasting nothing: while it all-reduces the
         replicas are equal, and after that each keeps its own (alone: the model unwrapped; a worker that joined,
         or one alone that others joined, wraps it again)."""
-        model = super().regroup(ctx)
+        model = super().rebind(ctx)
         if self.allreduce_epochs == 0:
             return model
         if ctx.world_size == 1:
