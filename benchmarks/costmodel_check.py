@@ -15,8 +15,8 @@ import json
 import statistics
 from pathlib import Path
 
-from dptrain.bench import costmodel
-from dptrain.bench.costmodel import Calibration, Settings
+from dptrain import costmodel
+from dptrain.costmodel import Calibration, Settings
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dptrain.bench import costmodel
+from dptrain import costmodel
 from dptrain.config import build_config
 from dptrain.errors import UserError
 from dptrain.lr_policy import ConfigSchedule

@@ -15,7 +15,8 @@ import sys
 
 import pytest
 
-from dptrain.bench import costmodel, plots
+from dptrain import costmodel
+from dptrain.bench import plots
 from dptrain.bench.netns import EmulatedNetwork, measure_link, namespaces_unavailable, parse_rate, tbf_arguments
 from dptrain.bench.commands import SHOWN, replot
 from dptrain.bench.results import (add_scaling, format_summary, mean_and_ci, run_row, summarise, time_to_target,

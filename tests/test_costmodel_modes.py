@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from dptrain.bench import costmodel
-from dptrain.bench.costmodel import Calibration, Settings
+from dptrain import costmodel
+from dptrain.costmodel import Calibration, Settings
 
 # 1e6 bytes = 250,000 float32 elements; 1000 samples, batch 10: 50 steps per epoch on 2 workers.
 CAL = Calibration(seconds_per_sample=1e-3, model_bytes=1_000_000, bandwidth=1e6, latency=1e-3,

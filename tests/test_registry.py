@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from dptrain import registry
-from dptrain.bench import costmodel
+from dptrain import costmodel
 from dptrain.cli import build_parser
 from dptrain.config import build_config
 from dptrain.data import load_dataset

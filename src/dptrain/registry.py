@@ -23,7 +23,7 @@ class Entry:
 
 @dataclass(frozen=True)
 class StrategyEntry(Entry):
-    # How the cost model times its communication (dptrain.bench.costmodel.COMMUNICATION): a new
+    # How the cost model times its communication (dptrain.costmodel.COMMUNICATION): a new
     # strategy that communicates like an existing one is projected without touching the model.
     communication: str
     # The strategy's options and rules without torch (dptrain.strategies.rules.StrategyRules, which the

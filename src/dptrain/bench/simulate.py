@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from dptrain.bench import costmodel
+from dptrain import costmodel
 from dptrain.bench.netns import parse_rate
 from dptrain.bench.results import format_table
 from dptrain.errors import UserError

@@ -4,7 +4,7 @@ After the process group is up and before the first step, every rank measures
 
 - the link: a few all-reduces of one float (latency, alpha = median / 2(N-1)) and of LINK_BYTES
   (bandwidth, from the median: 2(N-1)/N · bytes / (median - 2(N-1)·alpha)), the same ring formula
-  the cost model uses (dptrain.bench.costmodel.ring_allreduce_seconds), so the two agree;
+  the cost model uses (dptrain.costmodel.ring_allreduce_seconds), so the two agree;
 - the compute: COMPUTE_STEPS training steps (after one warm-up) of the actual model on actual
   batches of the training set with an optimizer of the same kind, median seconds per sample.
   These steps run on the model and then put back every parameter and buffer exactly as they
@@ -39,11 +39,10 @@ from typing import Callable, Optional
 
 import torch
 
-from dptrain import lr_policy, registry
-from dptrain.bench import costmodel
+from dptrain import costmodel, lr_policy, registry
 # The candidates and the rule that picks among them are the cost model's (it predicts `--strategy auto`
 # with them); they are auto's names too.
-from dptrain.bench.costmodel import ALL_CANDIDATES, SAFE_CANDIDATES, TOLERANCE, Candidate, pick  # noqa: F401
+from dptrain.costmodel import ALL_CANDIDATES, SAFE_CANDIDATES, TOLERANCE, Candidate, pick  # noqa: F401
 from dptrain.strategies.base import Strategy
 from dptrain.strategies.rules.auto import AutoRules
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from dptrain import registry
-from dptrain.bench.costmodel import ALL_CANDIDATES, SAFE_CANDIDATES
+from dptrain.costmodel import ALL_CANDIDATES, SAFE_CANDIDATES
 from dptrain.strategies.rules import StrategyRules, check_min_workers
 
 # Auto decides how often its pick averages: these settings of the strategies it may pick are its own choice.
