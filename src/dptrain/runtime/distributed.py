@@ -55,6 +55,12 @@ class DistContext:
         return self.rank == 0
 
     @property
+    def writes_results(self) -> bool:
+        """Whether this rank writes the run's files and lines: rank 0, but never a worker not yet admitted to the
+        running job it joins (alone in a group of its own until then)."""
+        return self.is_main and self.joining is None
+
+    @property
     def job_rank(self) -> int:
         """This process's rank of the job: the one it started with (a joiner's, the one it took), which a
         change of members does not renumber, unlike `rank` (its place in the current group)."""

@@ -132,18 +132,7 @@ class Checkpointer:
         are the ranks of the job that wrote it; a rank that continues from a copy of another's state has "copy"
         True; within an epoch, the position's samples and loss of writers beyond this world are added to the
         rank that continues their place (so that the epoch's record still counts every row read)."""
-        decision = None
-        if self.ctx.is_main and self.out:
-            at, notes = checkpoint_files.latest_complete(self.out, self.ctx.world_size)
-            for note in notes:
-                self.log(f"dptrain: {note}")
-            if at is not None:
-                saved = checkpoint_files.manifest(self.out, at, self.ctx.world_size)
-                refused = resume_refusal(self.out, at, saved, run_id(self.out, create=False),
-                                         self._data_fingerprint(), self.changed_data_ok, self.ctx.world_size,
-                                         self.strategy, self._other_world_refused)
-                decision = {"at": at, "members": saved["members"], "refused": refused}
-        decision = self.ctx.group.broadcast_object("resume", decision)
+        decision = self.ctx.group.broadcast_object("resume", self._choose() if self.ctx.is_main and self.out else None)
         if decision is None:
             return None
         if decision["refused"]:
@@ -151,8 +140,7 @@ class Checkpointer:
         at = decision["at"]
         at = tuple(at) if isinstance(at, list) else at  # JSON carries a point within an epoch as a list
         members, rank, world = list(decision["members"]), self.ctx.rank, self.ctx.world_size
-        source = source_of(members, rank)
-        state = checkpoint_files.load(self.out, at, source)
+        state = checkpoint_files.load(self.out, at, source_of(members, rank))
         copy = rank >= len(members)
         for name, part in components.items():
             if name == "model":
@@ -168,17 +156,33 @@ class Checkpointer:
                 state["position"]["loss_sum"] = state["position"]["loss_sum"] + theirs["loss_sum"]
         if copy and state.get("position"):  # its place in the epoch is new: it has read nothing of it yet
             state["position"].update(samples=0, loss_sum=torch.zeros_like(state["position"]["loss_sum"]))
+        self._say_resuming(at, members)
+        return {**state, "members": members, "copy": copy}
+
+    def _choose(self) -> Optional[dict]:
+        """Rank 0: the newest complete checkpoint, who wrote it, and why it may not be resumed (None: it may)."""
+        at, notes = checkpoint_files.latest_complete(self.out, self.ctx.world_size)
+        for note in notes:
+            self.log(f"dptrain: {note}")
+        if at is None:
+            return None
+        saved = checkpoint_files.manifest(self.out, at, self.ctx.world_size)
+        refused = resume_refusal(self.out, at, saved, run_id(self.out, create=False), self._data_fingerprint(),
+                                 self.changed_data_ok, self.ctx.world_size, self.strategy, self._other_world_refused)
+        return {"at": at, "members": saved["members"], "refused": refused}
+
+    def _say_resuming(self, at, members: list[int]) -> None:
+        world = self.ctx.world_size
         where = f"at {checkpoint_files.describe(at)}" if isinstance(at, tuple) else f"after epoch {at}"
         if members == list(self.ctx.group.members):
             self.log(f"dptrain: resuming {where} from {self.out}")
+            return
+        if isinstance(at, tuple):
+            replanned = f"; the rest of epoch {at[0] + 1} re-planned over {world} workers" if len(members) != world else ""
         else:
-            if isinstance(at, tuple):
-                replanned = f"; the rest of epoch {at[0] + 1} re-planned over {world} workers" if len(members) != world else ""
-            else:
-                replanned = f"; the epochs from {at + 1} on planned over {world} workers" if len(members) != world else ""
-            self.log(f"dptrain: resuming {where} from {self.out} on {world} worker{'s' if world != 1 else ''} "
-                     f"(written by {checkpoint_files.who_wrote({'members': members})}){replanned}")
-        return {**state, "members": members, "copy": copy}
+            replanned = f"; the epochs from {at + 1} on planned over {world} workers" if len(members) != world else ""
+        self.log(f"dptrain: resuming {where} from {self.out} on {world} worker{'s' if world != 1 else ''} "
+                 f"(written by {checkpoint_files.who_wrote({'members': members})}){replanned}")
 
 
 def describe_interruption(out: Optional[Path], world_size: int, epochs_done: int, epochs: int) -> str:

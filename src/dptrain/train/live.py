@@ -2,7 +2,7 @@
 
     members = membership_for(ctx, recorder, options, ...)   # FixedMembership, or LiveMembership
     members.bind(strategy)                 # once the strategy is known
-    members.joins / members.join(state)    # a worker joining a running run takes its state from a peer
+    members.from_peer / .start_from_peer(state)   # a worker joining a running run: its state from a peer
     members.epoch_begins(state)            # True: the world changed, the epoch is planned again
     members.step_done(state, ...)          # after each step (commits)
     members.failed(failure, state)         # a peer failed: re-raise, or go on from a kept state
@@ -84,7 +84,7 @@ class FixedMembership:
     """The workers the run started with, to its end: a failure ends the run (every wait on a peer is bounded
     and names it), and the epoch end is the strategy's stop agreement."""
 
-    joins = False
+    from_peer = False  # whether this worker joins a running run: its state comes from a peer
 
     def __init__(self, ctx, recorder) -> None:
         self.ctx, self.recorder, self.strategy = ctx, recorder, None
@@ -95,7 +95,7 @@ class FixedMembership:
         """The strategy the run trains with (`chosen`: --strategy auto picked it)."""
         self.strategy = strategy
 
-    def join(self, state: TrainState, remake_checks: Callable[[bool], object]) -> None:
+    def start_from_peer(self, state: TrainState, remake_checks: Callable[[bool], object]) -> None:
         raise AssertionError("only a live membership has joiners")
 
     def epoch_begins(self, state: TrainState) -> bool:
@@ -141,7 +141,7 @@ class LiveMembership(FixedMembership):
         self._commits = 0  # steps between commits (0: none; for strategies meeting at every step)
 
     @property
-    def joins(self) -> bool:
+    def from_peer(self) -> bool:
         return self.ctx.joining is not None
 
     def bind(self, strategy, chosen: bool = False) -> None:
@@ -315,7 +315,7 @@ class LiveMembership(FixedMembership):
 
     def _heal(self, group: Group, state: TrainState, epoch: int) -> bytes:
         """Rank 0 of `group` hands its whole state to every other worker of it in one broadcast of bytes (the
-        joiners load it in `join`, tensors and plain values only; the others already hold theirs). Returns it,
+        joiners load it in `start_from_peer`, tensors and plain values only; the others already hold theirs). Returns it,
         serialized."""
         data = None
         if group.rank == 0:
@@ -327,7 +327,7 @@ class LiveMembership(FixedMembership):
             data = buffer.getvalue()
         return group.broadcast_bytes("healing the workers that join", data)
 
-    def join(self, state: TrainState, remake_checks: Callable[[bool], object]) -> None:
+    def start_from_peer(self, state: TrainState, remake_checks: Callable[[bool], object]) -> None:
         """A worker joining a running job (ctx.joining: its rank of the job), prepared alone: say it is ready,
         wait for the run to admit it at an epoch end, take the state of the new group's rank 0 and its place in
         the group. `remake_checks(job)`: the checks around the averages, made again as the job's workers made

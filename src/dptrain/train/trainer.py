@@ -14,8 +14,7 @@ stop signals; the state they share is one TrainState (state.py).
 from __future__ import annotations
 
 import time
-import warnings
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Union
 
@@ -24,7 +23,7 @@ from torch import nn
 
 from dptrain import faults
 from dptrain.data.fingerprint import fingerprint
-from dptrain.data.sampler import PlanBatches, Rest, TrainData, as_dataset, labels_of, loader
+from dptrain.data.sampler import TrainData, as_dataset
 from dptrain.errors import Diverged, Interrupted, Preempted, UserError
 from dptrain.runtime.distributed import DistContext, init_process_group
 from dptrain.runtime.env import detect, launcher_reports_interrupts
@@ -37,6 +36,7 @@ from dptrain.train.checks import Checks
 from dptrain.train.evaluation import EVAL_BATCH, Evaluator, summarise  # noqa: F401 - EVAL_BATCH, for callers
 from dptrain.train.live import membership_for, received_state, scale_lr  # noqa: F401 - received_state, for callers
 from dptrain.train.preemption import StopSignals
+from dptrain.train.planner import Planner
 from dptrain.train.recorder import EpochStats, Recorder, Summary
 from dptrain.train.state import Position, TrainState, options_from
 from dptrain.train.step import AMP_DTYPES, LossFn, Stepper, check_amp, make_loss, timing_step  # noqa: F401
@@ -55,11 +55,6 @@ class EpochDone:
     checked: dict
     recovered: Optional[dict]
     stop: Optional[str]
-
-
-def rest_steps(rest: Optional[Rest], epoch: int) -> Optional[int]:
-    """The steps left of `epoch` in the rest of it the workers go on with, or None."""
-    return rest.steps if rest is not None and rest.epoch == epoch and rest.done else None
 
 
 class Trainer:
@@ -130,14 +125,12 @@ class Trainer:
         check_amp(self.steps.amp, ctx.device)
         self.stepper = Stepper(ctx, self.loss_fn, self.steps.amp, self.steps.grad_clip, self.optimizer)
         self.model = self.model.to(ctx.device)
-        # A worker joining a running job is alone until admitted, but never writes the run's files and lines.
-        self.recorder = Recorder(self.out, ctx.is_main and ctx.joining is None, run.verbose, run.progress,
-                                 ctx.world_size)
+        self.recorder = Recorder(self.out, ctx.writes_results, run.verbose, run.progress, ctx.world_size)
         self.checkpointer = Checkpointer(self.out, ctx, checkpoints.every, checkpoints.keep, self.recorder.log,
                                          checkpoints.every_steps, checkpoints.resume_with_changed_data)
         self.evaluator = Evaluator(ctx, self.loss_fn, self.classify, run.loader_workers)
         self.live = membership_for(ctx, self.recorder, self.membership, timeout=run.timeout, seed=run.seed,
-                                   out=self.out, batch_size=self.batch_size, whole_epoch=self._whole_epoch,
+                                   out=self.out, batch_size=self.batch_size, whole_epoch=lambda epoch, members: self.planner.whole_epoch(epoch, members),
                                    forget_model=self.stepper.forget_model)
         return ctx
 
@@ -166,17 +159,17 @@ class Trainer:
         evaluated = False  # whether the last epoch evaluated the global model
         while state.epoch < epochs:
             if self.live.epoch_begins(state):
-                self._replan(state, epochs)
+                self.planner.replan(state, epochs)
             try:
                 done = self._epoch(state, test, epochs)
             except PeerFailure as failure:
                 self.live.failed(failure, state)  # re-raised, unless the run goes on without the lost
-                self._replan(state, epochs)
+                self.planner.replan(state, epochs)
                 continue
             evaluated = done.test is not None
             self._conclude(state, done, epochs)
             if self.live.epoch_ended(state, epochs):
-                self._replan(state, epochs, state.epoch + 1)
+                self.planner.replan(state, epochs, state.epoch + 1)
             state.epoch += 1
         return self._finish(test, epochs, evaluated)
 
@@ -192,9 +185,11 @@ class Trainer:
             raise UserError(step_checkpoints_refused(strategy.name, strategy.no_step_checkpoints))
         self.live.bind(strategy, chosen=self.strategy_choice is not None)
         self._train = train
-        self._labels = lambda: labels_of(train, self.recorder.log)  # asked again after a membership change
         self.checkpointer.identify(strategy.name, lambda: fingerprint(train), strategy.refuses_other_world)
-        plan = self._plan(None)
+        self.planner = Planner(ctx, strategy, train, self.recorder.log, batch_size=self.batch_size, seed=self.seed,
+                               shuffle=self.run.shuffle, loader_workers=self.run.loader_workers,
+                               checkpoint_every_steps=self.checkpoints.every_steps, schedule=self.schedule)
+        plan = self.planner.plan(None)
         scheduler = self.schedule(self.optimizer, plan.steps, epochs) if self.schedule else None
         torch.manual_seed(self.seed + ctx.rank)  # dropout and friends differ per worker, reproducibly
         module = ctx.group.bounded("setup", lambda: strategy.setup(self.model, self.optimizer, ctx))
@@ -204,9 +199,9 @@ class Trainer:
     def _begin(self, state: TrainState, epochs: int) -> float:
         """Where the run starts: a joiner from a live peer's state, a resume from the newest complete checkpoint,
         else from nothing. Returns the wall seconds the run had taken before."""
-        if self.live.joins:
-            self.live.join(state, self._make_checks)
-            self._replan(state, epochs)
+        if self.live.from_peer:
+            self.live.start_from_peer(state, self._make_checks)
+            self.planner.replan(state, epochs)
             return 0.0
         wall = self._restore(state, epochs) if self.resume else 0.0
         if state.position is not None:  # within an epoch: the checks go on as they were
@@ -220,51 +215,13 @@ class Trainer:
                       check_averages=self.check_options.check_averages, lr_scale=self.lr_scale,
                       log=self.recorder.log, rank_log=self._rank_log, job=job)
 
-    def _plan(self, rest: Optional[Rest]):
-        """This rank's epoch plan, its batches and their reader, for the rank and world it has now (with `rest`,
-        the rest of an epoch shared out again, when it is this world's)."""
-        ctx, train = self.ctx, self._train
-        plan = self.strategy.epoch_plan(ctx, len(train), self._labels, self.batch_size, self.seed, self.run.shuffle,
-                                        getattr(train, "block_size", None))
-        if rest is not None and rest.members == tuple(ctx.group.members):
-            plan = replace(plan, rest=rest, rank=ctx.rank)
-        # Checkpoints within an epoch are taken at the same step on every rank: below the fewest steps any
-        # rank takes (fedavg's partitions differ in size), so that each one is complete.
-        self._common_steps = (min(ctx.group.gather_objects("steps per epoch", plan.steps))
-                              if self.checkpoints.every_steps else 0)
-        self._batches = PlanBatches(plan)
-        self._reader = loader(train, self._batches, self.run.loader_workers, pin_memory=ctx.device.type == "cuda")
-        return plan
-
-    def _replan(self, state: TrainState, epochs: int, epoch: Optional[int] = None) -> None:
-        """After the world changed, before `epoch` (default: the state's) starts in it: the epoch planned again,
-        and the schedule made again over the new epoch length at the same point of the run (from within the
-        epoch, where the steps of its rest end it), so that a per-step schedule neither runs ahead nor behind."""
-        epoch = state.epoch if epoch is None else epoch
-        steps = self._plan(state.rest).steps
-        if state.scheduler is None:
-            return
-        rebuilt = self.schedule(self.optimizer, steps, epochs)
-        rest = rest_steps(state.rest, epoch)
-        with warnings.catch_warnings():  # "lr_scheduler.step() before optimizer.step()": a fast-forward, no step
-            warnings.simplefilter("ignore")
-            for _ in range(epoch * steps + (0 if rest is None else max(0, steps - rest))):
-                rebuilt.step()
-        state.scheduler = rebuilt
-
-    def _whole_epoch(self, epoch: int, members) -> Rest:
-        """The rows of `epoch` as `members` share them: what the rest of an epoch is cut from."""
-        train = self._train
-        return Rest.whole(epoch, len(train), members, self.batch_size, self.seed, self.run.shuffle,
-                          getattr(train, "block_size", None))
-
     def _epoch(self, state: TrainState, test, epochs: int) -> EpochDone:
         """One epoch up to the ranks' last meeting in it (its stats gathered, the stop agreed); nothing written.
         It starts from `state.position` (a checkpoint's or a commit's within it) when there is one."""
         ctx, strategy, epoch, position = self.ctx, self.strategy, state.epoch, state.position
         state.position = None
         epoch_start = time.perf_counter() - (position.seconds if position else 0.0)
-        self._batches.set_epoch(epoch, position.steps if position else 0)
+        self.planner.batches.set_epoch(epoch, position.steps if position else 0)
         samples, loss_sum = self._train_epoch(state, epochs, position)
         train_loss = float(loss_sum) / max(samples, 1)
         recovered = state.checks.recover_or_check(state.module, self.model, epoch, train_loss, self.history,
@@ -284,7 +241,7 @@ class Trainer:
     def _train_epoch(self, state: TrainState, epochs: int, position: Optional[Position]):
         """One epoch of steps with the strategy's per-step hooks: (samples, loss sum); `state.step` counts on.
         `position`: where within this epoch it starts (the reader starts after it)."""
-        epoch, reader, ctx = state.epoch, self._reader, self.ctx
+        epoch, reader, ctx = state.epoch, self.planner.reader, self.ctx
         training = self.strategy.trains_in_epoch(epoch)
         state.module.train()
         loss_sum, seen, done = 0.0, 0, 0  # done: steps of this epoch so far
@@ -316,7 +273,7 @@ class Trainer:
             self._checkpoint_within(state, done, seen, loss_sum, epoch_start)
             self.live.step_done(state, done, total, seen, loss_sum, epoch_start)
         if not training:  # a worker that sits the epoch out still takes its part in the epoch's checkpoints
-            for steps in range(done + 1, self._common_steps):
+            for steps in range(done + 1, self.planner.common_steps):
                 self._checkpoint_within(state, steps, seen, loss_sum, epoch_start)
         bar.close()
         return seen, loss_sum
@@ -374,7 +331,7 @@ class Trainer:
                            epoch_start: float) -> None:
         """The checkpoint `done` steps into the state's epoch when one is due there; a stop signal is obeyed
         here (every rank passes the same points, even one that sits the epoch out)."""
-        if not self.checkpointer.due_within(done, self._common_steps):
+        if not self.checkpointer.due_within(done, self.planner.common_steps):
             return
         stop = self.strategy.agree_stop(self.stop_signals.requested)
         now = time.perf_counter()
@@ -407,7 +364,7 @@ class Trainer:
         if members != list(ctx.group.members):
             self.recorder.resume_without(min(len(members), ctx.world_size))
         if position and len(members) != ctx.world_size:  # (never taken after rows were shared out again)
-            rest = self._whole_epoch(saved["epoch"], members)
+            rest = self.planner.whole_epoch(saved["epoch"], members)
             state.rest = rest.after(position["steps"], tuple(ctx.group.members), self.batch_size)
         # a copy draws its own random numbers within the epoch too (its source's stay its source's)
         rng = checkpoint_files.rng_state() if saved["copy"] else saved["rng"]
@@ -415,7 +372,7 @@ class Trainer:
         state.epoch, state.step = saved["epoch"], saved["step"]
         if len(members) != ctx.world_size:  # on another world than wrote the checkpoint: its epochs planned anew
             scale_lr(self.membership.lr_rule, state, len(members), ctx.world_size, self.recorder.log)
-            self._replan(state, epochs)
+            self.planner.replan(state, epochs)
         return saved["wall_seconds"]
 
     # -- evaluation and lines --------------------------------------------------------------------

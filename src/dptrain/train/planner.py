@@ -1,0 +1,69 @@
+"""This rank's epoch plans over a run: which rows it reads each epoch, for the world it trains in now.
+
+The plan is the strategy's (dptrain.strategies.base.Strategy.epoch_plan); after the world changed
+(a membership change, a resume on another number of workers) `replan` makes it again, with the
+schedule made again over the new epoch length at the same point of the run.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import replace
+from typing import Callable, Optional
+
+from dptrain.data.sampler import EpochPlan, PlanBatches, Rest, labels_of, loader
+
+
+def rest_steps(rest: Optional[Rest], epoch: int) -> Optional[int]:
+    """The steps left of `epoch` in the rest of it the workers go on with, or None."""
+    return rest.steps if rest is not None and rest.epoch == epoch and rest.done else None
+
+
+class Planner:
+    """The epoch plans of `train` for this rank: `plan(rest)` makes the current one (`batches`, `reader`, and
+    `common_steps`, the fewest steps any rank takes in an epoch, where checkpoints within one are taken)."""
+
+    def __init__(self, ctx, strategy, train, log: Callable[[str], None], *, batch_size: int, seed: int,
+                 shuffle: str, loader_workers: int, checkpoint_every_steps: int, schedule: Optional[Callable]) -> None:
+        self.ctx, self.strategy, self.train, self.schedule = ctx, strategy, train, schedule
+        self.batch_size, self.seed, self.shuffle, self.loader_workers = batch_size, seed, shuffle, loader_workers
+        self.checkpoint_every_steps = checkpoint_every_steps
+        self.labels = lambda: labels_of(train, log)  # asked again after a membership change
+        self.common_steps = 0
+
+    def plan(self, rest: Optional[Rest]) -> EpochPlan:
+        """This rank's epoch plan, its batches and their reader, for the rank and world it has now (with `rest`,
+        the rest of an epoch shared out again, when it is this world's)."""
+        ctx, train = self.ctx, self.train
+        plan = self.strategy.epoch_plan(ctx, len(train), self.labels, self.batch_size, self.seed, self.shuffle,
+                                        getattr(train, "block_size", None))
+        if rest is not None and rest.members == tuple(ctx.group.members):
+            plan = replace(plan, rest=rest, rank=ctx.rank)
+        # Checkpoints within an epoch are taken at the same step on every rank: below the fewest steps any
+        # rank takes (fedavg's partitions differ in size), so that each one is complete.
+        self.common_steps = (min(ctx.group.gather_objects("steps per epoch", plan.steps))
+                             if self.checkpoint_every_steps else 0)
+        self.batches = PlanBatches(plan)
+        self.reader = loader(train, self.batches, self.loader_workers, pin_memory=ctx.device.type == "cuda")
+        return plan
+
+    def replan(self, state, epochs: int, epoch: Optional[int] = None) -> None:
+        """After the world changed, before `epoch` (default: the state's) starts in it: the epoch planned again,
+        and the schedule made again over the new epoch length at the same point of the run (from within the
+        epoch, where the steps of its rest end it), so that a per-step schedule neither runs ahead nor behind."""
+        epoch = state.epoch if epoch is None else epoch
+        steps = self.plan(state.rest).steps
+        if state.scheduler is None:
+            return
+        rebuilt = self.schedule(state.optimizer, steps, epochs)
+        rest = rest_steps(state.rest, epoch)
+        with warnings.catch_warnings():  # "lr_scheduler.step() before optimizer.step()": a fast-forward, no step
+            warnings.simplefilter("ignore")
+            for _ in range(epoch * steps + (0 if rest is None else max(0, steps - rest))):
+                rebuilt.step()
+        state.scheduler = rebuilt
+
+    def whole_epoch(self, epoch: int, members) -> Rest:
+        """The rows of `epoch` as `members` share them: what the rest of an epoch is cut from."""
+        return Rest.whole(epoch, len(self.train), members, self.batch_size, self.seed, self.shuffle,
+                          getattr(self.train, "block_size", None))
