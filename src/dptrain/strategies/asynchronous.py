@@ -94,38 +94,25 @@ from torch import nn
 
 from dptrain.data.sampler import EpochPlan, shard_plan
 from dptrain.errors import Preempted
-from dptrain.runtime.distributed import DistContext, PeerFailure, store_served
+from dptrain.runtime.distributed import DistContext, PeerFailure
 from dptrain.runtime.group import first_line
 from dptrain.runtime import signed
-from dptrain.runtime.membership import PREFIX, STALL, Evicted, Membership, gone, regroup
+from dptrain.runtime.membership import PREFIX, STALL, Evicted, Membership
+from dptrain.strategies.async_takeover import (RankZeroWatch, ServiceLost, can_take_over, membership_of,
+                                               newest_global, regroup_without_rank_0, stop_if_taken_over,
+                                               takeover_key, took_over)
 from dptrain.strategies.base import Strategy
 from dptrain.strategies.collectives import broadcast_module
 from dptrain.strategies.compression import COMPRESSIONS, ErrorFeedback, decode
 from dptrain.strategies.merge_service import (
     DELTA_MERGES, DONE, FINISH, HEADER_SIZE, LIVE_HEADER_SIZE, LOST_POLL, MERGE, MERGES, REFRESH,
     SERVICE_GROUP_TIMEOUT, STOP, TAG_GLOBAL, TAG_PAYLOAD, TAG_REPLY, TAG_REQUEST, VERSION, GlobalModel,
-    MergeService, flat_state, load_flat_state, members_key, taken_over)
+    MergeService, flat_state, load_flat_state, members_key)  # (members_key: for those who import it from here)
 from dptrain.strategies.rules.asynchronous import AsyncRules
 
 # + "RANK/EPOCH" (a rank of the job, an epoch from 1): that worker's numbers of that epoch, as JSON (live membership:
 # what a worker lost later measured stays in the records; see `workers_history`)
 ASYNC_EPOCHS = PREFIX + "async-epochs/"
-
-
-def takeover_generation(group) -> int:
-    """The generation of the group the workers of `group` make when they take over from its rank 0: past every
-    generation its merge service can name (one per worker lost, fewer than its world size)."""
-    return group.generation + group.world_size
-
-
-def takeover_key(group) -> str:
-    """The store key the workers of `group` set when they begin to take over from its rank 0 (the agreement's
-    decider key of `takeover_generation`): its rank 0 stops once it is there, the others join in."""
-    return f"{PREFIX}{takeover_generation(group)}/decider"
-
-
-class ServiceLost(PeerFailure):
-    """The merge service's host (rank 0) is gone: the workers left take over (`Async._take_over`)."""
 
 
 class Async(AsyncRules, Strategy):
@@ -177,7 +164,7 @@ class Async(AsyncRules, Strategy):
         self._heard: Optional[Membership] = None
         self._taken: Optional[Membership] = None
         self._first: tuple[int, ...] = ()  # the ranks of the job the run started with
-        self._looked = 0.0  # when this worker last looked whether the service's host is gone (`_look_for_loss`)
+        self._watch = RankZeroWatch()  # this worker's looks at whether the service's host is gone
 
     @classmethod
     def from_config(cls, config) -> "Async":
@@ -201,16 +188,11 @@ class Async(AsyncRules, Strategy):
         is, after a take-over)."""
         self.global_model = model
         if self.ctx.world_size > 1:
-            takeover = takeover_key(self.ctx.group) if self._can_take_over() else None
+            takeover = takeover_key(self.ctx.group) if can_take_over(self.live, self.ctx.group) else None
             self.service = MergeService(model, self.group, self.ctx, self.compression, self.every, self.live,
                                         takeover)
             self.service.epochs.update(epochs or {})
             self.service.start()
-
-    def _can_take_over(self) -> bool:
-        """Whether the workers left can go on when rank 0 is lost: live membership, over a store rank 0 does not
-        host (dptrain's launcher, or `dptrain serve-store`, serves it)."""
-        return self.live and store_served() and self.ctx.group.store is not None
 
     # -- talking to the service ----------------------------------------------------------------
     def _request(self, kind: int, payload: Optional[torch.Tensor] = None,
@@ -230,7 +212,7 @@ class Async(AsyncRules, Strategy):
     def _request_once(self, kind: int, payload: Optional[torch.Tensor],
                       stopping: bool) -> tuple[Optional[torch.Tensor], int, int]:
         if self.ctx.rank == 0:  # the service lives in this process
-            self._check_service()
+            stop_if_taken_over(self.service, self.ctx)
             if self.service is not None:
                 # under the lock `lose` holds: a loss it announces either saw this epoch or is heard now
                 with self.global_model.lock:
@@ -267,8 +249,8 @@ class Async(AsyncRules, Strategy):
 
     def _exchange(self, operation, tensor: torch.Tensor, tag: int) -> None:
         """One point-to-point message with rank 0, bounded by the run's timeout; counted both ways. Where the
-        workers can take over (`_can_take_over`), ServiceLost as soon as rank 0 is judged gone."""
-        watching = self._can_take_over()
+        workers can take over (`can_take_over`), ServiceLost as soon as rank 0 is judged gone."""
+        watching = can_take_over(self.live, self.ctx.group)
         try:
             work = operation(tensor, 0, tag)
             if watching:  # (a wait that times out would close this worker's connections: see Group.wait_looking)
@@ -322,86 +304,38 @@ class Async(AsyncRules, Strategy):
     # -- live membership ------------------------------------------------------------------------
     def _look_for_loss(self, *, now: bool = False, until: Optional[float] = None) -> None:
         """A worker other than rank 0, where the workers can take over: ServiceLost if rank 0 is judged gone
-        (the launcher saw its process end, or its heartbeat stopped for STALL seconds) or another worker began
-        to take over. Looks at most every LOST_POLL seconds, unless `now`; with `until`, keeps looking until
-        then (heartbeats are judged across looks)."""
-        if self.ctx.rank == 0 or not self._can_take_over():
+        (`RankZeroWatch.look`, which says how and how often)."""
+        if self.ctx.rank == 0 or not can_take_over(self.live, self.ctx.group):
             return
-        group = self.ctx.group
-        store, host = group.store, group.members[0]
-        begun = takeover_key(group)
-        while True:
-            moment = time.monotonic()
-            if now or until is not None or moment - self._looked >= LOST_POLL:
-                self._looked = moment
-                why = gone(store, self.ctx.heartbeat, [host], STALL).get(host)
-                if why is None and signed.present(store, begun):
-                    why = "another worker found it gone"
-                if why is not None:
-                    raise ServiceLost(f"rank {host}, which holds the global model and the merge service, is gone "
-                                      f"({why})")
-            if until is None or moment >= until:
-                return
-            time.sleep(LOST_POLL)
-
-    def _check_service(self) -> None:
-        """Rank 0: Evicted once the other workers took over from it (it was frozen, or judged so)."""
-        if self.service is not None and self.service.taken_over:
-            raise Evicted(taken_over(self.ctx.group.members[0]))
+        self._watch.look(self.ctx, now=now, until=until)
 
     def _take_over(self, why: str) -> None:
         """Rank 0 is gone, and with it the global model and the merge service: the workers left regroup
-        through the store (each arrives at its next exchange with the service or its next look, within a step
-        or two), the lowest becomes rank 0 and holds as the global model the newest one any of them was given
-        (the highest version: it holds every merge a worker left was answered; what the lost rank merged last,
-        unseen by any, and a merge whose answer was lost with rank 0, which its worker sends again, are not in
-        it), and serves the others; they share the data from the first epoch after every one's present one."""
+        (`regroup_without_rank_0`), the lowest becomes rank 0 and holds as the global model the newest one any of
+        them was given (`newest_global`), and serves the others; they share the data from the first epoch after
+        every one's present one."""
         begun = time.perf_counter()
-        ctx, old = self.ctx, self.ctx.group
-        me = old.members[old.rank]
-        if self.group is not None:  # (not closed: a message to the lost rank may still wait in it)
-            self.group.abandon()
-        group, _ = regroup(old, takeover_generation(old), self._epoch, min_workers=self.min_workers or 1,
-                           timeout=ctx.timeout)
-        ctx.rank, ctx.world_size, ctx.group = group.rank, group.world_size, group
-        self.group = group.subgroup(range(group.world_size), backend="gloo",
-                                    timeout=SERVICE_GROUP_TIMEOUT.total_seconds(), name="the merge service")
-        told = group.gather_objects("take-over", (self.base_version, self._epoch, self._stop_seen))
-        versions = [version for version, _, _ in told]
-        holder = versions.index(max(versions))
-        state = self.base.clone()
-        if group.world_size > 1:
-            self.comm_bytes += self.group.broadcast(state, holder)
-        epoch = max(epoch for _, epoch, _ in told) + 1  # every worker left is sure to start it after this
-        stop = any(stopping for _, _, stopping in told)
-        self._stop_seen = self._stop_seen or stop
+        me = self.ctx.group.members[self.ctx.rank]
+        self.group = regroup_without_rank_0(self.ctx, self.group, self._epoch, self.min_workers or 1)
+        taken = newest_global(self.ctx.group, self.group, self.base,
+                              (self.base_version, self._epoch, self._stop_seen), self._first)
+        self.comm_bytes += taken.comm_bytes
+        self._stop_seen = self._stop_seen or taken.stop
         self._generation = 0  # the new service counts its generations from here
-        self._heard = Membership(group.generation, tuple(group.members), epoch,
-                                 tuple(rank for rank in self._first if rank not in group.members))
+        self._heard = taken.membership
         self.global_model = self.service = None
-        if ctx.rank != 0:
+        if self.ctx.rank != 0:
             return
-        model = GlobalModel(state, group.world_size, self.merge, self.server_momentum, self.server_lr)
-        model.version, model.stop_requested = max(versions), stop
-        self._serve(model, {rank: epoch for rank, (_, epoch, _) in enumerate(told)})
-        momentum = "; its server momentum starts again from zero" if self.merge == "delayed-nesterov" else ""
-        plural = "s" if group.world_size > 1 else ""
-        print(f"dptrain: {why}: rank {me} took over in {time.perf_counter() - begun:.1f} s, with {group.world_size} "
-              f"worker{plural} (rank{plural} {', '.join(map(str, group.members))} of the job), from the newest global model any of them had (version {model.version}, from rank "
-              f"{group.members[holder]}){momentum}; they share the data from epoch {epoch + 1}", flush=True)
+        model = GlobalModel(taken.state, self.ctx.world_size, self.merge, self.server_momentum, self.server_lr)
+        model.version, model.stop_requested = taken.version, taken.stop
+        self._serve(model, taken.epochs)
+        print(took_over(why, me, time.perf_counter() - begun, self.ctx.group, taken, self.merge), flush=True)
 
     def _hear(self, generation: int) -> None:
         """A reply named membership generation `generation`: read what it says if it is news."""
         if generation <= self._generation:
             return
-        store = self.ctx.group.store
-        record = signed.wait_for(store, members_key(self.ctx.group.generation, generation), self.ctx.timeout)
-        if record is None:  # the service announces a generation only once the store holds it, signed
-            raise PeerFailure(f"rank {self.ctx.rank}: the merge service named membership generation {generation}, "
-                              "but the run's store holds none signed with the run's secret")
-        members, epoch, left = record.split(";")
-        self._heard = Membership(self.ctx.group.generation + generation, tuple(int(r) for r in members.split(",")),
-                                 int(epoch), tuple(int(r) for r in left.split(",")))
+        self._heard = membership_of(self.ctx, generation)
         self._generation = generation
 
     def members_now(self) -> Optional[tuple[int, ...]]:
@@ -449,7 +383,7 @@ class Async(AsyncRules, Strategy):
     def after_step(self, step: int) -> None:
         self._diverged = True
         if self.ctx.world_size > 1 and self.live:
-            self._check_service()
+            stop_if_taken_over(self.service, self.ctx)
             try:
                 self._look_for_loss()
             except ServiceLost as lost:
@@ -486,7 +420,7 @@ class Async(AsyncRules, Strategy):
             if self.ctx.rank == 0:
                 if self.service is not None:  # (none when this worker alone was left)
                     self.service.join()
-                    self._check_service()
+                    stop_if_taken_over(self.service, self.ctx)
                 outcome = STOP if self.global_model.stop_requested else FINISH
                 if self.service is not None:
                     self.service.conclude(outcome)
