@@ -1,83 +1,21 @@
 """async: workers never wait for each other; each merges its progress into a global model.
 
-When a worker finishes an epoch (every `every` epochs) it sends `delta = local - base` (base:
-the global model it last received) to a merge service beside rank 0, which applies
-`global += delta / W` and answers with the new global; the worker continues from it at once.
-If every worker merges once, in any order, the global model is the plain average of the
-workers' models, as under `sync`, because the deltas add up commutatively.
+When a worker finishes an epoch (every `every` epochs) it sends `delta = local - base` (base: the global model
+it last received) to a merge service beside rank 0, which applies `global += delta / W` and answers with the
+new global; the worker continues from it at once. If every worker merges once, in any order, the global model
+is the plain average of the workers' models, as under `sync`. `merge="ema"` applies `global = (global + local)
+/ 2` instead (kept for comparison); `merge="delayed-nesterov"` adds server momentum once per round of W merges
+(Liu et al. 2024, arXiv:2401.09135). `compression` encodes the deltas, with error feedback.
 
-`merge="ema"` instead applies the reference system's rule `global = (global + local) / 2`, in
-which the first of W merges ends up weighted 2^-W (kept for comparison).
+A rank asked to stop tells the service, whose replies carry the stop to the others; each checkpoints at its
+own epoch end, and rank 0 concludes the run for every rank that is done. With live membership (`live`, the
+trainer's min_workers) the service leaves a lost worker out and merges over the workers left; where the store
+is served apart from rank 0, a lost rank 0 is taken over by the lowest of them, from the newest global model
+any of them had.
 
-`merge="delayed-nesterov"`: server momentum on the merged deltas, the delayed Nesterov (DN) update
-of Liu et al. 2024, "Asynchronous Local-SGD Training for Language Modeling" (arXiv:2401.09135,
-Algorithm 3), with its period N = W merges (one round's worth: each worker once, on average).
-The service keeps a momentum buffer m and a round buffer A (both zero at the start) and a count k
-of merges in the current round. With d the worker's delta, β = `server_momentum`, ε = `server_lr`:
-
-    A += d;  k += 1
-    if k == W:  m = β·m + A/W;  global += ε·(d/W + β·m);  A = 0;  k = 0     (the round's last merge)
-    else:       global += ε·d/W                                             (plain delta, scaled)
-
-Every merge moves the global model at once (no worker waits for a round to fill), but momentum
-is updated and applied only once per W merges, on the round's mean delta: over a round the
-global moves by ε·(A/W + β·m), exactly the Nesterov step torch.optim.SGD(nesterov=True) takes
-on the pseudo-gradient -A/W, i.e. sync's `outer="nesterov"` (DiLoCo) step on the round's average.
-Applying momentum at every merge instead would update the velocity W times per round, each time
-from one worker's delta computed on an older global, and carry every stale delta forward; the
-paper identifies momentum on stale updates as what makes naive asynchronous local SGD take more
-steps than synchronous local SGD, and proposes DN to repair it.
-With β = 0 and ε = 1 the rule is `delta` merge for merge. What still holds of commutativity:
-the global at the end of a round depends only on the *sum* of that round's deltas, not on their
-order; the states inside a round, and hence the bases the workers continue from, do depend on it.
-
-Compression (`compression` fp16, bf16 or int8; delta-type merges only, `ema` sends whole
-models): a worker encodes `delta + residual` with dptrain.strategies.compression, keeps what
-rounding dropped as its residual (error feedback, saved in its checkpoints), and sends the
-encoded bytes; the service decodes them and merges the float32 result. Rank 0's own delta goes
-through the same encoding (it is not sent), so every worker's contribution is rounded alike. The
-reply, the global model, stays float32: rounding it would put error into every worker's base
-that no residual carries forward.
-
-The service is a thread in rank 0's process. Remote workers talk to it over torch.distributed
-point-to-point messages in a process group of its own; rank 0's worker calls it directly.
-Merges are serialised by a lock, so none is lost. Only parameters and floating buffers are
-merged; integer buffers (BatchNorm's batch counter) stay per worker.
-
-Pre-emption without a barrier: a rank asked to stop tells the service, every reply carries
-the stop request to the others at their next merge, and each rank checkpoints at its own
-epoch end. A rank that is done (finished or stopped) says so; the service answers a finished
-rank only when rank 0 concludes the run, with "finish" (adopt the final global model) or
-"stop" (exit to be continued), so that no rank exits while rank 0 still hosts the store and
-the service for the others.
-
-Live membership (`live`: the trainer's min_workers, --min-workers): nobody waits for a lost worker, so nobody needs to go
-back either. The service leaves out a worker whose process the launcher saw end, whose heartbeat
-stopped for STALL seconds (frozen) or whose exchange with it failed, and from then on merges over the
-W' workers left (`global += delta / W'`; delayed-nesterov's rounds count W' merges). What the lost worker
-trained since its last merge never reaches the global model: the result is that of a run where its
-unmerged epochs never happened. Each loss is a generation, written to the store
-(ASYNC_MEMBERS + generation: "MEMBERS;EPOCH;LEFT") and announced in every reply; EPOCH is the first epoch
-every worker left is sure to start after hearing of it (the latest epoch any of them reported, plus
-`every`), and from it they share the data among themselves (each its place among MEMBERS) and the LR rule
-counts W'. The lost worker's share of the epochs between is not trained (async has no epoch all workers
-stand at to hand it over). A frozen worker that wakes up is told it was left out (Evicted). At the end the
-workers left build a group of their own for the final model.
-
-Losing rank 0 (`_take_over`), which holds the global model and the service: where the store is served apart
-from it (dptrain's launcher with --min-workers, `dptrain serve-store` under a scheduler), the workers left
-notice it at their next exchange with the service, or within LOST_POLL seconds in training (the launcher's
-note that its process ended, or 3 s without its heartbeat). They regroup through the store at once, each from
-wherever it is (no epoch end is needed: nobody goes back), and the lowest becomes rank 0: it serves, as the
-global model, the newest one any of them was given (the highest version). That version holds every merge a
-worker left was answered; what the lost rank merged that no one was answered after, and a merge whose answer
-was lost with it (its worker sends it again, to the new service: merged once), are not in it. Each worker's next
-merge is against its own base, as any stale merge (staleness counts from that version). delayed-nesterov's
-momentum and round, which only rank 0 held, start again from zero. The workers share the data from the first
-epoch after every one's present one; the new rank 0 writes the results from the epoch it took over in, keeping
-the evaluations the lost one had written. A frozen rank 0 that wakes up finds the take-over in the store and
-stops (Evicted): it never goes on as a second global model. Where rank 0 hosts the store, losing it ends the
-run, as before.
+The global model and the merge service, with its messages: dptrain.strategies.merge_service; the take-over:
+dptrain.strategies.async_takeover. The rules in full (each merge, stopping, live membership, the take-over):
+docs/how-to/async.md, "How it works".
 """
 
 from __future__ import annotations
@@ -350,7 +288,7 @@ class Async(AsyncRules, Strategy):
 
     def live_change(self, epoch: int) -> Optional[Membership]:
         """The membership the workers left share the data in from `epoch` (from 0) on, once: when a worker was
-        lost and this epoch is where they all take it (see the module docstring); else None."""
+        lost and this epoch is where they all take it (docs/how-to/async.md, "Losing a worker"); else None."""
         heard = self._heard
         if heard is None or heard is self._taken or epoch < heard.epoch:
             return None
