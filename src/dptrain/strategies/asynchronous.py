@@ -1,90 +1,27 @@
 """async: workers never wait for each other; each merges its progress into a global model.
 
-When a worker finishes an epoch (every `every` epochs) it sends `delta = local - base` (base:
-the global model it last received) to a merge service beside rank 0, which applies
-`global += delta / W` and answers with the new global; the worker continues from it at once.
-If every worker merges once, in any order, the global model is the plain average of the
-workers' models, as under `sync`, because the deltas add up commutatively.
+When a worker finishes an epoch (every `every` epochs) it sends `delta = local - base` (base: the global model
+it last received) to a merge service beside rank 0, which applies `global += delta / W` and answers with the
+new global; the worker continues from it at once. If every worker merges once, in any order, the global model
+is the plain average of the workers' models, as under `sync`. `merge="ema"` applies `global = (global + local)
+/ 2` instead (kept for comparison); `merge="delayed-nesterov"` adds server momentum once per round of W merges
+(Liu et al. 2024, arXiv:2401.09135). `compression` encodes the deltas, with error feedback.
 
-`merge="ema"` instead applies the reference system's rule `global = (global + local) / 2`, in
-which the first of W merges ends up weighted 2^-W (kept for comparison).
+A rank asked to stop tells the service, whose replies carry the stop to the others; each checkpoints at its
+own epoch end, and rank 0 concludes the run for every rank that is done. With live membership (`live`, the
+trainer's min_workers) the service leaves a lost worker out and merges over the workers left; where the store
+is served apart from rank 0, a lost rank 0 is taken over by the lowest of them, from the newest global model
+any of them had.
 
-`merge="delayed-nesterov"`: server momentum on the merged deltas, the delayed Nesterov (DN) update
-of Liu et al. 2024, "Asynchronous Local-SGD Training for Language Modeling" (arXiv:2401.09135,
-Algorithm 3), with its period N = W merges (one round's worth: each worker once, on average).
-The service keeps a momentum buffer m and a round buffer A (both zero at the start) and a count k
-of merges in the current round. With d the worker's delta, β = `server_momentum`, ε = `server_lr`:
-
-    A += d;  k += 1
-    if k == W:  m = β·m + A/W;  global += ε·(d/W + β·m);  A = 0;  k = 0     (the round's last merge)
-    else:       global += ε·d/W                                             (plain delta, scaled)
-
-Every merge moves the global model at once (no worker waits for a round to fill), but momentum
-is updated and applied only once per W merges, on the round's mean delta: over a round the
-global moves by ε·(A/W + β·m), exactly the Nesterov step torch.optim.SGD(nesterov=True) takes
-on the pseudo-gradient -A/W, i.e. sync's `outer="nesterov"` (DiLoCo) step on the round's average.
-Applying momentum at every merge instead would update the velocity W times per round, each time
-from one worker's delta computed on an older global, and carry every stale delta forward; the
-paper identifies momentum on stale updates as what makes naive asynchronous local SGD take more
-steps than synchronous local SGD, and proposes DN to repair it.
-With β = 0 and ε = 1 the rule is `delta` merge for merge. What still holds of commutativity:
-the global at the end of a round depends only on the *sum* of that round's deltas, not on their
-order; the states inside a round, and hence the bases the workers continue from, do depend on it.
-
-Compression (`compression` fp16, bf16 or int8; delta-type merges only, `ema` sends whole
-models): a worker encodes `delta + residual` with dptrain.strategies.compression, keeps what
-rounding dropped as its residual (error feedback, saved in its checkpoints), and sends the
-encoded bytes; the service decodes them and merges the float32 result. Rank 0's own delta goes
-through the same encoding (it is not sent), so every worker's contribution is rounded alike. The
-reply, the global model, stays float32: rounding it would put error into every worker's base
-that no residual carries forward.
-
-The service is a thread in rank 0's process. Remote workers talk to it over torch.distributed
-point-to-point messages in a process group of its own; rank 0's worker calls it directly.
-Merges are serialised by a lock, so none is lost. Only parameters and floating buffers are
-merged; integer buffers (BatchNorm's batch counter) stay per worker.
-
-Pre-emption without a barrier: a rank asked to stop tells the service, every reply carries
-the stop request to the others at their next merge, and each rank checkpoints at its own
-epoch end. A rank that is done (finished or stopped) says so; the service answers a finished
-rank only when rank 0 concludes the run, with "finish" (adopt the final global model) or
-"stop" (exit to be continued), so that no rank exits while rank 0 still hosts the store and
-the service for the others.
-
-Live membership (`live`: the trainer's min_workers, --min-workers): nobody waits for a lost worker, so nobody needs to go
-back either. The service leaves out a worker whose process the launcher saw end, whose heartbeat
-stopped for STALL seconds (frozen) or whose exchange with it failed, and from then on merges over the
-W' workers left (`global += delta / W'`; delayed-nesterov's rounds count W' merges). What the lost worker
-trained since its last merge never reaches the global model: the result is that of a run where its
-unmerged epochs never happened. Each loss is a generation, written to the store
-(ASYNC_MEMBERS + generation: "MEMBERS;EPOCH;LEFT") and announced in every reply; EPOCH is the first epoch
-every worker left is sure to start after hearing of it (the latest epoch any of them reported, plus
-`every`), and from it they share the data among themselves (each its place among MEMBERS) and the LR rule
-counts W'. The lost worker's share of the epochs between is not trained (async has no epoch all workers
-stand at to hand it over). A frozen worker that wakes up is told it was left out (Evicted). At the end the
-workers left build a group of their own for the final model.
-
-Losing rank 0 (`_take_over`), which holds the global model and the service: where the store is served apart
-from it (dptrain's launcher with --min-workers, `dptrain serve-store` under a scheduler), the workers left
-notice it at their next exchange with the service, or within LOST_POLL seconds in training (the launcher's
-note that its process ended, or 3 s without its heartbeat). They regroup through the store at once, each from
-wherever it is (no epoch end is needed: nobody goes back), and the lowest becomes rank 0: it serves, as the
-global model, the newest one any of them was given (the highest version). That version holds every merge a
-worker left was answered; what the lost rank merged that no one was answered after, and a merge whose answer
-was lost with it (its worker sends it again, to the new service: merged once), are not in it. Each worker's next
-merge is against its own base, as any stale merge (staleness counts from that version). delayed-nesterov's
-momentum and round, which only rank 0 held, start again from zero. The workers share the data from the first
-epoch after every one's present one; the new rank 0 writes the results from the epoch it took over in, keeping
-the evaluations the lost one had written. A frozen rank 0 that wakes up finds the take-over in the store and
-stops (Evicted): it never goes on as a second global model. Where rank 0 hosts the store, losing it ends the
-run, as before.
+The global model and the merge service, with its messages: dptrain.strategies.merge_service; the take-over:
+dptrain.strategies.async_takeover. The rules in full (each merge, stopping, live membership, the take-over):
+docs/how-to/async.md, "How it works".
 """
 
 from __future__ import annotations
 
 import copy
 import json
-import threading
 import time
 from dataclasses import asdict, replace
 from datetime import timedelta
@@ -95,336 +32,25 @@ from torch import nn
 
 from dptrain.data.sampler import EpochPlan, shard_plan
 from dptrain.errors import Preempted
-from dptrain.runtime.distributed import DistContext, PeerFailure, store_served
+from dptrain.runtime.distributed import DistContext, PeerFailure
 from dptrain.runtime.group import first_line
 from dptrain.runtime import signed
-from dptrain.runtime.heartbeat import STORE_DEADLINE, bounded
-from dptrain.runtime.membership import PREFIX, STALL, Evicted, Membership, gone, regroup
+from dptrain.runtime.membership import PREFIX, STALL, Evicted, Membership
+from dptrain.strategies.async_takeover import (RankZeroWatch, ServiceLost, can_take_over, membership_of,
+                                               newest_global, regroup_without_rank_0, stop_if_taken_over,
+                                               takeover_key, took_over)
 from dptrain.strategies.base import Strategy
-from dptrain.strategies.collectives import broadcast_module, module_state, unflatten_into
-from dptrain.strategies.compression import COMPRESSIONS, ErrorFeedback, decode, payload_bytes
+from dptrain.strategies.collectives import broadcast_module
+from dptrain.strategies.compression import COMPRESSIONS, ErrorFeedback, decode
+from dptrain.strategies.merge_service import (
+    DELTA_MERGES, DONE, FINISH, HEADER_SIZE, LIVE_HEADER_SIZE, LOST_POLL, MERGE, MERGES, REFRESH,
+    SERVICE_GROUP_TIMEOUT, STOP, TAG_GLOBAL, TAG_PAYLOAD, TAG_REPLY, TAG_REQUEST, VERSION, GlobalModel,
+    MergeService, flat_state, load_flat_state, members_key)  # (members_key: for those who import it from here)
 from dptrain.strategies.rules.asynchronous import AsyncRules
 
-MERGES = ("delta", "ema", "delayed-nesterov")
-DELTA_MERGES = ("delta", "delayed-nesterov")  # merges of a change (which can be compressed), not a model
-# Message kinds (first header field) and tags (one per message role, so they never cross).
-MERGE, VERSION, REFRESH, DONE = 1, 2, 3, 4
-TAG_REQUEST, TAG_PAYLOAD, TAG_REPLY, TAG_GLOBAL = 11, 12, 13, 14
-# A request: (kind, rank, base version, stopping[, the epoch the worker is in or starts next]);
-# a reply: (version, staleness, stop requested, membership generation[, left out]). The fields in
-# brackets travel with live membership only (LIVE_HEADER_SIZE), so that other runs send what they did.
-HEADER_SIZE, LIVE_HEADER_SIZE = 4, 5
-ASYNC_MEMBERS = PREFIX + "async/"  # + "GROUP/GENERATION": "MEMBERS;EPOCH;LEFT" (live membership, see the docstring)
 # + "RANK/EPOCH" (a rank of the job, an epoch from 1): that worker's numbers of that epoch, as JSON (live membership:
 # what a worker lost later measured stays in the records; see `workers_history`)
 ASYNC_EPOCHS = PREFIX + "async-epochs/"
-LOST_POLL = 0.5  # seconds between the service's looks at the heartbeats and the launcher's exit notes
-# How rank 0 concludes the run for a rank that is done (the first field of the reply to DONE).
-FINISH, STOP = 1, 2
-# The service waits for requests without a deadline (see MergeService._receive_request).
-SERVICE_GROUP_TIMEOUT = timedelta(days=7)
-
-
-def members_key(group_generation: int, generation: int) -> str:
-    """Where a merge service serving the workers of group generation `group_generation` writes its generation
-    `generation` (from 1) of members: each service (the first, and one per take-over) has keys of its own."""
-    return f"{ASYNC_MEMBERS}{group_generation}/{generation}"
-
-
-def takeover_generation(group) -> int:
-    """The generation of the group the workers of `group` make when they take over from its rank 0: past every
-    generation its merge service can name (one per worker lost, fewer than its world size)."""
-    return group.generation + group.world_size
-
-
-def takeover_key(group) -> str:
-    """The store key the workers of `group` set when they begin to take over from its rank 0 (the agreement's
-    decider key of `takeover_generation`): its rank 0 stops once it is there, the others join in."""
-    return f"{PREFIX}{takeover_generation(group)}/decider"
-
-
-def taken_over(rank: int) -> str:
-    """What a service host left out by a take-over says (it was frozen, or its heartbeat was late)."""
-    return (f"rank {rank}: the other workers went on without this one and its merge service (they judged it "
-            "gone: no heartbeat, frozen or too slow) and took the global model over; it stops")
-
-
-class ServiceLost(PeerFailure):
-    """The merge service's host (rank 0) is gone: the workers left take over (`Async._take_over`)."""
-
-
-def flat_state(module: nn.Module) -> torch.Tensor:
-    """Parameters and floating buffers as one float32 CPU vector (the merge payload)."""
-    floating, _ = module_state(module)
-    return torch.cat([t.detach().reshape(-1).to("cpu", torch.float32) for t in floating])
-
-
-def load_flat_state(module: nn.Module, flat: torch.Tensor) -> None:
-    """Load a flat global state into `module`. A BatchNorm's running variance merged from stale bases
-    (global + (local - base) / W) can fall below 0, and the model then outputs NaN until later merges
-    lift it (found by benchmarks/robustness.py): it is kept at 0 or above."""
-    with torch.no_grad():
-        unflatten_into(module_state(module)[0], flat)
-        for layer in module.modules():
-            if isinstance(layer, nn.modules.batchnorm._NormBase) and layer.running_var is not None:
-                layer.running_var.clamp_(min=0)
-
-
-class GlobalModel:
-    """The global model and its version; merges are serialised and counted per worker."""
-
-    def __init__(self, initial: torch.Tensor, workers: int, merge: str = "delta", server_momentum: float = 0.9,
-                 server_lr: float = 1.0) -> None:
-        if merge not in MERGES:
-            raise ValueError(f"merge must be one of {MERGES}, not {merge!r}")
-        if not 0 <= server_momentum < 1:
-            raise ValueError(f"server_momentum must be at least 0 and less than 1, not {server_momentum}")
-        if server_lr <= 0:
-            raise ValueError(f"server_lr must be greater than 0, not {server_lr}")
-        self.state = initial.clone()
-        self.workers, self.merge = workers, merge
-        self.server_momentum, self.server_lr = server_momentum, server_lr
-        # delayed-nesterov: momentum m, the round's summed deltas A and how many merges it holds (k)
-        self.momentum = torch.zeros_like(self.state) if merge == "delayed-nesterov" else None
-        self.round_sum = torch.zeros_like(self.state) if merge == "delayed-nesterov" else None
-        self.round_merges = 0
-        self.version = 0
-        self.merges = [0] * workers
-        self.max_staleness_seen = 0
-        self.stop_requested = False  # some rank was asked to stop: everyone checkpoints and stops
-        self.lock = threading.Lock()
-
-    def apply(self, rank: int, payload: torch.Tensor, base_version: int) -> tuple[torch.Tensor, int, int]:
-        """Merge one worker's payload (a delta, or its local model for ema); return (global, version, staleness)."""
-        with self.lock:
-            staleness = self.version - base_version
-            if self.merge == "delta":
-                self.state.add_(payload, alpha=1.0 / self.workers)
-            elif self.merge == "ema":
-                self.state.add_(payload).mul_(0.5)
-            else:
-                self._delayed_nesterov(payload)
-            self.version += 1
-            self.merges[rank] += 1
-            self.max_staleness_seen = max(self.max_staleness_seen, staleness)
-            return self.state.clone(), self.version, staleness
-
-    def _delayed_nesterov(self, delta: torch.Tensor) -> None:
-        """One merge of the delayed Nesterov rule (see the module docstring)."""
-        beta, lr, workers = self.server_momentum, self.server_lr, self.workers
-        self.round_sum.add_(delta)
-        self.round_merges += 1
-        if self.round_merges < workers:
-            self.state.add_(delta, alpha=lr / workers)
-            return
-        self.momentum.mul_(beta).add_(self.round_sum, alpha=1.0 / workers)
-        self.state.add_(delta, alpha=lr / workers).add_(self.momentum, alpha=lr * beta)
-        self.round_sum.zero_()
-        self.round_merges = 0
-
-    def state_dict(self) -> dict:
-        """Everything needed to continue merging exactly (the global, its version and the server momentum)."""
-        with self.lock:
-            state = {"state": self.state.clone(), "version": self.version, "merges": list(self.merges),
-                     "max_staleness_seen": self.max_staleness_seen}
-            if self.momentum is not None:
-                state.update(momentum=self.momentum.clone(), round_sum=self.round_sum.clone(),
-                             round_merges=self.round_merges)
-            return state
-
-    def load_state_dict(self, saved: dict) -> None:
-        with self.lock:
-            self.state.copy_(saved["state"])
-            self.version = saved["version"]
-            self.merges = list(saved["merges"])
-            self.max_staleness_seen = saved["max_staleness_seen"]
-            if self.momentum is not None:
-                if "momentum" not in saved:
-                    raise ValueError("the checkpoint has no server momentum: it was saved by a run with another merge")
-                self.momentum.copy_(saved["momentum"])
-                self.round_sum.copy_(saved["round_sum"])
-                self.round_merges = saved["round_merges"]
-
-    def snapshot(self, copy: bool = True) -> tuple[Optional[torch.Tensor], int]:
-        """(a copy of the global state, its version); only the version when `copy` is False."""
-        with self.lock:
-            return (self.state.clone() if copy else None), self.version
-
-
-class MergeService:
-    """Rank 0's thread: answers remote workers' merge, version and refresh requests until all are done.
-
-    With `live` (live membership), it also leaves out lost workers (`lose`) and goes on with the others."""
-
-    def __init__(self, model: GlobalModel, group, ctx: DistContext, compression: str = "none", every: int = 1,
-                 live: bool = False, takeover: Optional[str] = None) -> None:
-        self.model, self.group, self.ctx = model, group, ctx
-        self.compression, self.every, self.live = compression, every, live
-        self.group_generation = ctx.group.generation  # names this service's keys in the store (`members_key`)
-        # The store key the other workers set when they judge this rank gone and take over (None: they cannot):
-        # once it is there, this rank is out of the run, even if it was only frozen (`taken_over`).
-        self.takeover, self.taken_over = takeover, False
-        self.pending = set(range(1, ctx.world_size))
-        self.members = list(range(ctx.world_size))  # the workers merging now (ranks of the service group)
-        self.epochs: dict[int, int] = {}  # the epoch each worker last said it is in or starts next
-        self.generation = 0  # how many times the members changed
-        self.lost: list[tuple[int, str]] = []  # (rank, why), in the order they were lost
-        self.finished: list[int] = []  # ranks done with training that wait for rank 0's conclusion
-        self.error: Optional[str] = None
-        self.header_size = LIVE_HEADER_SIZE if live else HEADER_SIZE
-        self._closed = threading.Event()
-        self._watcher: Optional[threading.Thread] = None
-        self._thread = threading.Thread(target=self._serve, name="dptrain-merge-service", daemon=True)
-
-    def start(self) -> "MergeService":
-        self._thread.start()
-        if self.live:
-            self._watcher = threading.Thread(target=self._watch, name="dptrain-merge-watch", daemon=True)
-            self._watcher.start()
-        return self
-
-    def _receive_request(self) -> torch.Tensor:
-        # Blocks until some worker asks: the service group's timeout is effectively infinite,
-        # since a worker may train for hours between merges. Liveness is judged from heartbeats
-        # by join(), not by this wait.
-        header = torch.zeros(self.header_size, dtype=torch.int64)
-        self.group.recv(header, tag=TAG_REQUEST)  # from any worker
-        return header
-
-    def _fields(self, *values: int) -> torch.Tensor:
-        return torch.tensor(values[:self.header_size], dtype=torch.int64)
-
-    def _serve(self) -> None:
-        try:
-            while self.pending:
-                header = self._receive_request()
-                kind, rank, base_version, stopping, *rest = (int(v) for v in header)
-                epoch = rest[0] if rest else 0
-                try:
-                    self._answer(kind, rank, base_version, stopping, epoch)
-                except Exception as exc:  # noqa: BLE001 - with live membership, that worker is lost
-                    if not self.live:
-                        raise
-                    self.lose(rank, f"its exchange with the merge service failed: {first_line(exc)}")
-        except Exception as exc:  # noqa: BLE001 - reported by rank 0's training thread
-            self.error = first_line(exc)
-
-    def _answer(self, kind: int, rank: int, base_version: int, stopping: int, epoch: int) -> None:
-        if rank not in self.members:  # left out while frozen, and awake again: it must stop
-            if kind == MERGE:
-                self._receive_payload(rank)
-            self._send(self._fields(0, 0, 0, self.generation, 1), rank, TAG_REPLY)
-            return
-        if kind == DONE:
-            with self.model.lock:  # `lose` (the watcher's thread) rewrites these lists
-                self.pending.discard(rank)
-                if not stopping:
-                    self.finished.append(rank)
-            if stopping:  # it has checkpointed and leaves now; the others stop at their next merge
-                self.model.stop_requested = True
-                self._conclude_for(rank, STOP)
-            return
-        self.epochs[rank] = epoch
-        if kind == MERGE:
-            payload = self._receive_payload(rank)
-            state, version, staleness = self.model.apply(rank, payload, base_version)
-        else:
-            state, version = self.model.snapshot(copy=kind == REFRESH)
-            staleness = version - base_version
-        reply = self._fields(version, staleness, int(self.model.stop_requested), self.generation, 0)
-        self._send(reply, rank, TAG_REPLY)
-        if kind in (MERGE, REFRESH):
-            self._send(state, rank, TAG_GLOBAL)
-
-    def _send(self, tensor: torch.Tensor, rank: int, tag: int) -> None:
-        """One message to `rank`; with live membership bounded by the run's timeout (a frozen worker)."""
-        if not self.live:
-            self.group.send(tensor, rank, tag)
-            return
-        self.group.isend(tensor, rank, tag).wait(timeout=timedelta(seconds=self.ctx.timeout))
-
-    def _receive_payload(self, rank: int) -> torch.Tensor:
-        """A worker's merge payload as float32: received as is, or as encoded bytes and decoded."""
-        numel = self.model.state.numel()
-        if self.compression == "none":
-            payload = torch.empty_like(self.model.state)
-        else:
-            payload = torch.empty(payload_bytes(self.compression, numel), dtype=torch.uint8)
-        if self.live:  # a worker frozen in the middle of its merge holds the service up for --timeout at most
-            self.group.irecv(payload, rank, TAG_PAYLOAD).wait(timeout=timedelta(seconds=self.ctx.timeout))
-        else:
-            self.group.recv(payload, rank, TAG_PAYLOAD)
-        return payload if self.compression == "none" else decode(self.compression, payload, numel)
-
-    # -- live membership ------------------------------------------------------------------------
-    def _watch(self) -> None:
-        """Leave out workers whose process ended (the launcher's note) or whose heartbeat stopped."""
-        store, heartbeat, job = self.ctx.group.store, self.ctx.heartbeat, list(self.ctx.group.members)
-        while not self._closed.wait(LOST_POLL):
-            others = [rank for rank in self.members if rank != 0]
-            try:
-                if self.takeover is not None and signed.present(store, self.takeover):
-                    self.taken_over = True  # the training thread stops at its next look (`Async._check_service`)
-                    return
-                lost = gone(store, heartbeat, others, STALL, in_store=lambda rank: job[rank])
-            except Exception:  # noqa: BLE001 - the store is going away: the run is ending
-                return
-            for rank, why in lost.items():
-                self.lose(rank, why)
-
-    def lose(self, rank: int, why: str) -> None:
-        """Leave `rank` out: merge over the others from now on, and tell them (a new generation in the store)."""
-        with self.model.lock:
-            # once rank 0 concludes, the members are settled: the workers left build their final group of them
-            if rank not in self.members or rank == 0 or self._closed.is_set():
-                return
-            self.members.remove(rank)
-            self.pending.discard(rank)
-            self.finished = [done for done in self.finished if done != rank]
-            self.model.workers = len(self.members)
-            self.lost.append((rank, why))
-            # every worker left starts this epoch only after its next merge, which tells it
-            known = [self.epochs[member] for member in self.members if member in self.epochs]
-            epoch = max(known, default=0) + self.every
-            job = self.ctx.group.members
-            record = (f"{','.join(str(job[member]) for member in self.members)};{epoch};"
-                      f"{','.join(str(job[gone]) for gone, _ in self.lost)}")
-            key = members_key(self.group_generation, self.generation + 1)
-            signed.put(self.ctx.group.store, key, record)
-            self.generation += 1  # announced in replies only once the store holds it
-        print(f"dptrain: the merge service left rank {job[rank]} out ({why}); it merges over "
-              f"{len(self.members)} workers from now on", flush=True)
-
-    def _conclude_for(self, rank: int, outcome: int) -> None:
-        self._send(self._fields(outcome, 0, 0, self.generation, 0), rank, TAG_REPLY)
-
-    def conclude(self, outcome: int) -> None:
-        """Answer every finished rank (after join): FINISH, or STOP when the run stops to be continued.
-        From here on nobody is left out any more (each answer names the final generation)."""
-        with self.model.lock:
-            self._closed.set()
-        if self._watcher is not None:  # not inside a store call when the process group goes
-            self._watcher.join(timeout=STORE_DEADLINE)
-        for rank in self.finished:
-            self._conclude_for(rank, outcome)
-        self.finished.clear()
-
-    def join(self) -> None:
-        """Wait until every remote worker is done (or, with live membership, lost); without live membership,
-        fail naming those whose heartbeat stopped."""
-        while self._thread.is_alive() and self.pending:  # with live membership, the last may be lost instead
-            self._thread.join(timeout=LOST_POLL if self.live else 1.0)
-            if self.taken_over:
-                raise Evicted(taken_over(self.ctx.group.members[0]))
-            if self.error or self.ctx.heartbeat is None or self.live:
-                continue
-            silent = self.ctx.heartbeat.stalled(sorted(self.pending), self.ctx.timeout)
-            if silent:
-                names = ", ".join(map(str, silent))
-                raise PeerFailure(f"rank 0: rank{'s' if len(silent) > 1 else ''} {names} stopped responding for "
-                                  f"{self.ctx.timeout:g} s before finishing (no heartbeat)")
-        if self.error:
-            raise PeerFailure(f"rank 0: the merge service failed: {self.error}")
 
 
 class Async(AsyncRules, Strategy):
@@ -476,7 +102,7 @@ class Async(AsyncRules, Strategy):
         self._heard: Optional[Membership] = None
         self._taken: Optional[Membership] = None
         self._first: tuple[int, ...] = ()  # the ranks of the job the run started with
-        self._looked = 0.0  # when this worker last looked whether the service's host is gone (`_look_for_loss`)
+        self._watch = RankZeroWatch()  # this worker's looks at whether the service's host is gone
 
     @classmethod
     def from_config(cls, config) -> "Async":
@@ -500,16 +126,11 @@ class Async(AsyncRules, Strategy):
         is, after a take-over)."""
         self.global_model = model
         if self.ctx.world_size > 1:
-            takeover = takeover_key(self.ctx.group) if self._can_take_over() else None
+            takeover = takeover_key(self.ctx.group) if can_take_over(self.live, self.ctx.group) else None
             self.service = MergeService(model, self.group, self.ctx, self.compression, self.every, self.live,
                                         takeover)
             self.service.epochs.update(epochs or {})
             self.service.start()
-
-    def _can_take_over(self) -> bool:
-        """Whether the workers left can go on when rank 0 is lost: live membership, over a store rank 0 does not
-        host (dptrain's launcher, or `dptrain serve-store`, serves it)."""
-        return self.live and store_served() and self.ctx.group.store is not None
 
     # -- talking to the service ----------------------------------------------------------------
     def _request(self, kind: int, payload: Optional[torch.Tensor] = None,
@@ -529,7 +150,7 @@ class Async(AsyncRules, Strategy):
     def _request_once(self, kind: int, payload: Optional[torch.Tensor],
                       stopping: bool) -> tuple[Optional[torch.Tensor], int, int]:
         if self.ctx.rank == 0:  # the service lives in this process
-            self._check_service()
+            stop_if_taken_over(self.service, self.ctx)
             if self.service is not None:
                 # under the lock `lose` holds: a loss it announces either saw this epoch or is heard now
                 with self.global_model.lock:
@@ -566,8 +187,8 @@ class Async(AsyncRules, Strategy):
 
     def _exchange(self, operation, tensor: torch.Tensor, tag: int) -> None:
         """One point-to-point message with rank 0, bounded by the run's timeout; counted both ways. Where the
-        workers can take over (`_can_take_over`), ServiceLost as soon as rank 0 is judged gone."""
-        watching = self._can_take_over()
+        workers can take over (`can_take_over`), ServiceLost as soon as rank 0 is judged gone."""
+        watching = can_take_over(self.live, self.ctx.group)
         try:
             work = operation(tensor, 0, tag)
             if watching:  # (a wait that times out would close this worker's connections: see Group.wait_looking)
@@ -621,86 +242,38 @@ class Async(AsyncRules, Strategy):
     # -- live membership ------------------------------------------------------------------------
     def _look_for_loss(self, *, now: bool = False, until: Optional[float] = None) -> None:
         """A worker other than rank 0, where the workers can take over: ServiceLost if rank 0 is judged gone
-        (the launcher saw its process end, or its heartbeat stopped for STALL seconds) or another worker began
-        to take over. Looks at most every LOST_POLL seconds, unless `now`; with `until`, keeps looking until
-        then (heartbeats are judged across looks)."""
-        if self.ctx.rank == 0 or not self._can_take_over():
+        (`RankZeroWatch.look`, which says how and how often)."""
+        if self.ctx.rank == 0 or not can_take_over(self.live, self.ctx.group):
             return
-        group = self.ctx.group
-        store, host = group.store, group.members[0]
-        begun = takeover_key(group)
-        while True:
-            moment = time.monotonic()
-            if now or until is not None or moment - self._looked >= LOST_POLL:
-                self._looked = moment
-                why = gone(store, self.ctx.heartbeat, [host], STALL).get(host)
-                if why is None and signed.present(store, begun):
-                    why = "another worker found it gone"
-                if why is not None:
-                    raise ServiceLost(f"rank {host}, which holds the global model and the merge service, is gone "
-                                      f"({why})")
-            if until is None or moment >= until:
-                return
-            time.sleep(LOST_POLL)
-
-    def _check_service(self) -> None:
-        """Rank 0: Evicted once the other workers took over from it (it was frozen, or judged so)."""
-        if self.service is not None and self.service.taken_over:
-            raise Evicted(taken_over(self.ctx.group.members[0]))
+        self._watch.look(self.ctx, now=now, until=until)
 
     def _take_over(self, why: str) -> None:
         """Rank 0 is gone, and with it the global model and the merge service: the workers left regroup
-        through the store (each arrives at its next exchange with the service or its next look, within a step
-        or two), the lowest becomes rank 0 and holds as the global model the newest one any of them was given
-        (the highest version: it holds every merge a worker left was answered; what the lost rank merged last,
-        unseen by any, and a merge whose answer was lost with rank 0, which its worker sends again, are not in
-        it), and serves the others; they share the data from the first epoch after every one's present one."""
+        (`regroup_without_rank_0`), the lowest becomes rank 0 and holds as the global model the newest one any of
+        them was given (`newest_global`), and serves the others; they share the data from the first epoch after
+        every one's present one."""
         begun = time.perf_counter()
-        ctx, old = self.ctx, self.ctx.group
-        me = old.members[old.rank]
-        if self.group is not None:  # (not closed: a message to the lost rank may still wait in it)
-            self.group.abandon()
-        group, _ = regroup(old, takeover_generation(old), self._epoch, min_workers=self.min_workers or 1,
-                           timeout=ctx.timeout)
-        ctx.rank, ctx.world_size, ctx.group = group.rank, group.world_size, group
-        self.group = group.subgroup(range(group.world_size), backend="gloo",
-                                    timeout=SERVICE_GROUP_TIMEOUT.total_seconds(), name="the merge service")
-        told = group.gather_objects("take-over", (self.base_version, self._epoch, self._stop_seen))
-        versions = [version for version, _, _ in told]
-        holder = versions.index(max(versions))
-        state = self.base.clone()
-        if group.world_size > 1:
-            self.comm_bytes += self.group.broadcast(state, holder)
-        epoch = max(epoch for _, epoch, _ in told) + 1  # every worker left is sure to start it after this
-        stop = any(stopping for _, _, stopping in told)
-        self._stop_seen = self._stop_seen or stop
+        me = self.ctx.group.members[self.ctx.rank]
+        self.group = regroup_without_rank_0(self.ctx, self.group, self._epoch, self.min_workers or 1)
+        taken = newest_global(self.ctx.group, self.group, self.base,
+                              (self.base_version, self._epoch, self._stop_seen), self._first)
+        self.comm_bytes += taken.comm_bytes
+        self._stop_seen = self._stop_seen or taken.stop
         self._generation = 0  # the new service counts its generations from here
-        self._heard = Membership(group.generation, tuple(group.members), epoch,
-                                 tuple(rank for rank in self._first if rank not in group.members))
+        self._heard = taken.membership
         self.global_model = self.service = None
-        if ctx.rank != 0:
+        if self.ctx.rank != 0:
             return
-        model = GlobalModel(state, group.world_size, self.merge, self.server_momentum, self.server_lr)
-        model.version, model.stop_requested = max(versions), stop
-        self._serve(model, {rank: epoch for rank, (_, epoch, _) in enumerate(told)})
-        momentum = "; its server momentum starts again from zero" if self.merge == "delayed-nesterov" else ""
-        plural = "s" if group.world_size > 1 else ""
-        print(f"dptrain: {why}: rank {me} took over in {time.perf_counter() - begun:.1f} s, with {group.world_size} "
-              f"worker{plural} (rank{plural} {', '.join(map(str, group.members))} of the job), from the newest global model any of them had (version {model.version}, from rank "
-              f"{group.members[holder]}){momentum}; they share the data from epoch {epoch + 1}", flush=True)
+        model = GlobalModel(taken.state, self.ctx.world_size, self.merge, self.server_momentum, self.server_lr)
+        model.version, model.stop_requested = taken.version, taken.stop
+        self._serve(model, taken.epochs)
+        print(took_over(why, me, time.perf_counter() - begun, self.ctx.group, taken, self.merge), flush=True)
 
     def _hear(self, generation: int) -> None:
         """A reply named membership generation `generation`: read what it says if it is news."""
         if generation <= self._generation:
             return
-        store = self.ctx.group.store
-        record = signed.wait_for(store, members_key(self.ctx.group.generation, generation), self.ctx.timeout)
-        if record is None:  # the service announces a generation only once the store holds it, signed
-            raise PeerFailure(f"rank {self.ctx.rank}: the merge service named membership generation {generation}, "
-                              "but the run's store holds none signed with the run's secret")
-        members, epoch, left = record.split(";")
-        self._heard = Membership(self.ctx.group.generation + generation, tuple(int(r) for r in members.split(",")),
-                                 int(epoch), tuple(int(r) for r in left.split(",")))
+        self._heard = membership_of(self.ctx, generation)
         self._generation = generation
 
     def members_now(self) -> Optional[tuple[int, ...]]:
@@ -715,7 +288,7 @@ class Async(AsyncRules, Strategy):
 
     def live_change(self, epoch: int) -> Optional[Membership]:
         """The membership the workers left share the data in from `epoch` (from 0) on, once: when a worker was
-        lost and this epoch is where they all take it (see the module docstring); else None."""
+        lost and this epoch is where they all take it (docs/how-to/async.md, "Losing a worker"); else None."""
         heard = self._heard
         if heard is None or heard is self._taken or epoch < heard.epoch:
             return None
@@ -748,7 +321,7 @@ class Async(AsyncRules, Strategy):
     def after_step(self, step: int) -> None:
         self._diverged = True
         if self.ctx.world_size > 1 and self.live:
-            self._check_service()
+            stop_if_taken_over(self.service, self.ctx)
             try:
                 self._look_for_loss()
             except ServiceLost as lost:
@@ -785,7 +358,7 @@ class Async(AsyncRules, Strategy):
             if self.ctx.rank == 0:
                 if self.service is not None:  # (none when this worker alone was left)
                     self.service.join()
-                    self._check_service()
+                    stop_if_taken_over(self.service, self.ctx)
                 outcome = STOP if self.global_model.stop_requested else FINISH
                 if self.service is not None:
                     self.service.conclude(outcome)
