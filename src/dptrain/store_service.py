@@ -70,7 +70,8 @@ def main(args: argparse.Namespace) -> int:
     from dptrain.runtime.distributed import listen_exactly
     from dptrain.runtime.launcher import join_record
     from dptrain.runtime import signed
-    from dptrain.runtime.membership import REPLACING, WORLD, lost_since
+    from dptrain.runtime.membership import lost_since
+    from dptrain.runtime.store_keys import REPLACING, WORLD
     from dptrain.runtime.spawn import job_store
     from dptrain.train.rundir import JOIN_FILE
 

@@ -39,13 +39,12 @@ from torch import nn
 
 from dptrain.runtime import signed
 from dptrain.runtime.heartbeat import Heartbeat
+from dptrain.runtime.store_keys import FAILED, REFUSED, REPORTED, REPORTED_SEEN  # noqa: F401 - for callers
 from dptrain.runtime.heartbeat import bounded as store_call
 
 OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 WATCH_POLL = 0.5  # seconds between looks at the heartbeats while a watched collective waits
 POLL_FIRST, POLL_MOST = 0.0001, 0.005  # seconds between looks at whether a watched work is done (doubling)
-FAILED = "dptrain/membership/failed/"  # + generation: a member left that group after a failure (its rank)
-REFUSED = "dptrain/membership/refused/"  # + job rank: it sent what is not JSON; no agreement keeps or admits it
 _DEFAULT_ABANDONED = False
 
 
@@ -66,8 +65,6 @@ class PeerReported(PeerFailure):
         self.code = code
 
 
-REPORTED = "dptrain/error"  # "RANK CODE" of the first rank that ended with an error it said itself
-REPORTED_SEEN = "dptrain/error/seen"  # how many peers read it (the store's host waits for them before it exits)
 
 
 def reported_error(store: Any) -> Optional[tuple[int, int]]:

@@ -25,7 +25,7 @@ from typing import Callable, Optional, TypeVar
 
 import torch.distributed as dist
 
-PREFIX = "dptrain/heartbeat/"
+from dptrain.runtime.store_keys import HEARTBEAT as PREFIX  # noqa: E402
 STORE_DEADLINE = 5.0  # seconds; a store round trip takes well under a millisecond when its host runs
 UNANSWERED = "rank 0 (the rendezvous store's host) does not answer"
 T = TypeVar("T")

@@ -58,11 +58,10 @@ from dptrain.runtime.group import REFUSED, Evicted, Group, PeerFailure, first_li
 from dptrain.runtime import signed
 from dptrain.runtime.heartbeat import bounded
 
-PREFIX = "dptrain/membership/"
+from dptrain.runtime.store_keys import (  # noqa: E402, F401 - the keys, for callers too
+    EXITED, FINISHED, JOINERS, LOST, MEMBERSHIP as PREFIX, REPLACING, WORLD, admitted, joined)
+from dptrain.runtime.store_keys import generation as generation_keys  # noqa: E402
 STALL = 3.0  # seconds without a heartbeat after which a member that did not answer is left out
-REPLACING = PREFIX + "replacing"  # set by a store service that starts new workers for lost ranks (serve-store --replace)
-LOST = PREFIX + "lost"  # how many ranks agreements left out so far; LOST/N (from 1): the Nth one's rank
-EXITED = PREFIX + "exited/"  # + rank: the launcher serving the store saw that rank's process end
 
 
 @dataclass(frozen=True)
@@ -110,7 +109,7 @@ def _agree(group: Group, store, me: int, old: list[int], generation: int, at: tu
            stall: float) -> tuple[tuple[int, ...], tuple[int, int]]:
     """Say this rank is alive for `generation` at `at` (epoch, step) and learn the members the decider chose and
     the (epoch, step) to go on from (Evicted when this rank is not among them)."""
-    key = f"{PREFIX}{generation}/"
+    key = generation_keys(generation)
     signed.put(store, f"{key}alive/{me}", f"{at[0]} {at[1]}")
     # The first survivor here decides; the store's compare-and-set makes it one rank for all (signed values:
     # a process without the run's secret can neither decide nor name the members).
@@ -237,9 +236,6 @@ def note(membership: Optional[Membership]) -> Optional[dict]:
 
 
 # -- joining ---------------------------------------------------------------------------------------
-WORLD = PREFIX + "world"  # the job's first world size (set by the launcher that serves the store)
-JOINERS = PREFIX + "joiners"  # how many ranks were taken by joiners
-FINISHED = PREFIX + "finished"  # set by rank 0 when the run is over: a joiner still waiting goes home
 JOIN_POLL = 0.5  # seconds between a waiting joiner's looks at the store
 
 
@@ -258,7 +254,7 @@ def _world(store) -> int:
 
 def announce(store, rank: int) -> None:
     """A joiner is ready (data and model made, heartbeat beating): the next epoch end may admit it."""
-    signed.put(store, f"{PREFIX}join/{rank}", "ready")  # a joiner without the run's secret is never admitted
+    signed.put(store, joined(rank), "ready")  # a joiner without the run's secret is never admitted
 
 
 def ready_joiners(store, room: int) -> tuple[int, ...]:
@@ -271,7 +267,7 @@ def ready_joiners(store, room: int) -> tuple[int, ...]:
     for rank in range(world, world + taken):
         if len(ready) == room:
             break
-        if signed.present(store, f"{PREFIX}join/{rank}") and not signed.present(store, f"{PREFIX}admit/{rank}") \
+        if signed.present(store, joined(rank)) and not signed.present(store, admitted(rank)) \
                 and not refused(store, rank):
             ready.append(rank)
     return tuple(ready)
@@ -281,14 +277,14 @@ def admit(store, joiners, generation: int, members, epoch: int) -> None:
     """Rank 0: tell each joiner it is in generation `generation` of `members`, from `epoch` (from 0) on."""
     decided = f"{generation};{','.join(map(str, members))};{epoch}"
     for rank in joiners:
-        signed.put(store, f"{PREFIX}admit/{rank}", decided)
+        signed.put(store, admitted(rank), decided)
 
 
 def admission(store, rank: int) -> Optional[tuple[int, tuple[int, ...], int]]:
     """A joiner: wait until the run admits it: (generation, members, epoch to start from), or None when the run
     ended first. No deadline while the store answers (a spare waits for a place); a store that stops
     answering raises (StoreUnanswered, or the store's error: the run's launcher is gone)."""
-    key = f"{PREFIX}admit/{rank}"
+    key = admitted(rank)
     while (decided := signed.read(store, key)) is None:
         if signed.present(store, FINISHED):
             return None

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import IO, Callable, Optional, Sequence
 
 from dptrain.errors import Preempted
+from dptrain.runtime.store_keys import EXITED, WORLD, admitted
 
 PREEMPTED = Preempted.exit_code
 # A scheduler's warnings (SLURM --signal, PBS and Kubernetes TERM before the kill; USR2 where a site uses it).
@@ -290,20 +291,16 @@ class Ranks:
         """Whether the ranks admitted joiner `rank` (dptrain.runtime.membership), as the store this process serves says."""
         if self.store is None:
             return False
-        from dptrain.runtime.membership import PREFIX
-
         try:
             from dptrain.runtime import signed
 
-            return signed.present(self.job_store(), f"{PREFIX}admit/{rank}")
+            return signed.present(self.job_store(), admitted(rank))
         except Exception:  # noqa: BLE001 - it is this process's own store: it answers while this process runs
             return False
 
     def exited(self, rank: int) -> None:
         """Tell the ranks, through the store this process serves, that rank `rank`'s process ended: the survivors
         agreeing on who is left need not wait for its heartbeat to go quiet (dptrain.runtime.membership)."""
-        from dptrain.runtime.membership import EXITED
-
         try:
             from dptrain.runtime import signed
 
@@ -328,8 +325,6 @@ class Ranks:
         host, port = listener.getsockname()[:2]
         self.store = dist.TCPStore(host, port, None, True, datetime.timedelta(seconds=timeout),
                                    wait_for_workers=False, master_listen_fd=listener.detach())
-        from dptrain.runtime.membership import WORLD
-
         from dptrain.runtime import signed
 
         signed.put(self.job_store(), WORLD, str(self.world))  # joiners take the ranks after the job's first ones

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from dptrain.runtime.distributed import DistContext
-from dptrain.strategies.base import Strategy
+from dptrain.strategies.base import Meeting, Strategy
 from dptrain.strategies.collectives import module_state, tensor_bytes
 from dptrain.strategies.rules.allreduce import AllReduceRules
 
@@ -25,7 +25,7 @@ class AllReduce(AllReduceRules, Strategy):
     single-process training on the union of the workers' batches."""
 
     name = "allreduce"
-    meets_every_step = True  # live membership can go on from a commit within an epoch (--commit-every-steps)
+    meeting = Meeting("every step")  # live membership can go on from a commit within an epoch (--commit-every-steps)
 
     def __init__(self, compression: str = "none", bucket_cap_mb: float = 25.0) -> None:
         super().__init__()

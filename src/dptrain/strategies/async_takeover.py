@@ -16,7 +16,8 @@ import torch
 
 from dptrain.runtime.distributed import DistContext, PeerFailure, store_served
 from dptrain.runtime import signed
-from dptrain.runtime.membership import PREFIX, STALL, Evicted, Membership, gone, regroup
+from dptrain.runtime.membership import STALL, Evicted, Membership, gone, regroup
+from dptrain.runtime.store_keys import generation as generation_keys
 from dptrain.strategies.merge_service import LOST_POLL, SERVICE_GROUP_TIMEOUT, MergeService, members_key, taken_over
 
 
@@ -29,7 +30,7 @@ def takeover_generation(group) -> int:
 def takeover_key(group) -> str:
     """The store key the workers of `group` set when they begin to take over from its rank 0 (the agreement's
     decider key of `takeover_generation`): its rank 0 stops once it is there, the others join in."""
-    return f"{PREFIX}{takeover_generation(group)}/decider"
+    return generation_keys(takeover_generation(group)) + "decider"
 
 
 class ServiceLost(PeerFailure):

@@ -35,11 +35,12 @@ from dptrain.errors import Preempted
 from dptrain.runtime.distributed import DistContext, PeerFailure
 from dptrain.runtime.group import first_line
 from dptrain.runtime import signed
-from dptrain.runtime.membership import PREFIX, STALL, Evicted, Membership
+from dptrain.runtime.membership import STALL, Evicted, Membership
+from dptrain.runtime.store_keys import ASYNC_EPOCHS
 from dptrain.strategies.async_takeover import (RankZeroWatch, ServiceLost, can_take_over, membership_of,
                                                newest_global, regroup_without_rank_0, stop_if_taken_over,
                                                takeover_key, took_over)
-from dptrain.strategies.base import Strategy
+from dptrain.strategies.base import Meeting, Strategy
 from dptrain.strategies.collectives import broadcast_module
 from dptrain.strategies.compression import COMPRESSIONS, ErrorFeedback, decode
 from dptrain.strategies.merge_service import (
@@ -48,19 +49,15 @@ from dptrain.strategies.merge_service import (
     MergeService, flat_state, load_flat_state, members_key)  # (members_key: for those who import it from here)
 from dptrain.strategies.rules.asynchronous import AsyncRules
 
-# + "RANK/EPOCH" (a rank of the job, an epoch from 1): that worker's numbers of that epoch, as JSON (live membership:
-# what a worker lost later measured stays in the records; see `workers_history`)
-ASYNC_EPOCHS = PREFIX + "async-epochs/"
 
 
 class Async(AsyncRules, Strategy):
     """Barrier-free merging into a global model at epoch ends (every `every` epochs)."""
 
     name = "async"
-    # Other ranks may still merge after rank 0's last epoch, so finish() has a newer global model.
-    final_model_is_last_evaluated = False
-    average_check = "alone"
-    meets_at_epoch_ends = False  # live membership: a loss is heard of in the merges (`live_change`)
+    # Never all at once: other ranks may still merge after rank 0's last epoch (finish() has a newer global
+    # model), and live membership hears of a loss in the merges (`live_change`).
+    meeting = Meeting("merges", averages_checked=True)
 
     def __init__(self, every: int = 1, merge: str = "delta", max_staleness: Optional[int] = None,
                  server_momentum: float = 0.9, server_lr: float = 1.0, compression: str = "none") -> None:

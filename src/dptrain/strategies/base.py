@@ -12,6 +12,7 @@ dptrain.strategies.rules when the strategy's own imports torch), and registering
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 from typing import TYPE_CHECKING, Callable, Optional
@@ -26,6 +27,27 @@ from dptrain.strategies.rules import StrategyRules
 
 if TYPE_CHECKING:
     from dptrain.runtime.membership import Membership
+
+
+@dataclass(frozen=True)
+class Meeting:
+    """Where a strategy's workers meet, declared once per strategy: what the loop, its checks and live
+    membership read of it (`Strategy.meets_every_step`, `meets_at_epoch_ends`, `average_check`).
+
+    `at`: "every step" (all of them at each step's all-reduce, and at epoch ends: allreduce), "epoch ends" (all
+    of them at every epoch end: sync, fedavg, streaming, hierarchical, local), or "merges" (never all at once:
+    each in its merges with rank 0's service, async). `averages_checked`: its epoch-end averages (merges) are
+    checked (dptrain.train.health): together where all meet there, by each worker alone in merges."""
+
+    at: str = "epoch ends"
+    averages_checked: bool = False
+
+    def __post_init__(self) -> None:
+        if self.at not in MEETING_PLACES:
+            raise ValueError(f"Meeting.at must be one of {', '.join(MEETING_PLACES)}, not {self.at!r}")
+
+
+MEETING_PLACES = ("every step", "epoch ends", "merges")
 
 
 def check_period(every: int, every_steps: Optional[int]) -> None:
@@ -46,20 +68,34 @@ class Strategy(StrategyRules):
     """
 
     name = "local"
-    # Whether the last epoch's evaluation (when there was one) is of the model finish() returns;
-    # False when the global model can still change after a rank's last epoch (async).
-    final_model_is_last_evaluated = True
-    # How the trainer checks this strategy's epoch-end averages (dptrain.train.health): "together" (every
-    # rank averages at the same epoch ends and sums the check), "alone" (each rank judges its own merges,
-    # no barrier), or None (no epoch-end averages to check).
-    average_check: Optional[str] = None
-    # Whether every worker stands at each epoch end together (live membership: a lost worker's epoch is redone
-    # by the others there, and joiners enter there); False for async, which hears of a loss in its merges
-    # (`live_change`) and goes on without going back.
-    meets_at_epoch_ends = True
-    # Whether every worker takes part in a collective at every step (allreduce): live membership may then go on
-    # from a commit within an epoch (the trainer's commit_every_steps), not only from the epoch's start.
-    meets_every_step = False
+    meeting = Meeting()  # where its workers meet (a subclass declares its own)
+
+    @property
+    def meets_every_step(self) -> bool:
+        """Every worker takes part in a collective at every step (allreduce): live membership may then go on
+        from a commit within an epoch (--commit-every-steps), not only from the epoch's start."""
+        return self.meeting.at == "every step"
+
+    @property
+    def meets_at_epoch_ends(self) -> bool:
+        """Every worker stands at each epoch end together (live membership: a lost worker's epoch is redone by
+        the others there, and joiners enter there); not async, which hears of a loss in its merges
+        (`live_change`) and goes on without going back."""
+        return self.meeting.at != "merges"
+
+    @property
+    def average_check(self) -> Optional[str]:
+        """How the trainer checks the epoch-end averages (dptrain.train.checks): "together" (every rank averages
+        at the same epoch ends and sums the check), "alone" (each rank judges its own merges), or None."""
+        if not self.meeting.averages_checked:
+            return None
+        return "alone" if self.meeting.at == "merges" else "together"
+
+    @property
+    def final_model_is_last_evaluated(self) -> bool:
+        """Whether the last epoch's evaluation (when there was one) is of the model finish() returns; not where
+        the global model can still change after a rank's last epoch (merges)."""
+        return self.meeting.at != "merges"
     # Whether the run has live membership (--min-workers), and its min_workers: `enable_live`, before setup.
     live = False
     min_workers: Optional[int] = None

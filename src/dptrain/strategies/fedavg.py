@@ -32,7 +32,7 @@ from torch import nn
 from dptrain.data.partition import PARTITIONERS, partition
 from dptrain.data.sampler import EpochPlan, partition_plan
 from dptrain.runtime.distributed import DistContext
-from dptrain.strategies.base import Strategy
+from dptrain.strategies.base import Meeting, Strategy
 from dptrain.strategies.collectives import broadcast_module
 from dptrain.strategies.compression import COMPRESSIONS
 from dptrain.strategies.outer import OPTIMIZER_STATES, Averager, OuterOptimizer, settle_optimizer_state
@@ -44,7 +44,7 @@ class FedAvg(FedAvgRules, Strategy):
     """Federated averaging over fixed client partitions."""
 
     name = "fedavg"
-    average_check = "together"
+    meeting = Meeting("epoch ends", averages_checked=True)
 
     def __init__(self, local_epochs: int = 1, partition: str = "iid", alpha: float = 0.5,
                  clients_per_round: float = 1.0, outer: str = "none", outer_lr: Optional[float] = None,

@@ -20,7 +20,8 @@ from dptrain.runtime.distributed import DistContext, PeerFailure
 from dptrain.runtime.group import first_line
 from dptrain.runtime import signed
 from dptrain.runtime.heartbeat import STORE_DEADLINE
-from dptrain.runtime.membership import PREFIX, STALL, Evicted, gone
+from dptrain.runtime.membership import STALL, Evicted, gone
+from dptrain.runtime.store_keys import ASYNC_MEMBERS
 from dptrain.strategies.collectives import module_state, unflatten_into
 from dptrain.strategies.compression import decode, payload_bytes
 
@@ -33,8 +34,6 @@ TAG_REQUEST, TAG_PAYLOAD, TAG_REPLY, TAG_GLOBAL = 11, 12, 13, 14
 # a reply: (version, staleness, stop requested, membership generation[, left out]). The fields in
 # brackets travel with live membership only (LIVE_HEADER_SIZE), so that other runs send what they did.
 HEADER_SIZE, LIVE_HEADER_SIZE = 4, 5
-# + "GROUP/GENERATION": "MEMBERS;EPOCH;LEFT" (live membership, see docs/how-to/async.md)
-ASYNC_MEMBERS = PREFIX + "async/"
 LOST_POLL = 0.5  # seconds between the service's looks at the heartbeats and the launcher's exit notes
 # How rank 0 concludes the run for a rank that is done (the first field of the reply to DONE).
 FINISH, STOP = 1, 2

@@ -27,7 +27,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from dptrain.runtime.distributed import DistContext
-from dptrain.strategies.base import Strategy, check_period
+from dptrain.strategies.base import Meeting, Strategy, check_period
 from dptrain.strategies.collectives import broadcast_module, broadcast_tensors, module_state, tensor_bytes
 from dptrain.strategies.compression import COMPRESSIONS
 from dptrain.strategies.outer import OPTIMIZER_STATES, OUTERS, Averager, OuterOptimizer, settle_optimizer_state
@@ -43,7 +43,7 @@ class Sync(SyncRules, Strategy):
     gradient all-reduce (post-local SGD)."""
 
     name = "sync"
-    average_check = "together"
+    meeting = Meeting("epoch ends", averages_checked=True)
 
     def __init__(self, every: int = 1, every_steps: int | None = None, optimizer_state: str = "keep",
                  outer: str = "none", outer_lr: float | None = None, outer_momentum: float | None = None,

@@ -316,7 +316,7 @@ def _check_replacing(ctx, launcher: str) -> None:
     """--replace-workers under `launcher` (srun, mpirun): the store service must be the one starting the new
     workers."""
     from dptrain.runtime import signed
-    from dptrain.runtime.membership import REPLACING
+    from dptrain.runtime.store_keys import REPLACING
 
     store = ctx.group.store
     if store is None or not signed.present(store, REPLACING):
