@@ -41,7 +41,7 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class DataSettings(_Section):
+class DataSection(_Section):
     """What to train on: the data set or your data, its task, how it is read and shuffled."""
 
     dataset: Optional[str] = Field("digits", description=f"built-in data set: {', '.join(registry.names('dataset'))}")
@@ -65,7 +65,7 @@ class DataSettings(_Section):
                                                                   "on the CPU, up to 4 per GPU rank")
 
 
-class ModelSettings(_Section):
+class ModelSection(_Section):
     """What to train: the model, its options, the loss."""
 
     model: str = Field("mlp", description=f"{', '.join(registry.names('model'))}, or package.module:factory")
@@ -81,7 +81,7 @@ class ModelSettings(_Section):
         return value
 
 
-class OptimizerSettings(_Section):
+class OptimizerSection(_Section):
     """How each worker steps: batch, optimizer, learning rate and its schedule, scaling and warm-up
     (dptrain.lr_policy says what they mean)."""
 
@@ -141,13 +141,13 @@ def _strategy_options() -> dict[str, FieldInfo]:
 
 # The strategy section: the choice of strategy, then the options its rules declare. An option of a strategy
 # registered later must be one of these (or a field of another section): TrainConfig holds no others.
-StrategySettings = create_model(  # type: ignore[call-overload]
-    "StrategySettings", __base__=StrategyChoice, __module__=__name__,
+StrategySection = create_model(  # type: ignore[call-overload]
+    "StrategySection", __base__=StrategyChoice, __module__=__name__,
     __doc__="Which strategy and the options the registered strategies read (dptrain.strategies.rules).",
     **{name: (field.annotation, field) for name, field in _strategy_options().items()})
 
 
-class RunSettings(_Section):
+class RunSection(_Section):
     """How long and where: epochs, precision, seed, device, waits, checkpoints, resuming, outputs."""
 
     epochs: int = Field(10, ge=1, description="passes over the training data")
@@ -176,7 +176,7 @@ class RunSettings(_Section):
     progress: bool = Field(True, description="progress bar on rank 0 when the terminal is interactive")
 
 
-class MembershipSettings(_Section):
+class MembershipSection(_Section):
     """Who trains: the workers, and what the launcher does when one fails or a new one joins (--min-workers
     and --commit-every-steps are options of the strategies that can go on without a lost worker)."""
 
@@ -194,13 +194,13 @@ class MembershipSettings(_Section):
                                    "and named (default: --timeout; a frozen worker never exits by itself)")
 
 
-SECTIONS: dict[str, type[BaseModel]] = {"data": DataSettings, "model": ModelSettings, "optimizer": OptimizerSettings,
-                                        "strategy": StrategySettings, "run": RunSettings,
-                                        "membership": MembershipSettings}
+SECTIONS: dict[str, type[BaseModel]] = {"data": DataSection, "model": ModelSection, "optimizer": OptimizerSection,
+                                        "strategy": StrategySection, "run": RunSection,
+                                        "membership": MembershipSection}
 
 
-class TrainConfig(MembershipSettings, RunSettings, StrategySettings, OptimizerSettings, ModelSettings,  # type: ignore[misc,valid-type]
-                  DataSettings):
+class TrainConfig(MembershipSection, RunSection, StrategySection, OptimizerSection, ModelSection,  # type: ignore[misc,valid-type]
+                  DataSection):
     """All settings of one training run, flat: the sections of SECTIONS (fields in their order: data, model,
     optimizer, strategy, run, membership) in one model, with the checks across them. Field descriptions
     double as `--help` text."""
