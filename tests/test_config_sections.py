@@ -260,3 +260,15 @@ def test_a_section_of_a_config_holds_its_settings():
     assert config.section("optimizer").optimizer == "adam" and config.section("optimizer").lr == config.lr
     assert config.section("run").epochs == 3
     assert isinstance(config, TrainConfig) and config.compression == "none"
+
+
+def test_train_help_lists_each_flag_under_its_section():
+    from dptrain.arguments import Parser, add_config_flags
+
+    parser = Parser(prog="dptrain train")
+    add_config_flags(parser)
+    groups = {group.title: {flag for action in group._group_actions for flag in action.option_strings}
+              for group in parser._action_groups}
+    for key in FIELDS:
+        flag = "--model-option" if key == "model_options" else flag_of(key)
+        assert flag in groups[config_module.section_of(key)], (key, config_module.section_of(key))

@@ -284,6 +284,11 @@ class TrainConfig(MembershipSection, RunSection, StrategySection, OptimizerSecti
 FIELDS = TrainConfig.model_fields
 
 
+def section_of(key: str) -> str:
+    """The section (a key of SECTIONS) that declares setting `key`."""
+    return next(name for name, section in SECTIONS.items() if key in section.model_fields)
+
+
 def _strategy_readers() -> dict[str, list[str]]:
     """{option: the strategies that read it (their rules' Options)}, in the registry's order."""
     readers: dict[str, list[str]] = {}
