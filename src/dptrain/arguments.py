@@ -13,7 +13,7 @@ from typing import Any, Iterable, Optional, Sequence
 
 import yaml
 
-from dptrain.config import FIELDS, TrainConfig, choices_of, flag_of, resolve
+from dptrain.config import FIELDS, SECTIONS, TrainConfig, choices_of, flag_of, resolve, section_of
 from dptrain.errors import UserError, did_you_mean
 
 
@@ -52,23 +52,34 @@ class Parser(argparse.ArgumentParser):
         raise UserError(f"unknown option {first} for '{self.prog}'; {hint}")
 
 
+# What each section's flags are, under its name in --help (dptrain.config.SECTIONS).
+SECTION_HELP = {"data": "what to train on and how it is read", "model": "what to train and its loss",
+                "optimizer": "each worker's steps and learning rate",
+                "strategy": "how workers synchronise, and the options of each strategy (its page under How-to guides)",
+                "run": "length, precision, checkpoints, outputs",
+                "membership": "the workers, and what happens when one fails or joins"}
+
+
 def add_config_flags(parser: argparse.ArgumentParser) -> None:
-    """One flag per TrainConfig field; values stay strings/None so the config validates them once."""
+    """One flag per TrainConfig field, listed in --help by section; values stay strings/None so the config
+    validates them once."""
     parser.add_argument("--config", metavar="FILE", help="YAML file with the same keys as the flags (flags win)")
+    groups = {name: parser.add_argument_group(name, SECTION_HELP.get(name)) for name in SECTIONS}
     for name, field in FIELDS.items():
+        group = groups[section_of(name)]
         default = field.default if field.default_factory is None else field.default_factory()
         choices = choices_of(name)  # listed by the metavar: --amp {none,bf16,fp16}
         help_text = field.description.replace("%", "%%")  # argparse formats help with %
         if default not in (None, {}):  # an unset default is described in the text, if at all
             help_text += f" (default: {str(default).lower() if isinstance(default, bool) else default})"
         if name == "model_options":
-            parser.add_argument("--model-option", dest=name, action="append", metavar="KEY=VALUE", help=help_text)
+            group.add_argument("--model-option", dest=name, action="append", metavar="KEY=VALUE", help=help_text)
         elif field.annotation is bool:
-            parser.add_argument(flag_of(name), dest=name, action=argparse.BooleanOptionalAction, default=None,
-                                help=help_text)
+            group.add_argument(flag_of(name), dest=name, action=argparse.BooleanOptionalAction, default=None,
+                               help=help_text)
         else:
             metavar = "{" + ",".join(choices) + "}" if choices else name.upper()
-            parser.add_argument(flag_of(name), dest=name, metavar=metavar, default=None, help=help_text)
+            group.add_argument(flag_of(name), dest=name, metavar=metavar, default=None, help=help_text)
 
 
 def parse_key_values(items: Iterable[str], *, flag: str, example: str,

@@ -3,6 +3,11 @@
 Every field is a flag of `dptrain train` (`batch_size` -> `--batch-size`) and a key of
 `--config run.yaml`; flags override the file. Validation errors become one sentence naming
 the field, the bad value and what is valid (dptrain.errors.UserError).
+
+The settings are declared in sections by concern (SECTIONS: data, model, optimizer, strategy, run,
+membership), each a pydantic model; TrainConfig is all of them in one flat model, so that a setting is
+`config.NAME`, a flat key of YAML and one flag, whatever its section. The strategy section is made of the
+registered strategies' own options, each declared once in its rules (dptrain.strategies.rules), not here.
 """
 
 from __future__ import annotations
@@ -11,7 +16,8 @@ import os
 from typing import Any, Iterable, Literal, Optional, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
+from pydantic.fields import FieldInfo
 from pydantic_core import PydanticCustomError
 
 from dptrain import lr_policy, registry
@@ -19,28 +25,30 @@ from dptrain.data.kinds import absolute_spec, data_help, data_options, find_sour
 from dptrain.errors import UserError, did_you_mean
 from dptrain.user_code import FILE_SPEC, looks_like_spec
 from dptrain.lr_policy import DEFAULT_LR_SCALING, LR_DEFAULTS
-from dptrain.strategies.rules.outer import OUTER_BETAS, OUTER_EPS, OUTER_LR_DEFAULTS, OUTER_MOMENTUM
+from dptrain.strategies.rules.outer import OUTER_LR_DEFAULTS
 
 BUILTIN_LOSSES = ("auto", "cross-entropy", "mse")
 
 
-class TrainConfig(BaseModel):
-    """All settings of one training run. Field descriptions double as `--help` text."""
+def rules(strategy: str) -> Any:
+    """The options and rules of a registered strategy (dptrain.strategies.rules.StrategyRules), without torch."""
+    return registry.load("strategy rules", strategy)
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
-    # What to train
-    # The registry's names, read when validating (choices_of, _strategy_is_registered): a strategy
-    # registered after this module was imported is valid too.
-    strategy: str = Field(registry.DEFAULT_STRATEGY,
-                          description=f"how workers synchronise: {registry.help_text('strategy')}")
+class _Section(BaseModel):
+    """A section of TrainConfig: some of its fields, by concern."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class DataSection(_Section):
+    """What to train on: the data set or your data, its task, how it is read and shuffled."""
+
     dataset: Optional[str] = Field("digits", description=f"built-in data set: {', '.join(registry.names('dataset'))}")
     data: Optional[str] = Field(None, description=data_help())  # each kind of source says what it takes
     task: Literal["auto", "classify", "regress"] = Field(
         "auto", description="auto: integer labels classify, float targets regress (said when it happens); "
                             "classify or regress overrides that")
-    model: str = Field("mlp", description=f"{', '.join(registry.names('model'))}, or package.module:factory")
-    model_options: dict[str, Any] = Field(default_factory=dict, description="model options as KEY=VALUE (repeatable), e.g. depth=14")
     samples: Optional[int] = Field(None, ge=1, description="number of samples of a synthetic data set")
     image_size: Optional[int] = Field(None, ge=4, description="side of synthetic-images (32) or of an image "
                                                               "folder's images (default: the first image's size)")
@@ -53,10 +61,30 @@ class TrainConfig(BaseModel):
         "global", description="global: new permutation of all samples each epoch; block: new order of the data's "
                               "blocks and within each (reads files block by block); local: fixed shard per worker, "
                               "reshuffled within it; none")
+    loader_workers: Optional[int] = Field(None, ge=0, description="DataLoader worker processes per rank; default 0 "
+                                                                  "on the CPU, up to 4 per GPU rank")
 
-    # How long and how
-    workers: int = Field(2, ge=1, description="worker processes to spawn on this machine (ignored under torchrun, srun, mpirun)")
-    epochs: int = Field(10, ge=1, description="passes over the training data")
+
+class ModelSection(_Section):
+    """What to train: the model, its options, the loss."""
+
+    model: str = Field("mlp", description=f"{', '.join(registry.names('model'))}, or package.module:factory")
+    model_options: dict[str, Any] = Field(default_factory=dict, description="model options as KEY=VALUE (repeatable), e.g. depth=14")
+    loss: str = Field("auto", description="auto (cross-entropy for classes, mse for regression), cross-entropy, "
+                                          "mse, or package.module:function(output, target) returning the loss")
+
+    @field_validator("loss")
+    @classmethod
+    def _loss_is_known_or_a_function(cls, value: str) -> str:
+        if value not in BUILTIN_LOSSES and not looks_like_spec(value):
+            raise ValueError(f"must be one of {', '.join(BUILTIN_LOSSES)} or package.module:function")
+        return value
+
+
+class OptimizerSection(_Section):
+    """How each worker steps: batch, optimizer, learning rate and its schedule, scaling and warm-up
+    (dptrain.lr_policy says what they mean)."""
+
     batch_size: int = Field(32, ge=1, description="samples per step and worker")
     optimizer: Literal["sgd", "adam", "adamw"] = Field("sgd", description="sgd, adam or adamw")
     lr: Optional[float] = Field(None, gt=0, description="learning rate (default: 0.02 for sgd, 0.01 for adam and "
@@ -76,70 +104,61 @@ class TrainConfig(BaseModel):
                                         "for whole epochs between averages (sync, async, fedavg over iid "
                                         "partitions), backed off towards --lr whenever an average goes wrong")
     scale_lr: bool = Field(False, description="short for --lr-scaling linear")
-    loss: str = Field("auto", description="auto (cross-entropy for classes, mse for regression), cross-entropy, "
-                                          "mse, or package.module:function(output, target) returning the loss")
-    amp: Literal["none", "bf16", "fp16"] = Field("none", description="autocast precision; fp16 needs a GPU")
     grad_clip: Optional[float] = Field(None, gt=0, description="clip the gradient norm to this value")
+
+
+class StrategyChoice(_Section):
+    """Which strategy: the registry's names, read when validating (choices_of, _strategy_is_registered): a
+    strategy registered after this module was imported is valid too."""
+
+    strategy: str = Field(registry.DEFAULT_STRATEGY,
+                          description=f"how workers synchronise: {registry.help_text('strategy')}")
+
+    @field_validator("strategy")
+    @classmethod
+    def _strategy_is_registered(cls, value: str) -> str:
+        if value not in registry.names("strategy"):
+            raise ValueError(f"must be one of {', '.join(registry.names('strategy'))}")
+        return value
+
+
+def _strategy_options() -> dict[str, FieldInfo]:
+    """The options of every strategy registered now, as their rules declare them ({name: field}, in the
+    registry's order): each option is declared once, in the rules of the strategy that reads it, or in an
+    option class of dptrain.strategies.rules that all strategies reading it inherit. Two different
+    declarations of one name would make its flag mean one thing to one strategy and another to the next."""
+    options: dict[str, FieldInfo] = {}
+    declared_by: dict[str, str] = {}
+    for strategy in registry.names("strategy"):
+        for name, field in rules(strategy).Options.model_fields.items():
+            if name not in options:
+                options[name], declared_by[name] = field, strategy
+            elif repr(field) != repr(options[name]):
+                raise TypeError(f"strategies {declared_by[name]} and {strategy} declare option {name} differently; "
+                                f"declare it once (an option class in dptrain.strategies.rules) and inherit it")
+    return options
+
+
+# The strategy section: the choice of strategy, then the options its rules declare. An option of a strategy
+# registered later must be one of these (or a field of another section): TrainConfig holds no others.
+StrategySection = create_model(  # type: ignore[call-overload]
+    "StrategySection", __base__=StrategyChoice, __module__=__name__,
+    __doc__="Which strategy and the options the registered strategies read (dptrain.strategies.rules).",
+    **{name: (field.annotation, field) for name, field in _strategy_options().items()})
+
+
+class RunSection(_Section):
+    """How long and where: epochs, precision, seed, device, waits, checkpoints, resuming, outputs."""
+
+    epochs: int = Field(10, ge=1, description="passes over the training data")
+    amp: Literal["none", "bf16", "fp16"] = Field("none", description="autocast precision; fp16 needs a GPU")
     seed: int = Field(0, ge=0, description="seed for model initialisation and data order")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto uses cuda:LOCAL_RANK when GPUs exist")
     timeout: float = Field(300.0, gt=0, description="seconds any wait on another worker may take before failing")
-    loader_workers: Optional[int] = Field(None, ge=0, description="DataLoader worker processes per rank; default 0 "
-                                                                  "on the CPU, up to 4 per GPU rank")
-
-    # Strategy options
     slow_worker: Optional[str] = Field(None, pattern=r"^\d+:\d+(\.\d+)?(,\d+:\d+(\.\d+)?)*$",
                                        description="straggler emulation RANK:FACTOR[,RANK:FACTOR]: that rank's steps take FACTOR "
                                                    "times its own compute, measured before training without "
                                                    "communication (never its waits for the others)")
-    compression: Literal["none", "fp16", "bf16", "int8"] = Field(
-        "none", description="allreduce: gradient compression through a DDP communication hook (fp16, bf16); "
-                            "sync, fedavg, async: compressed averaging of the change since the global model "
-                            "(fp16, bf16, int8 with per-block scales), with error feedback")
-    sync_every: int = Field(1, ge=1, description="sync, streaming, hierarchical, async: average (merge) the weights every E epochs")
-    sync_every_steps: Optional[int] = Field(None, ge=1, description="sync, streaming, hierarchical: average every K steps instead (local SGD)")
-    optimizer_state: Literal["keep", "reset", "average"] = Field(
-        "keep", description="sync, fedavg: what happens to the workers' optimizer state at an average "
-                            "(reset: fresh each round, classic FedAvg)")
-    outer: Literal["none", "sgd", "nesterov", "adam"] = Field(
-        "none", description="sync, fedavg: outer (server) optimizer on the mean change: none (adopt the average), "
-                            "sgd (FedAvgM with --outer-lr 1), nesterov (DiLoCo), adam (FedAdam)")
-    outer_lr: Optional[float] = Field(None, gt=0, description=f"sync, fedavg: outer learning rate (default: "
-                                                               f"{OUTER_LR_DEFAULTS['nesterov']:g} for nesterov as "
-                                                               f"DiLoCo, {OUTER_LR_DEFAULTS['sgd']:g} for sgd as "
-                                                               f"FedAvgM, {OUTER_LR_DEFAULTS['adam']:g} for adam; none "
-                                                               f"has no outer learning rate)")
-    outer_momentum: float = Field(OUTER_MOMENTUM, ge=0, lt=1, description="sync, fedavg: outer momentum (sgd, nesterov)")
-    outer_betas: tuple[float, float] = Field(OUTER_BETAS, description="sync, fedavg: --outer adam's B1,B2 (FedAdam)")
-    outer_eps: float = Field(OUTER_EPS, gt=0, description="sync, fedavg: --outer adam's tau added to sqrt(v) (FedAdam)")
-    allreduce_epochs: int = Field(0, ge=0, description="sync: all-reduce the gradients every step for the first N "
-                                                       "epochs, then average periodically (post-local SGD)")
-
-    auto_candidates: Literal["safe", "all"] = Field(
-        "safe", description="auto: candidates to pick from: safe (allreduce, sync every epoch) or all (also sync every "
-                            "2 or 3 epochs and async, which may cost accuracy)")
-
-    overlap_steps: Optional[int] = Field(None, ge=0, description="streaming: steps of training while an average "
-                                                                 "travels, before waiting for it (default: half the "
-                                                                 "period, rounded up; 0 is sync)")
-    fragments: int = Field(1, ge=1, description="streaming: average 1/F of the model per period, the F parts in rotation")
-    ranks_per_node: Optional[int] = Field(None, ge=1, description="hierarchical: ranks per node (ranks [kN, (k+1)N) "
-                                                                  "form node k), instead of the host names and the "
-                                                                  "launcher's local world size")
-
-    merge: Literal["delta", "ema", "delayed-nesterov"] = Field(
-        "delta", description="async: global += delta/W (delta), the reference's (G+P)/2 (ema), or delta/W plus "
-                             "server Nesterov momentum on the mean delta once every W merges (delayed-nesterov)")
-    server_momentum: float = Field(0.9, ge=0, lt=1, description="async, merge delayed-nesterov: server momentum")
-    server_lr: float = Field(1.0, gt=0, description="async, merge delayed-nesterov: server learning rate")
-    max_staleness: Optional[int] = Field(None, ge=0, description="async: refresh from the global model when more than S versions behind")
-    partition: Literal["iid", "contiguous", "dirichlet"] = Field("iid", description="fedavg: how samples are split over clients")
-    alpha: float = Field(0.5, gt=0, description="fedavg: Dirichlet concentration of the label skew (small = strong skew)")
-    local_epochs: int = Field(1, ge=1, description="fedavg: local epochs per round")
-    clients_per_round: float = Field(1.0, gt=0, le=1, description="fedavg: fraction of clients sampled each round")
-    proximal_mu: float = Field(0.0, ge=0, description="fedavg: FedProx, adds MU*(w - w_global) to each client's "
-                                                      "gradient (0: plain FedAvg)")
-
-    # Reliability
     checkpoint_every: int = Field(1, ge=0, description="save a checkpoint every E epochs (0: never)")
     checkpoint_every_steps: int = Field(0, ge=0, description="also save a checkpoint every N training steps within "
                                                              "an epoch (0: never); a run killed or stopped "
@@ -150,15 +169,18 @@ class TrainConfig(BaseModel):
     resume_with_changed_data: bool = Field(False, description="continue the run in --out although its training data "
                                                               "changed since its checkpoint (other rows, or other "
                                                               "rows held out); without it such a run is refused")
-    max_restarts: int = Field(0, ge=0, description="local launcher: restart the workers from the last checkpoint up to N times")
-    grace: Optional[float] = Field(None, gt=0, description="local launcher: seconds the workers have, after a stop "
-                                   "signal passed on to them, to save and exit; those still running then are killed "
-                                   "and named (default: --timeout; a frozen worker never exits by itself)")
-    min_workers: Optional[int] = Field(None, ge=1, description="local launcher or srun: when a worker (rank 0 too) "
-                                       "fails or freezes, the others go on without it from the start of that "
-                                       "epoch (allreduce: from their last commit, --commit-every-steps), as long "
-                                       "as N remain; one warned alone leaves at the epoch end; async: without "
-                                       "going back, rank 0 too (default: a failure ends the run)")
+    out: Optional[str] = Field(None, description="run directory (default runs/STRATEGY-TIMESTAMP); must not hold a run already")
+    stop_on_collapse: bool = Field(False, description="stop the run when averaging collapses (two averages in a "
+                                                      "row clearly worse than the workers' own models); by default "
+                                                      "it is said and recorded, and training goes on")
+    progress: bool = Field(True, description="progress bar on rank 0 when the terminal is interactive")
+
+
+class MembershipSection(_Section):
+    """Who trains: the workers, and what the launcher does when one fails or a new one joins (--min-workers
+    and --commit-every-steps are options of the strategies that can go on without a lost worker)."""
+
+    workers: int = Field(2, ge=1, description="worker processes to spawn on this machine (ignored under torchrun, srun, mpirun)")
     replace_workers: bool = Field(False, description="with --min-workers, local launcher: start a new worker in "
                                   "place of each one that fails; it joins the others at an epoch end, healed from "
                                   "a live one (--workers MIN:MAX is short for --workers MAX --min-workers MIN "
@@ -166,32 +188,24 @@ class TrainConfig(BaseModel):
     max_workers: Optional[int] = Field(None, ge=1, description="with --min-workers, local launcher: workers added "
                                        "by dptrain join enter while fewer than N train, so the run may grow beyond "
                                        "the --workers it started with (Horovod's --max-np; default: --workers)")
-    commit_every_steps: Optional[int] = Field(None, ge=1, description="with --min-workers: every N steps each "
-                                              "worker keeps its state in memory, and when one is lost the others "
-                                              "go on from their latest such commit, the rest of the epoch's rows "
-                                              "shared over them, instead of from the epoch's start (default: the "
-                                              "epoch's start)")
+    max_restarts: int = Field(0, ge=0, description="local launcher: restart the workers from the last checkpoint up to N times")
+    grace: Optional[float] = Field(None, gt=0, description="local launcher: seconds the workers have, after a stop "
+                                   "signal passed on to them, to save and exit; those still running then are killed "
+                                   "and named (default: --timeout; a frozen worker never exits by itself)")
 
-    # Outputs
-    out: Optional[str] = Field(None, description="run directory (default runs/STRATEGY-TIMESTAMP); must not hold a run already")
-    stop_on_collapse: bool = Field(False, description="stop the run when averaging collapses (two averages in a "
-                                                      "row clearly worse than the workers' own models); by default "
-                                                      "it is said and recorded, and training goes on")
-    progress: bool = Field(True, description="progress bar on rank 0 when the terminal is interactive")
 
-    @field_validator("loss")
-    @classmethod
-    def _loss_is_known_or_a_function(cls, value: str) -> str:
-        if value not in BUILTIN_LOSSES and not looks_like_spec(value):
-            raise ValueError(f"must be one of {', '.join(BUILTIN_LOSSES)} or package.module:function")
-        return value
+SECTIONS: dict[str, type[BaseModel]] = {"data": DataSection, "model": ModelSection, "optimizer": OptimizerSection,
+                                        "strategy": StrategySection, "run": RunSection,
+                                        "membership": MembershipSection}
 
-    @field_validator("strategy")
-    @classmethod
-    def _strategy_is_registered(cls, value: str) -> str:
-        if value not in registry.names("strategy"):
-            raise ValueError(f"must be one of {', '.join(registry.names('strategy'))}")
-        return value
+
+class TrainConfig(MembershipSection, RunSection, StrategySection, OptimizerSection, ModelSection,  # type: ignore[misc,valid-type]
+                  DataSection):
+    """All settings of one training run, flat: the sections of SECTIONS (fields in their order: data, model,
+    optimizer, strategy, run, membership) in one model, with the checks across them. Field descriptions
+    double as `--help` text."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
     @model_validator(mode="before")
     @classmethod
@@ -210,20 +224,6 @@ class TrainConfig(BaseModel):
         if values.get("min_workers") is not None:
             raise ValueError(f"workers {text} sets min_workers {smallest} already; drop min_workers")
         return {**values, "workers": largest, "min_workers": smallest, "replace_workers": True}
-
-    @field_validator("outer_betas", mode="before")
-    @classmethod
-    def _betas_from_text(cls, value: Any) -> Any:
-        """B1,B2 as typed on the command line ("0.9,0.99") or a YAML list; each in [0, 1)."""
-        if isinstance(value, str):
-            value = value.replace(" ", "").split(",")
-        try:
-            betas = tuple(float(b) for b in value)
-        except (TypeError, ValueError):
-            betas = ()
-        if len(betas) != 2 or not all(0 <= b < 1 for b in betas):
-            raise ValueError("must be two numbers B1,B2, each at least 0 and below 1, e.g. 0.9,0.99")
-        return betas
 
     @model_validator(mode="after")
     def _cross_field_checks(self) -> "TrainConfig":
@@ -275,13 +275,18 @@ class TrainConfig(BaseModel):
         pairs = (item.split(":") for item in self.slow_worker.split(","))
         return {int(rank): float(factor) for rank, factor in pairs}
 
+    def section(self, name: str) -> BaseModel:
+        """The settings of section `name` (a key of SECTIONS) as that section's model."""
+        section = SECTIONS[name]
+        return section.model_validate({key: getattr(self, key) for key in section.model_fields})
+
 
 FIELDS = TrainConfig.model_fields
 
 
-def rules(strategy: str) -> Any:
-    """The options and rules of a registered strategy (dptrain.strategies.rules.StrategyRules), without torch."""
-    return registry.load("strategy rules", strategy)
+def section_of(key: str) -> str:
+    """The section (a key of SECTIONS) that declares setting `key`."""
+    return next(name for name, section in SECTIONS.items() if key in section.model_fields)
 
 
 def _strategy_readers() -> dict[str, list[str]]:

@@ -6,7 +6,10 @@ A strategy class (dptrain.strategies.NAME) inherits these class-level hooks from
 
 - `Options`: a pydantic model of the TrainConfig fields the strategy reads, with its defaults; an option
   of some strategy given to a strategy that does not read it is refused, naming those that do
-  (dptrain.config: the one rule for settings that do not apply);
+  (dptrain.config: the one rule for settings that do not apply). Each option is declared once, here in
+  its rules (type, default, range, `--help` text): an option one strategy reads in the strategy's module,
+  one several read as an option class of its own below (or outer.OuterOptions), which their Options
+  inherit; TrainConfig's strategy section is made of the registered strategies' Options (dptrain.config);
 - `check(config)`: the cross-field rules that concern the strategy (raise ValueError with one sentence);
 - `scales_lr(config)`: whether --lr-scaling auto scales this run's LR (its replicas train alone for whole
   epochs between averages that the trainer checks, dptrain.train.health);
@@ -16,9 +19,9 @@ A strategy class (dptrain.strategies.NAME) inherits these class-level hooks from
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Optional
+from typing import Any, ClassVar, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 
 # What the refusal of another number of workers says works instead (the strategies whose rules allow it).
@@ -72,6 +75,41 @@ class StrategyRules:
     @classmethod
     def check_before_spawn(cls, config: Any, model: Any) -> None:
         """Raise dptrain.errors.UserError when `model` or the worker count cannot train with this strategy."""
+
+
+# -- the options more than one strategy reads, each declared once: a strategy's Options inherits those it reads --
+
+class MinWorkersOption(StrategyRules.Options):
+    """--min-workers: the strategy goes on without a lost worker (check_min_workers below)."""
+
+    min_workers: Optional[int] = Field(None, ge=1, description="local launcher or srun: when a worker (rank 0 too) "
+                                       "fails or freezes, the others go on without it from the start of that "
+                                       "epoch (allreduce: from their last commit, --commit-every-steps), as long "
+                                       "as N remain; one warned alone leaves at the epoch end; async: without "
+                                       "going back, rank 0 too (default: a failure ends the run)")
+
+
+class CompressionOption(StrategyRules.Options):
+    """--compression: what the strategy sends, compressed (dptrain.strategies.compression)."""
+
+    compression: Literal["none", "fp16", "bf16", "int8"] = Field(
+        "none", description="allreduce: gradient compression through a DDP communication hook (fp16, bf16); "
+                            "sync, fedavg, async: compressed averaging of the change since the global model "
+                            "(fp16, bf16, int8 with per-block scales), with error feedback")
+
+
+class EpochPeriodOption(StrategyRules.Options):
+    """--sync-every: how many epochs between averages (merges)."""
+
+    sync_every: int = Field(1, ge=1, description="sync, streaming, hierarchical, async: average (merge) the weights "
+                                                 "every E epochs")
+
+
+class PeriodOptions(EpochPeriodOption):
+    """--sync-every or --sync-every-steps: the averaging period in epochs or steps (check_one_period below)."""
+
+    sync_every_steps: Optional[int] = Field(None, ge=1, description="sync, streaming, hierarchical: average every K "
+                                                                    "steps instead (local SGD)")
 
 
 def check_min_workers(config: Any) -> None:

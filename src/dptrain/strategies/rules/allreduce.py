@@ -2,20 +2,22 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional
+from typing import Any, Optional
 
 from pydantic import Field
 
-from dptrain.strategies.rules import StrategyRules, check_min_workers
+from dptrain.strategies.rules import CompressionOption, MinWorkersOption, StrategyRules, check_min_workers
 
 
 class AllReduceRules(StrategyRules):
-    class Options(StrategyRules.Options):
-        compression: Literal["none", "fp16", "bf16", "int8"] = "none"
+    class Options(CompressionOption, MinWorkersOption):
         # A lost worker's part of the epoch is dropped; the others redo it over a new DDP on themselves, from
         # the epoch's start or (commit_every_steps) from their latest commit within it.
-        min_workers: Optional[int] = Field(None, ge=1)
-        commit_every_steps: Optional[int] = Field(None, ge=1)
+        commit_every_steps: Optional[int] = Field(None, ge=1, description="with --min-workers: every N steps each "
+                                                  "worker keeps its state in memory, and when one is lost the others "
+                                                  "go on from their latest such commit, the rest of the epoch's rows "
+                                                  "shared over them, instead of from the epoch's start (default: the "
+                                                  "epoch's start)")
 
     no_other_world = None  # every worker holds the same model and optimizer state
 

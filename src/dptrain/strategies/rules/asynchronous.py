@@ -6,18 +6,19 @@ from typing import Any, Literal, Optional
 
 from pydantic import Field
 
-from dptrain.strategies.rules import StrategyRules, check_min_workers, refuse_step_checkpoints, trains_alone_for_epochs
+from dptrain.strategies.rules import (CompressionOption, EpochPeriodOption, MinWorkersOption, StrategyRules,
+                                      check_min_workers, refuse_step_checkpoints, trains_alone_for_epochs)
 
 
 class AsyncRules(StrategyRules):
-    class Options(StrategyRules.Options):
-        sync_every: int = Field(1, ge=1)
-        merge: Literal["delta", "ema", "delayed-nesterov"] = "delta"
-        max_staleness: Optional[int] = Field(None, ge=0)
-        server_momentum: float = Field(0.9, ge=0, lt=1)
-        server_lr: float = Field(1.0, gt=0)
-        compression: Literal["none", "fp16", "bf16", "int8"] = "none"
-        min_workers: Optional[int] = Field(None, ge=1)
+    class Options(EpochPeriodOption, CompressionOption, MinWorkersOption):
+        merge: Literal["delta", "ema", "delayed-nesterov"] = Field(
+            "delta", description="async: global += delta/W (delta), the reference's (G+P)/2 (ema), or delta/W plus "
+                                 "server Nesterov momentum on the mean delta once every W merges (delayed-nesterov)")
+        server_momentum: float = Field(0.9, ge=0, lt=1, description="async, merge delayed-nesterov: server momentum")
+        server_lr: float = Field(1.0, gt=0, description="async, merge delayed-nesterov: server learning rate")
+        max_staleness: Optional[int] = Field(None, ge=0, description="async: refresh from the global model when more "
+                                                                     "than S versions behind")
 
     no_other_world = "each worker's model and its versions at the merge service belong to its rank"
 

@@ -5,17 +5,20 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from dptrain import registry
+from pydantic import Field
+
 from dptrain.costmodel import ALL_CANDIDATES, SAFE_CANDIDATES
-from dptrain.strategies.rules import StrategyRules, check_min_workers
+from dptrain.strategies.rules import CompressionOption, StrategyRules, check_min_workers
 
 # Auto decides how often its pick averages: these settings of the strategies it may pick are its own choice.
 CHOSEN_BY_AUTO = ("sync_every", "sync_every_steps")
 
 
 class AutoRules(StrategyRules):
-    class Options(StrategyRules.Options):
-        auto_candidates: Literal["safe", "all"] = "safe"
-        compression: Literal["none", "fp16", "bf16", "int8"] = "none"
+    class Options(CompressionOption):
+        auto_candidates: Literal["safe", "all"] = Field(
+            "safe", description="auto: candidates to pick from: safe (allreduce, sync every epoch) or all (also sync "
+                                "every 2 or 3 epochs and async, which may cost accuracy)")
 
     no_other_world = "it chose its strategy by measuring the world it started in"
 

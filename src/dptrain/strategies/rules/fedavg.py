@@ -6,19 +6,22 @@ from typing import Any, Literal, Optional
 
 from pydantic import Field
 
-from dptrain.strategies.rules import StrategyRules, check_min_workers, trains_alone_for_epochs
+from dptrain.strategies.rules import (CompressionOption, MinWorkersOption, StrategyRules, check_min_workers,
+                                      trains_alone_for_epochs)
 from dptrain.strategies.rules.outer import OuterOptions
 
 
 class FedAvgRules(StrategyRules):
-    class Options(OuterOptions):
-        local_epochs: int = Field(1, ge=1)
-        partition: Literal["iid", "contiguous", "dirichlet"] = "iid"
-        alpha: float = Field(0.5, gt=0)
-        clients_per_round: float = Field(1.0, gt=0, le=1)
-        proximal_mu: float = Field(0.0, ge=0)
-        # A lost client's share of the round is dropped; the others are partitioned again over the live world.
-        min_workers: Optional[int] = Field(None, ge=1)
+    # A lost client's share of the round is dropped (min_workers); the others are partitioned again over the live world.
+    class Options(OuterOptions, CompressionOption, MinWorkersOption):
+        partition: Literal["iid", "contiguous", "dirichlet"] = Field("iid", description="fedavg: how samples are split "
+                                                                                        "over clients")
+        alpha: float = Field(0.5, gt=0, description="fedavg: Dirichlet concentration of the label skew (small = strong "
+                                                    "skew)")
+        local_epochs: int = Field(1, ge=1, description="fedavg: local epochs per round")
+        clients_per_round: float = Field(1.0, gt=0, le=1, description="fedavg: fraction of clients sampled each round")
+        proximal_mu: float = Field(0.0, ge=0, description="fedavg: FedProx, adds MU*(w - w_global) to each client's "
+                                                          "gradient (0: plain FedAvg)")
 
     @classmethod
     def check(cls, config: Any) -> None:

@@ -6,15 +6,14 @@ from typing import Any, Optional
 
 from pydantic import Field
 
-from dptrain.strategies.rules import StrategyRules, check_min_workers, check_one_period
+from dptrain.strategies.rules import MinWorkersOption, PeriodOptions, StrategyRules, check_min_workers, check_one_period
 
 
 class HierarchicalRules(StrategyRules):
-    class Options(StrategyRules.Options):
-        sync_every: int = Field(1, ge=1)
-        sync_every_steps: Optional[int] = Field(None, ge=1)
-        ranks_per_node: Optional[int] = Field(None, ge=1)
-        min_workers: Optional[int] = Field(None, ge=1)
+    class Options(PeriodOptions, MinWorkersOption):
+        ranks_per_node: Optional[int] = Field(None, ge=1, description="hierarchical: ranks per node (ranks [kN, (k+1)N) "
+                                                                      "form node k), instead of the host names and the "
+                                                                      "launcher's local world size")
 
     no_other_world = "its groups of ranks are made per node"
 

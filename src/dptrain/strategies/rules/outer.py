@@ -8,9 +8,9 @@ momentum (sgd, nesterov) and FedAdam's B1, B2 and tau are the papers' values. Tr
 
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Annotated, Any, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from dptrain.strategies.rules import StrategyRules
 
@@ -45,13 +45,34 @@ def outer_settings(outer: str = "none", lr: Optional[float] = None, momentum: Op
                          outer_eps=OUTER_EPS if eps is None else eps)
 
 
-class OuterOptions(StrategyRules.Options):
-    """The outer optimizer's options, shared by sync and fedavg."""
+def betas_from_text(value: Any) -> Any:
+    """B1,B2 as typed on the command line ("0.9,0.99") or a YAML list; each in [0, 1)."""
+    if isinstance(value, str):
+        value = value.replace(" ", "").split(",")
+    try:
+        betas = tuple(float(b) for b in value)
+    except (TypeError, ValueError):
+        betas = ()
+    if len(betas) != 2 or not all(0 <= b < 1 for b in betas):
+        raise ValueError("must be two numbers B1,B2, each at least 0 and below 1, e.g. 0.9,0.99")
+    return betas
 
-    optimizer_state: Literal["keep", "reset", "average"] = "keep"
-    outer: Literal[OUTERS] = "none"  # type: ignore[valid-type] - the names above
-    outer_lr: Optional[float] = Field(None, gt=0)  # None: the outer optimizer's default
-    outer_momentum: float = Field(OUTER_MOMENTUM, ge=0, lt=1)
-    outer_betas: tuple[float, float] = OUTER_BETAS
-    outer_eps: float = Field(OUTER_EPS, gt=0)
-    compression: Literal["none", "fp16", "bf16", "int8"] = "none"
+
+class OuterOptions(StrategyRules.Options):
+    """The outer optimizer's options, shared by sync and fedavg (TrainConfig resolves outer_lr's default)."""
+
+    optimizer_state: Literal["keep", "reset", "average"] = Field(
+        "keep", description="sync, fedavg: what happens to the workers' optimizer state at an average "
+                            "(reset: fresh each round, classic FedAvg)")
+    outer: Literal[OUTERS] = Field(  # type: ignore[valid-type] - the names above
+        "none", description="sync, fedavg: outer (server) optimizer on the mean change: none (adopt the average), "
+                            "sgd (FedAvgM with --outer-lr 1), nesterov (DiLoCo), adam (FedAdam)")
+    outer_lr: Optional[float] = Field(None, gt=0, description=f"sync, fedavg: outer learning rate (default: "
+                                                               f"{OUTER_LR_DEFAULTS['nesterov']:g} for nesterov as "
+                                                               f"DiLoCo, {OUTER_LR_DEFAULTS['sgd']:g} for sgd as "
+                                                               f"FedAvgM, {OUTER_LR_DEFAULTS['adam']:g} for adam; none "
+                                                               f"has no outer learning rate)")
+    outer_momentum: float = Field(OUTER_MOMENTUM, ge=0, lt=1, description="sync, fedavg: outer momentum (sgd, nesterov)")
+    outer_betas: Annotated[tuple[float, float], BeforeValidator(betas_from_text)] = Field(
+        OUTER_BETAS, description="sync, fedavg: --outer adam's B1,B2 (FedAdam)")
+    outer_eps: float = Field(OUTER_EPS, gt=0, description="sync, fedavg: --outer adam's tau added to sqrt(v) (FedAdam)")

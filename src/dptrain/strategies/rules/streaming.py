@@ -6,17 +6,18 @@ from typing import Any, Optional
 
 from pydantic import Field
 
-from dptrain.strategies.rules import StrategyRules, check_min_workers, check_one_period, refuse_step_checkpoints
+from dptrain.strategies.rules import (MinWorkersOption, PeriodOptions, StrategyRules, check_min_workers, check_one_period,
+                                      refuse_step_checkpoints)
 
 
 class StreamingRules(StrategyRules):
-    class Options(StrategyRules.Options):
-        sync_every: int = Field(1, ge=1)
-        sync_every_steps: Optional[int] = Field(None, ge=1)
-        overlap_steps: Optional[int] = Field(None, ge=0)
-        fragments: int = Field(1, ge=1)
-        # A lost worker's part of the epoch is dropped, with the average then in flight; the others redo it.
-        min_workers: Optional[int] = Field(None, ge=1)
+    # A lost worker's part of the epoch is dropped (min_workers), with the average then in flight; the others redo it.
+    class Options(PeriodOptions, MinWorkersOption):
+        overlap_steps: Optional[int] = Field(None, ge=0, description="streaming: steps of training while an average "
+                                                                     "travels, before waiting for it (default: half the "
+                                                                     "period, rounded up; 0 is sync)")
+        fragments: int = Field(1, ge=1, description="streaming: average 1/F of the model per period, the F parts in "
+                                                    "rotation")
 
     no_other_world = "its fragment averages belong to each worker's place in the rotation"
 
