@@ -325,19 +325,25 @@ def _check_replacing(ctx, launcher: str) -> None:
                         "slurm and pbs do; launch the job so, or drop --replace-workers (the others still go on)")
 
 
+def _check_live_launcher(config: TrainConfig, env: DistEnv) -> None:
+    """--min-workers only under a launcher that lets the others go on when a worker fails."""
+    if config.min_workers is None or not env.launched or _goes_on_without_a_rank(env):
+        return
+    # torchrun's agent stops every rank when one fails; srun keeps them with --kill-on-bad-exit=0, Open MPI's
+    # mpirun with --enable-recovery, as dptrain launch's job scripts run them with --min-workers.
+    if env.launcher == "mpirun":
+        raise UserError("--min-workers under mpirun needs mpirun --enable-recovery (else it stops every rank "
+                        "when one fails) and the ranks' store served by dptrain serve-store (DPTRAIN_STORE_SERVED=1"
+                        "), as the job script of dptrain launch --scheduler pbs does; or drop --min-workers")
+    raise UserError(f"--min-workers needs dptrain's own launcher (dptrain train --workers N), srun or mpirun "
+                    f"--enable-recovery, which let the others go on when a worker fails; under {env.launcher} "
+                    f"drop it (--max-restarts restarts all)")
+
+
 def train_in_group(config: TrainConfig, env: DistEnv, ctx, held: ExitStack) -> Summary:
     """One run on a process group already joined (`ctx`), which stays up afterwards: a process may train
     several runs in turn (benchmarks/robustness.py). `held` keeps rank 0's lock on the run directory."""
-    if config.min_workers is not None and env.launched and not _goes_on_without_a_rank(env):
-        # torchrun's agent stops every rank when one fails; srun keeps them with --kill-on-bad-exit=0, Open MPI's
-        # mpirun with --enable-recovery, as dptrain launch's job scripts run them with --min-workers.
-        if env.launcher == "mpirun":
-            raise UserError("--min-workers under mpirun needs mpirun --enable-recovery (else it stops every rank "
-                            "when one fails) and the ranks' store served by dptrain serve-store (DPTRAIN_STORE_SERVED=1"
-                            "), as the job script of dptrain launch --scheduler pbs does; or drop --min-workers")
-        raise UserError(f"--min-workers needs dptrain's own launcher (dptrain train --workers N), srun or mpirun "
-                        f"--enable-recovery, which let the others go on when a worker fails; under {env.launcher} "
-                        f"drop it (--max-restarts restarts all)")
+    _check_live_launcher(config, env)
     if config.replace_workers and env.launched and env.launcher != "local":
         _check_replacing(ctx, env.launcher)
     if env.launcher != "local":
