@@ -88,8 +88,6 @@ class FixedMembership:
 
     def __init__(self, ctx, recorder) -> None:
         self.ctx, self.recorder, self.strategy = ctx, recorder, None
-        if ctx.joining is not None:
-            raise UserError("a worker can join only a run with live membership (--min-workers)")
 
     def bind(self, strategy, chosen: bool = False) -> None:
         """The strategy the run trains with (`chosen`: --strategy auto picked it)."""
@@ -130,7 +128,8 @@ class LiveMembership(FixedMembership):
 
     def __init__(self, ctx, recorder, options: MembershipOptions, *, timeout: float, seed: int, out,
                  batch_size: int, whole_epoch: Callable, forget_model: Callable[[], None]) -> None:
-        self.ctx, self.recorder, self.strategy, self.options = ctx, recorder, None, options
+        super().__init__(ctx, recorder)
+        self.options = options
         self.timeout, self.seed, self.out, self.batch_size = timeout, seed, out, batch_size
         self.whole_epoch, self.forget_model = whole_epoch, forget_model
         ctx.group.watch = STALL  # a frozen worker is given up after this long without a heartbeat
@@ -416,5 +415,7 @@ class LiveMembership(FixedMembership):
 def membership_for(ctx, recorder, options: MembershipOptions, **live) -> FixedMembership:
     """The membership of a run: live with options.min_workers, else fixed."""
     if options.min_workers is None:
+        if ctx.joining is not None:
+            raise UserError("a worker can join only a run with live membership (--min-workers)")
         return FixedMembership(ctx, recorder)
     return LiveMembership(ctx, recorder, options, **live)
