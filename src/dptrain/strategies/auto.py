@@ -128,8 +128,8 @@ Step = Callable[[torch.nn.Module, torch.optim.Optimizer, torch.Tensor, torch.Ten
 
 
 def measure_compute(step: Step, model: torch.nn.Module, optimizer: torch.optim.Optimizer, ctx, batch_size: int,
-                    train, steps: int = COMPUTE_STEPS) -> float:
-    """Median seconds per sample of `steps` training steps (after one warm-up), each `step` (the caller's:
+                    train, steps: int = COMPUTE_STEPS, statistic: Callable[[list], float] = statistics.median) -> float:
+    """Median (or `statistic`) of the seconds per sample of `steps` training steps (after one warm-up), each `step` (the caller's:
     the Trainer's Trainer.timing_step) of `model` with a fresh optimizer of `optimizer`'s kind, on the first
     batches of this rank's part of `train`. The model's parameters, buffers and gradients are put back
     afterwards; `optimizer`, the data order and the RNG streams are left as they were."""
@@ -166,7 +166,7 @@ def measure_compute(step: Step, model: torch.nn.Module, optimizer: torch.optim.O
         for param, grad in zip(model.parameters(), grads):
             param.grad = grad
         model.train(was_training)
-    return statistics.median(per_sample[1:] or per_sample)
+    return statistic(per_sample[1:] or per_sample)
 
 
 def _same_kind_of_optimizer(optimizer: torch.optim.Optimizer, model) -> torch.optim.Optimizer:

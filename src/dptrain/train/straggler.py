@@ -1,7 +1,9 @@
 """Straggler emulation (--slow-worker RANK:FACTOR): a rank whose steps take FACTOR times its own compute.
 
 The delay is measured once, before training, on the rank's own steps without any communication
-(dptrain.strategies.auto.measure_compute), and is then a fixed sleep per sample. Measured on the
+(dptrain.strategies.auto.measure_compute: the fastest of STEPS steps, the rank's compute when nothing else
+on the machine competes; at a job's start the other ranks still import torch and read data on the same
+cores, which made a median of 5 steps 80 times too slow once), and is then a fixed sleep per sample. Measured on the
 steps of the run instead, it would include the waits for the other ranks (under allreduce the
 gradients are synchronised inside the backward pass): with several slowed ranks each would sleep in
 proportion to the others' sleeps, and the delays would grow step after step until the live
@@ -17,6 +19,8 @@ from typing import Callable
 import torch
 
 from dptrain.strategies.auto import measure_compute
+
+STEPS = 25  # steps timed (after one warm-up): a few milliseconds of a small model's compute
 
 
 @dataclass(frozen=True)
@@ -44,6 +48,6 @@ def measure_delay(factor: float, step: Callable, model: torch.nn.Module, optimiz
                   batch_size: int, train) -> StepDelay:
     """The delay of a rank slowed by `factor`, its compute timed on `step` (Trainer.timing_step) of `model`,
     which is left as it was; said in one line on this rank's stderr."""
-    delay = StepDelay(factor, measure_compute(step, model, optimizer, ctx, batch_size, train))
+    delay = StepDelay(factor, measure_compute(step, model, optimizer, ctx, batch_size, train, STEPS, min))
     print(delay.describe(ctx.job_rank), file=sys.stderr, flush=True)
     return delay
