@@ -1,5 +1,5 @@
 """A run whose membership changed resumes from its newest complete checkpoint, on any number of workers where
-the strategy can (allreduce, sync, fedavg with iid partitions), and each epoch reads every row once.
+the strategy can (allreduce, sync, streaming, fedavg with iid partitions), and each epoch reads every row once.
 
 Checkpoints are keyed by the job's ranks (rank-00000, rank-00002 after rank 1 was lost) and name their members
 in a manifest, so the survivors' checkpoints count as complete when the run is continued with --workers 3 again;
@@ -47,7 +47,8 @@ def snapshot(run: Path) -> dict:
     return {str(path): (path.stat().st_mtime_ns, path.stat().st_size) for path in sorted(run.rglob("*"))}
 
 
-@pytest.mark.parametrize("strategy", [["sync"], ["allreduce", "--commit-every-steps", "5"]], ids=["sync", "allreduce"])
+@pytest.mark.parametrize("strategy", [["sync"], ["allreduce", "--commit-every-steps", "5"], ["streaming"]],
+                         ids=["sync", "allreduce", "streaming"])
 def test_the_survivors_checkpoints_resume_on_the_whole_world_again(tmp_path, strategy):
     # Rank 1 is killed in epoch 2 and the others go on; both are killed as they begin epoch 4's checkpoint.
     argv = [*BASE, "--strategy", *strategy, "--workers", "3", "--min-workers", "2", "--epochs", "6"]
@@ -116,8 +117,8 @@ def test_a_strategy_that_cannot_resume_on_another_number_of_workers_says_so_in_o
     name = strategy[0]
     assert refused.stderr.strip().splitlines() == [
         f"dptrain: error: run directory 'R' holds a run of {name} on 2 workers, 3 now: {name} cannot resume on "
-        f"another number of workers ({why}); give --workers 2 to continue it (allreduce, sync and fedavg with iid "
-        "partitions resume on any number), or --out a new directory"]
+        f"another number of workers ({why}); give --workers 2 to continue it (allreduce, sync, streaming and fedavg "
+        "with iid partitions resume on any number), or --out a new directory"]
     assert snapshot(tmp_path / "R") == before
 
 
@@ -132,8 +133,8 @@ def test_fedavg_resumes_a_checkpoint_within_an_epoch_only_on_the_workers_that_wr
     assert refused.stderr.strip().splitlines() == [
         "dptrain: error: the checkpoint of step 6 of epoch 2 in 'R' was written by 2: job ranks 0, 1, and fedavg "
         "cannot resume on another number of workers (3 now): a checkpoint within an epoch holds each client's place "
-        "in its own partition, one at an epoch end does not; give --workers 2 to continue it (allreduce, sync and "
-        "fedavg with iid partitions resume on any number)"]
+        "in its own partition, one at an epoch end does not; give --workers 2 to continue it (allreduce, sync, streaming "
+        "and fedavg with iid partitions resume on any number)"]
     assert snapshot(tmp_path / "R") == before
     again = dptrain(*argv, "--workers", "2", cwd=tmp_path)
     assert again.returncode == 0, again.stderr

@@ -243,6 +243,42 @@ def test_a_resumed_run_ends_bitwise_equal_to_an_uninterrupted_one(tmp_path):
     assert (resumed_bytes, resumed_averages) == (clean_bytes, clean_averages) == (MODEL_BYTES * 5, 4)
 
 
+class Restoring(Streaming):
+    """Streaming that keeps its replica and g as a checkpoint left them (the test's view into the restore)."""
+
+    def load_state_dict(self, state):
+        super().load_state_dict(state)
+        self.restored = (_state(self.model), _state(self._global_model) if self._global_model is not None else None)
+
+
+def _resumed_worker(rank, world, out, epochs, resume):
+    x, y = _data()
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5)
+    strategy = Restoring(every_steps=3)
+    trainer = Trainer(model, optimizer, "cross-entropy", strategy, batch_size=BATCH, seed=SEED, verbose=False,
+                      out=out, checkpoint_every=1, resume=resume)
+    trainer.fit((x, y), epochs=epochs)
+    return getattr(strategy, "restored", None), _state(strategy.finish())
+
+
+@pytest.mark.parametrize("before, after", [(1, 2), (2, 3)])
+def test_a_resume_on_another_number_of_workers_starts_every_rank_from_the_writers_g(tmp_path, before, after):
+    # Each rank takes the replica at its place (beyond the writers: a copy of one), and g, the same in every file;
+    # written by one worker alone (no g), g is the model every rank copies.
+    run_distributed(_resumed_worker, before, str(tmp_path / "run"), 1, False)
+    files = [torch.load(tmp_path / "run" / "checkpoints" / "epoch-000001" / f"rank-{rank:05d}.pt", weights_only=True)
+             for rank in range(before)]
+    resumed = run_distributed(_resumed_worker, after, str(tmp_path / "run"), 2, True)
+    for rank, ((replica, global_), _) in enumerate(resumed):
+        written = files[rank % before]
+        assert all(torch.equal(replica[key], written["model"][key]) for key in replica), rank
+        expected = written["strategy"]["global_model"] if before > 1 else written["model"]
+        assert expected and all(torch.equal(global_[key], expected[key]) for key in global_), rank
+    finals = [final for _, final in resumed]
+    assert all(torch.equal(finals[0][key], other[key]) for other in finals[1:] for key in finals[0])
+
+
 def test_bench_checks_each_strategy_with_its_own_settings():
     # `--option sync_every_steps=4` applies to sync and streaming only: the bench validates those runs with it
     # and names a strategy that cannot take it before any run starts.

@@ -30,7 +30,9 @@ D steps before that epoch's last step (D is at most K - 1 there) and the wait is
 Epoch ends drain. A collective never stays in flight across an epoch end: `end_epoch` waits for
 any average still travelling and applies it (early, with the correction for the steps taken so
 far) before the trainer evaluates and checkpoints, so a checkpoint never holds a collective in
-flight and a resumed run continues exactly (the global model g is part of the checkpoint). The
+flight and a resumed run continues exactly (the global model g is part of the checkpoint); resumed on
+another number of workers, each takes the replica of the writer at its place (one beyond their number a
+copy of one) and g, the same in every writer's file, and the period is planned over the new world. The
 price: a send within D steps of an epoch end is covered by fewer than D steps, one sent after an
 epoch's last step by none (it is waited for at once).
 
@@ -362,6 +364,8 @@ class Streaming(StreamingRules, Strategy):
         self.waited_seconds = state["waited_seconds"]
         if self._global_model is not None and state["global_model"]:
             self._global_model.load_state_dict(state["global_model"])
+        elif self._global_model is not None:  # written by a worker alone, resumed on several: each copies its model
+            self._global_model.load_state_dict(self.model.state_dict())
         elif state["global_model"]:  # a joiner, alone until `rebind` (dptrain.train.live): g for then
             self._joined_global = state["global_model"]
 

@@ -19,7 +19,9 @@ class StreamingRules(StrategyRules):
         fragments: int = Field(1, ge=1, description="streaming: average 1/F of the model per period, the F parts in "
                                                     "rotation")
 
-    no_other_world = "its fragment averages belong to each worker's place in the rotation"
+    # At an epoch end nothing is in flight and g is the same on every rank; the fragment in rotation counts the
+    # run's sends, not a rank's place: a worker's state is its own replica and g, one serves a new worker.
+    no_other_world = None
 
     no_step_checkpoints = ("its fragment averages stay in flight across steps (overlap_steps), "
                            "which no checkpoint holds")
