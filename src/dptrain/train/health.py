@@ -21,7 +21,6 @@ never the run.
 
 from __future__ import annotations
 
-import copy
 import math
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -30,6 +29,7 @@ import torch
 from torch import nn
 
 from dptrain.data.sampler import loader
+from dptrain.train.host_copy import host_copy
 
 PROBE_ROWS = 256  # training rows per worker the check evaluates, twice per average (forward passes only)
 PROBE_BYTES = 32 << 20  # the probe is kept in memory, up to this size
@@ -202,7 +202,7 @@ class LRGuard:
     def keep(self, model: nn.Module) -> None:
         """Remember `model` (an average judged good) to come back to."""
         if self.restore and self.active:
-            self._good = copy.deepcopy(model.state_dict())
+            self._good = host_copy(model.state_dict(), into=self._good)  # in host memory, its buffers reused
 
     @property
     def can_recover(self) -> bool:

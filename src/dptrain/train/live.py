@@ -186,9 +186,8 @@ class LiveMembership(FixedMembership):
         (a rank that had gone further, going back to `at` with the others) are dropped."""
         kept = self._kept
         before = max((key for key in kept if key < at), default=None)
-        for key in [key for key in kept if key != before]:
-            del kept[key]
-        kept[at] = state.snapshot(self.recorder.history, position)
+        dropped = [kept.pop(key) for key in [key for key in kept if key != before]]
+        kept[at] = state.snapshot(self.recorder.history, position, into=dropped[0] if dropped else None)
 
     def failed(self, failure: PeerFailure, state: TrainState) -> None:
         """After a peer failed: agree with the survivors on who is left and where to continue, return to this

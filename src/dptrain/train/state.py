@@ -18,6 +18,7 @@ from torch import nn
 
 from dptrain.data.sampler import Rest
 from dptrain.train import checkpoint_files
+from dptrain.train.host_copy import host_copy
 
 
 @dataclass
@@ -69,12 +70,13 @@ class TrainState:
             parts["lr_guard"] = self.checks.lr_guard
         return parts
 
-    def snapshot(self, history: list[dict], position: Optional[Position] = None) -> dict:
-        """This rank's state now, in memory (what a checkpoint holds), to return to after a membership change;
-        `position`: where within the epoch it stands (a commit's)."""
+    def snapshot(self, history: list[dict], position: Optional[Position] = None, into: Optional[dict] = None) -> dict:
+        """This rank's state now, in host memory (what a checkpoint holds), to return to after a membership
+        change; `position`: where within the epoch it stands (a commit's); `into`: a snapshot no longer needed,
+        whose buffers this one reuses (dptrain.train.host_copy)."""
+        parts = {name: part.state_dict() for name, part in self.parts().items() if part is not None}
         return {"step": self.step, "rng": checkpoint_files.rng_state(), "history": list(history),
-                "position": position,
-                **{name: copy.deepcopy(part.state_dict()) for name, part in self.parts().items() if part is not None}}
+                "position": position, **host_copy(parts, into)}
 
     def load(self, saved: dict) -> None:
         """Back to a `snapshot` (its random state too)."""
