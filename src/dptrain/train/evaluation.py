@@ -10,15 +10,18 @@ from torch.utils.data import DataLoader
 
 from dptrain.data.sampler import TrainData, as_dataset, evaluation_loader
 from dptrain.train.recorder import Summary
+from dptrain.train.step import AMP_DTYPES
 
-EVAL_BATCH = 1024
+EVAL_BATCH = 1024  # the batch of an evaluation whose caller names none (the Trainer's is its training batch)
 
 
 class Evaluator:
     """Loss and accuracy of a model over the whole test split, on this rank's context."""
 
-    def __init__(self, ctx, loss_fn, classify: Optional[bool], loader_workers: int) -> None:
+    def __init__(self, ctx, loss_fn, classify: Optional[bool], loader_workers: int, batch_size: int = EVAL_BATCH,
+                 amp: str = "none") -> None:
         self.ctx, self.loss_fn, self.classify, self.loader_workers = ctx, loss_fn, classify, loader_workers
+        self.batch_size, self.dtype = batch_size, AMP_DTYPES[amp]  # as the run trains: no larger batch, its autocast
         self._made: Optional[tuple] = None  # (test set, (rank, world), its DataLoader)
 
     def of_strategy(self, strategy, test) -> Optional[dict]:
@@ -43,7 +46,8 @@ class Evaluator:
         classify = True
         for x, y in self._batches(test, rank, world):
             x, y = x.to(self.ctx.device), y.to(self.ctx.device)
-            output = model(x).float()
+            with torch.autocast(self.ctx.device.type, dtype=self.dtype, enabled=self.dtype is not None):
+                output = model(x).float()
             totals[0] += self.loss_fn(output, y).item() * len(y)
             classify = self.classify if self.classify is not None else not y.is_floating_point()
             if classify:
@@ -62,7 +66,7 @@ class Evaluator:
         made = self._made
         if made is None or made[0] is not test or made[1] != (rank, world):
             made = self._made = (test, (rank, world), evaluation_loader(
-                as_dataset(test, "test"), rank, world, EVAL_BATCH, self.loader_workers))
+                as_dataset(test, "test"), rank, world, self.batch_size, self.loader_workers))
         return made[2]
 
 

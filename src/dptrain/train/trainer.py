@@ -128,7 +128,7 @@ class Trainer:
         self.recorder = Recorder(self.out, ctx.writes_results, run.verbose, run.progress, ctx.world_size)
         self.checkpointer = Checkpointer(self.out, ctx, checkpoints.every, checkpoints.keep, self.recorder.log,
                                          checkpoints.every_steps, checkpoints.resume_with_changed_data)
-        self.evaluator = Evaluator(ctx, self.loss_fn, self.classify, run.loader_workers)
+        self.evaluator = Evaluator(ctx, self.loss_fn, self.classify, run.loader_workers, self.batch_size, self.steps.amp)
         self.live = membership_for(ctx, self.recorder, self.membership, timeout=run.timeout, seed=run.seed,
                                    out=self.out, batch_size=self.batch_size, whole_epoch=lambda epoch, members: self.planner.whole_epoch(epoch, members),
                                    forget_model=self.stepper.forget_model)
