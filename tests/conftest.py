@@ -22,3 +22,16 @@ def _no_run_secret_left_by_another_test(monkeypatch):
     monkeypatch.delenv(signed.SECRET_ENV, raising=False)
     monkeypatch.setattr(signed, "_made", None)
     signed._warned.clear()
+
+
+@pytest.fixture(autouse=True)
+def _no_process_group_left_by_another_test():
+    """A Trainer fitted in this process joins a one-rank default group and keeps it, as a user's script would
+    (init_process_group is idempotent); each test starts without one, as a fresh process does."""
+    yield
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        from dptrain.runtime.distributed import destroy_process_group
+
+        destroy_process_group()
