@@ -691,3 +691,24 @@ def test_ranks_start_dptrain_by_the_launching_interpreter_s_absolute_path(tmp_pa
                     "run", cwd=tmp_path)
     assert boxed.returncode == 0, boxed.stderr
     assert sys.executable not in boxed.stdout and " img dptrain train " in boxed.stdout
+
+
+def test_wait_names_a_requeue_that_started_again_between_two_polls(tmp_path, monkeypatch, capsys):
+    # SLURM can requeue a job and start it again within one poll: only its Restarts count tells.
+    from dptrain.cluster import submit
+
+    states = iter([("RUNNING", 0), ("RUNNING", 0), ("RUNNING", 1), ("RUNNING", 1), ("COMPLETED", 1)])
+    output = tmp_path / "slurm-8.out"
+
+    class Scheduler:
+        @staticmethod
+        def poll(job_id):
+            state, restarts = next(states)
+            return slurm.parse_status(f"JobId={job_id} JobState={state} Restarts={restarts} ExitCode=0:0")
+
+    monkeypatch.setattr(submit, "POLL_SECONDS", 0.0)
+    monkeypatch.setattr(submit.time, "sleep", lambda seconds: None)
+    status = submit.follow(Scheduler, "8", output, timeout=60)
+    assert status.state == "COMPLETED" and status.restarts == 1
+    printed = capsys.readouterr().out
+    assert printed.count("went back to the queue") == 1 and "(restart 1, RUNNING again)" in printed

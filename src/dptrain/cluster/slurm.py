@@ -142,7 +142,7 @@ def parse_job_id(sbatch_output: str) -> str:
 
 
 def parse_status(scontrol_output: str) -> JobStatus:
-    """JobState and ExitCode (`CODE:SIGNAL`) from `scontrol show job -o ID`."""
+    """JobState, ExitCode (`CODE:SIGNAL`) and Restarts from `scontrol show job -o ID`."""
     state = re.search(r"\bJobState=(\S+)", scontrol_output)
     if not state:
         raise ValueError(f"no JobState in scontrol output: {scontrol_output[:200]!r}")
@@ -151,7 +151,9 @@ def parse_status(scontrol_output: str) -> JobStatus:
     finished = state.group(1) in FINAL_STATES
     if finished and code == 0:
         code = 128 + signal if signal else (0 if state.group(1) == "COMPLETED" else 1)
-    return JobStatus(state=state.group(1), finished=finished, exit_code=code)
+    restarts = re.search(r"\bRestarts=(\d+)", scontrol_output)
+    return JobStatus(state=state.group(1), finished=finished, exit_code=code,
+                     restarts=int(restarts.group(1)) if restarts else 0)
 
 
 def submit(script: Path) -> str:

@@ -22,6 +22,7 @@ class JobStatus:
     finished: bool
     exit_code: int = 0
     requeued_as: Optional[str] = None  # (from follow) the job this one ended as, having requeued itself as it
+    restarts: int = 0  # how often the scheduler has put this job back in the queue (SLURM's Restarts)
 
 
 def run_tool(argv: Sequence[str], *, what: str, timeout: float = 60, cwd: Optional[Path] = None) -> str:
@@ -64,14 +65,17 @@ def follow(scheduler, job_id: str, output: Path, *, timeout: Optional[float]) ->
     deadline = None if timeout is None else time.monotonic() + timeout
     first = job_id
     follower = OutputFollower(output)
-    last_state = None
+    last_state, last_restarts = None, 0
     while True:
         status = scheduler.poll(job_id)
         follower.pump()
-        if last_state == "RUNNING" and status.state in ("PENDING", "REQUEUED", "REQUEUE_HOLD"):
-            print(f"dptrain: job {job_id} went back to the queue ({status.state}); following it until it "
-                  "finishes", flush=True)
-        last_state = status.state
+        queued_again = last_state == "RUNNING" and status.state in ("PENDING", "REQUEUED", "REQUEUE_HOLD")
+        if queued_again or status.restarts > last_restarts:
+            # (a requeue that started again within one poll is seen only in the count of restarts)
+            print(f"dptrain: job {job_id} went back to the queue "
+                  f"({status.state if queued_again else f'restart {status.restarts}, {status.state} again'}); "
+                  "following it until it finishes", flush=True)
+        last_state, last_restarts = status.state, max(last_restarts, status.restarts)
         if status.finished:
             time.sleep(0.5)  # the last lines may reach the shared file system just after the state
             follower.pump()
@@ -80,7 +84,7 @@ def follow(scheduler, job_id: str, output: Path, *, timeout: Optional[float]) ->
             if successor is None:
                 return status if job_id == first else replace(status, requeued_as=job_id)
             print(f"dptrain: job {job_id} was requeued as job {successor}; following it until it finishes", flush=True)
-            job_id, last_state = successor, None
+            job_id, last_state, last_restarts = successor, None, 0
             continue
         if deadline is not None and time.monotonic() > deadline:
             raise UserError(f"job {job_id} is still {status.state} after --wait-timeout {timeout:g} s; "
