@@ -18,7 +18,7 @@ from dptrain.runtime.distributed import init_process_group
 from dptrain.runtime.env import detect
 from dptrain.strategies import AllReduce, FedAvg, Sync
 from dptrain.strategies.collectives import module_state
-from dptrain.strategies.compression import decode, encode
+from dptrain.strategies.compression import chunk_bounds, decode, encode, payload_bytes
 from dptrain.strategies.outer import OuterOptimizer
 from dptrain.train.trainer import Trainer
 from test_strategies import BATCH, N, _data, _model, _params, _state, _worker_batches
@@ -248,37 +248,57 @@ def _compressed_worker(rank, world, kind, fedavg):
     return anchor, changes, globals_, sent, model.norm.num_batches_tracked.item()
 
 
+def _two_step_mean(kind, corrected, weights, servers):
+    """The compressed mean by its four steps (dptrain.strategies.compression): each rank's chunk of every
+    payload, its weighted mean, + that rank's server residual (`servers`, updated), encoded, decoded."""
+    result = []
+    for rank, (start, end) in enumerate(chunk_bounds(kind, corrected[0].numel(), len(corrected))):
+        mean = torch.zeros(end - start)
+        for weight, values in zip(weights, corrected):
+            mean.add_(decode(kind, encode(kind, values[start:end]), end - start), alpha=weight)
+        value = mean.div_(sum(weights)) + servers[rank]
+        result.append(decode(kind, encode(kind, value), end - start))
+        servers[rank] = value - result[-1]
+    return torch.cat(result)
+
+
+def _handed_over(kind, n, world, rank):
+    """Bytes a rank hands to the two-step mean: the chunks for the others, its padded mean chunk."""
+    sizes = [payload_bytes(kind, end - start) for start, end in chunk_bounds(kind, n, world)]
+    return payload_bytes(kind, n) - sizes[rank] + max(sizes)
+
+
 @pytest.mark.parametrize("fedavg", [False, True], ids=["sync", "fedavg"])
-def test_int8_average_is_anchor_plus_the_mean_of_the_decoded_payloads_with_error_feedback(fedavg):
+def test_int8_average_is_anchor_plus_the_two_step_mean_with_error_feedback(fedavg):
     world = 3
     results = run_distributed(_compressed_worker, world, "int8", fedavg, timeout=180)
     weights = [1 + 2 * r for r in range(world)] if fedavg else [1] * world
     anchor = results[0][0]
     residuals = [torch.zeros(FLOATS) for _ in range(world)]
+    servers = [0.0] * world
     expected = anchor
     for round_ in range(2):
-        decoded = []
+        corrected = []
         for rank in range(world):
-            corrected = results[rank][1][round_] + residuals[rank]
-            payload = encode("int8", corrected)
-            decoded.append(decode("int8", payload, FLOATS))
-            residuals[rank] = corrected - decoded[-1]
-        expected = expected + sum(w * d for w, d in zip(weights, decoded)) / sum(weights)
+            corrected.append(results[rank][1][round_] + residuals[rank])
+            residuals[rank] = corrected[-1] - decode("int8", encode("int8", corrected[-1]), FLOATS)
+        expected = expected + _two_step_mean("int8", corrected, weights, servers)
         for rank in range(world):
             assert torch.allclose(results[rank][2][round_], expected, atol=1e-6), (round_, rank)
             assert torch.equal(results[rank][2][round_], results[0][2][round_])
-    payload = FLOATS + 4 * math.ceil(FLOATS / 256)
-    per_average = payload + (8 if fedavg else 0) + 8  # (the weight), num_batches_tracked's max
-    assert all(r[3] == [per_average] * 2 for r in results)
+    for rank in range(world):
+        per_average = _handed_over("int8", FLOATS, world, rank) + (8 if fedavg else 0) + 8  # (the weight), the max
+        assert results[rank][3] == [per_average] * 2
     assert all(r[4] == 2 for r in results)  # integer buffers take the max
 
 
 def test_fp16_sync_average_bytes_and_mean():
     results = run_distributed(_compressed_worker, 2, "fp16", False)
     anchor = results[0][0]
-    decoded = [decode("fp16", encode("fp16", r[1][0]), FLOATS) for r in results]
-    assert torch.allclose(results[0][2][0], anchor + (decoded[0] + decoded[1]) / 2, atol=1e-6)
-    assert results[0][3] == [2 * FLOATS + 8] * 2
+    mean = _two_step_mean("fp16", [r[1][0] for r in results], [1, 1], [0.0, 0.0])
+    assert torch.allclose(results[0][2][0], anchor + mean, atol=1e-6)
+    for rank in range(2):
+        assert results[rank][3] == [_handed_over("fp16", FLOATS, 2, rank) + 8] * 2  # 750 + 0 or 2 bytes of padding
 
 
 def _sitting_out_worker(rank, world):

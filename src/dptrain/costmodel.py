@@ -19,11 +19,16 @@ Modes beyond the plain strategies, chosen by `Settings` (their defaults give the
 
 - compression (`--compression fp16|bf16|int8`): an average sends the compressed change instead
   of float32 weights: fp16/bf16 2 bytes an element; int8 1 byte an element plus one float32
-  scale per block of INT8_BLOCK elements. Compressed averages travel by all_gather, so each
-  rank's wire volume is (N-1)·payload, (N-1)·payload/B + (N-1)·alpha, instead of the ring
-  all-reduce's 2(N-1)/N·4·M. The per-step gradient all-reduce with fp16/bf16 is DDP's
-  compression hook, a ring all-reduce of 2-byte elements; with int8 it is an all_gather too.
-  Async merges are not compressed.
+  scale per block of INT8_BLOCK elements. A compressed average is the two-step mean
+  (dptrain.strategies.compression): an all_to_all of the payload's N chunks, (N-1)/N·payload/B +
+  (N-1)·alpha, then a ring all_gather of the encoded mean chunks, (N-1)·payload/N/B + (N-1)·alpha:
+  2(N-1)/N·payload/B + 2(N-1)·alpha in all, the ring all-reduce's cost at the compressed size
+  (int8 about 1/4, fp16/bf16 1/2 of float32's at every N; the former all_gather of every payload,
+  (N-1)·payload, is `all_gather_seconds`). The weights' all_gather (fedavg, 8 bytes) and the
+  padding of uneven chunks (under one block a rank) are left out. The per-step gradient all-reduce
+  with fp16/bf16 is DDP's compression hook, a ring all-reduce of 2-byte elements; int8 gradients
+  (which the allreduce strategy refuses) are priced as the two-step mean. Async merges are not
+  compressed.
 - overlapped averaging (overlapped-average; strategy streaming): an average of the weights starts
   in the background and is applied `delay_steps` steps later (default: half the period rounded
   up, as streaming's --overlap-steps), so it hides behind the compute of min(delay, period)
@@ -97,17 +102,34 @@ def all_gather_seconds(workers: int, payload_bytes: float, bandwidth: float, lat
     return (workers - 1) * payload_bytes / bandwidth + (workers - 1) * latency
 
 
+def all_to_all_seconds(workers: int, payload_bytes: float, bandwidth: float, latency: float) -> float:
+    """All_to_all of `payload_bytes` from every rank in N equal parts: each sends N-1 of them,
+    (N-1)/N·payload/B + (N-1)·alpha."""
+    if workers <= 1:
+        return 0.0
+    return (workers - 1) / workers * payload_bytes / bandwidth + (workers - 1) * latency
+
+
+def two_step_mean_seconds(workers: int, payload_bytes: float, bandwidth: float, latency: float) -> float:
+    """The two-step compressed mean of a `payload_bytes` payload: the all_to_all of its chunks, then the
+    all_gather of one chunk from every rank: 2(N-1)/N·payload/B + 2(N-1)·alpha (a ring all-reduce's cost)."""
+    return (all_to_all_seconds(workers, payload_bytes, bandwidth, latency)
+            + all_gather_seconds(workers, payload_bytes / max(workers, 1), bandwidth, latency))
+
+
 def average_seconds(workers: int, model_bytes: int, bandwidth: float, latency: float,
                     compression: str = "none") -> float:
-    """One average of the weights (float32, `model_bytes`): a ring all-reduce, or compressed by all_gather."""
+    """One average of the weights (float32, `model_bytes`): a ring all-reduce, or the two-step compressed mean."""
     if compression == "none":
         return ring_allreduce_seconds(workers, model_bytes, bandwidth, latency)
-    return all_gather_seconds(workers, compressed_bytes(model_bytes // FLOAT32_BYTES, compression), bandwidth, latency)
+    return two_step_mean_seconds(workers, compressed_bytes(model_bytes // FLOAT32_BYTES, compression), bandwidth,
+                                 latency)
 
 
 def gradient_allreduce_seconds(workers: int, model_bytes: int, bandwidth: float, latency: float,
                                compression: str = "none") -> float:
-    """One step's gradient exchange: a ring all-reduce of float32, fp16 or bf16 elements; int8 by all_gather."""
+    """One step's gradient exchange: a ring all-reduce of float32, fp16 or bf16 elements; int8 (refused by the
+    allreduce strategy) as the two-step compressed mean."""
     if compression == "int8":
         return average_seconds(workers, model_bytes, bandwidth, latency, "int8")
     payload = compressed_bytes(model_bytes // FLOAT32_BYTES, compression)

@@ -6,7 +6,8 @@ other ranks only through it: no module outside runtime/ calls a torch.distribute
 (a test walks the source for that). Ranks given to a Group's methods are ranks *in the group*.
 
 Every tensor collective returns the bytes this rank handed over (its payload, counted once,
-here), which is what strategies add to `comm_bytes`; `handed_over` keeps the running total.
+here; an all-to-all: the parts it addresses to the other ranks), which is what strategies add to
+`comm_bytes`; `handed_over` keeps the running total.
 
 A Group can be closed and replaced by one with other members: `rebuild(members, generation)`
 makes a fresh process group over the same rendezvous store under a new key prefix, without
@@ -243,8 +244,26 @@ class Group:
     def all_gather(self, tensor: torch.Tensor) -> tuple[list[torch.Tensor], int]:
         """(Every rank's `tensor`, in rank order; bytes handed over: this rank's one payload)."""
         gathered = [torch.empty_like(tensor) for _ in range(self.world_size)]
-        dist.all_gather(gathered, tensor, group=self.handle)
+        self._finish(dist.all_gather(gathered, tensor, group=self.handle, async_op=self.watch is not None),
+                     "an all-gather")
         return gathered, self._count(tensor)
+
+    def all_to_all(self, tensor: torch.Tensor, input_splits: Sequence[int],
+                   output_splits: Sequence[int]) -> tuple[torch.Tensor, int]:
+        """Exchange parts of a flat `tensor`: its i-th part (`input_splits[i]` elements, in order) goes to rank i,
+        and the result holds, in rank order, the part each rank addressed to this one (`output_splits[i]`
+        elements from rank i). Returns (the received parts, one flat tensor; bytes handed over: the parts
+        addressed to the other ranks, not the one this rank keeps, which goes to no one)."""
+        if tensor.dim() != 1 or len(input_splits) != self.world_size or len(output_splits) != self.world_size \
+                or sum(input_splits) != tensor.numel():
+            raise ValueError(f"all_to_all takes a flat tensor and one split per rank ({self.world_size}), "
+                             f"not {tuple(tensor.shape)} split {list(input_splits)} / {list(output_splits)}")
+        received = torch.empty(sum(output_splits), dtype=tensor.dtype, device=tensor.device)
+        self._finish(dist.all_to_all_single(received, tensor, list(output_splits), list(input_splits),
+                                            group=self.handle, async_op=self.watch is not None), "an all-to-all")
+        sent = (tensor.numel() - input_splits[self.rank]) * tensor.element_size()
+        self.handed_over += sent
+        return received, sent
 
     def _peer(self, kind: str, rank: Optional[int]) -> dict:
         """torch's keyword for a peer: `src`/`dst` (ranks of the job) on the default group,

@@ -17,8 +17,9 @@ How the mean is formed:
   (dptrain.strategies.collectives), exactly as before outer optimizers existed; the mean of the
   replicas is anchor + mean change.
 - compression `fp16`, `bf16`, `int8`: the change of all parameters and floating buffers, as one
-  flat float32 vector, goes through compressed_mean (dptrain.strategies.compression) with this
-  worker's error feedback; the global is anchor + the decoded mean change.
+  flat float32 vector, goes through compressed_mean (dptrain.strategies.compression: the two-step
+  mean, an all_to_all and an all_gather of chunks) with this worker's error feedback (and its
+  server residual for its chunk of the mean); the global is anchor + the decoded mean change.
 
 Outer optimizers (`--outer`, Reddi et al. 2021 "Adaptive Federated Optimization" call this the
 server optimizer, DiLoCo the outer optimizer):
