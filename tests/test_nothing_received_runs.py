@@ -18,7 +18,6 @@ import torch
 
 from distributed import run_distributed
 from dptrain.runtime.group import Group, UntrustedValue, decode_json
-from dptrain.train.trainer import received_state
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "dptrain"
 
@@ -74,21 +73,57 @@ def test_json_values_round_trip_and_tuples_come_back_as_lists():
         decode_json(b"\x80\x04.", "x", 3)
 
 
-def test_a_heal_state_that_would_run_code_is_refused(tmp_path):
+def _healed(rank: int, world: int, marker: str, forged: str):
+    """Rank 0 heals rank 1 through the call a joiner's healing makes; with `forged`, rank 0 sends, in place of
+    the structure, a pickle that runs code or a torch.save'd state holding such an object."""
+    group = Group.default(timeout=30)
+    if rank == 0 and forged:
+        if forged == "pickle":
+            evil = pickle.dumps(RunsCode(marker))
+        else:
+            buffer = io.BytesIO()
+            torch.save({"tree": {"model": {"w": torch.ones(2)}, "extra": RunsCode(marker)}, "tensors": []}, buffer)
+            evil = buffer.getvalue()
+        group.broadcast_bytes("healing the workers that join", evil)
+        return ""
+    state = {"model": {"w": torch.arange(6.0).reshape(2, 3), "flag": torch.tensor([True, False])},
+             "optimizer": {"state": {0: {"step": torch.tensor(3.0)}}, "param_groups": [{"lr": 0.1, "betas": (0.9, 0.99)}]},
+             "epoch": 3, "history": [{"epoch": 1}], "empty": torch.zeros(0, 4, dtype=torch.float16)}
+    try:
+        received, moved = group.broadcast_state("healing the workers that join", state if rank == 0 else None)
+    except UntrustedValue as exc:
+        return str(exc)
+    return received, moved
+
+
+@pytest.mark.parametrize("forged", ["pickle", "inside-a-state"])
+def test_a_heal_state_that_would_run_code_is_refused(tmp_path, forged):
     marker = tmp_path / "PWNED"
-    raw = pickle.dumps(RunsCode(str(marker)))
-    with pytest.raises(UntrustedValue, match=r"^rank 3: healing the workers that join: rank 0 sent \d+ bytes that are "
-                                             r"not a dptrain state of tensors and plain values .*nothing of it was run$"):
-        received_state(raw, 3, 0, torch.device("cpu"))
-    # the same object inside a torch.save'd state, as a forged rank 0 would send it
-    buffer = io.BytesIO()
-    torch.save({"model": {"w": torch.ones(2)}, "extra": RunsCode(str(marker))}, buffer)
-    with pytest.raises(UntrustedValue):
-        received_state(buffer.getvalue(), 3, 0, torch.device("cpu"))
+    said = run_distributed(_healed, 2, str(marker), forged)[1]
+    assert said.startswith("rank 1: healing the workers that join: rank 0 sent "), said
+    assert "bytes that are not a dptrain state of tensors and plain values" in said and said.endswith(
+        "nothing of it was run") and "\n" not in said
     assert not marker.exists()
-    good = io.BytesIO()
-    torch.save({"model": {"w": torch.ones(2)}, "epoch": 3, "history": [{"epoch": 1}]}, good)
-    assert received_state(good.getvalue(), 3, 0, torch.device("cpu"))["epoch"] == 3
+
+
+def test_a_heal_state_arrives_as_tensors_with_its_structure_dtypes_and_devices():
+    (sent, sent_bytes), (received, moved) = run_distributed(_healed, 2, "", "")
+    assert received["epoch"] == 3 and received["history"] == [{"epoch": 1}]
+    assert received["optimizer"]["param_groups"] == [{"lr": 0.1, "betas": (0.9, 0.99)}]  # tuples stay tuples
+    assert list(received["optimizer"]["state"]) == [0]  # int keys stay ints
+    for path in (("model", "w"), ("model", "flag"), ("optimizer", "state", 0, "step"), ("empty",)):
+        a, b = sent, received
+        for key in path:
+            a, b = a[key], b[key]
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), path
+    # one bucket, each tensor at a multiple of 16: w's 24 bytes at 0, flag's 2 at 32, step's 4 at 48, empty at 64
+    assert moved == sent_bytes and moved - len(_header_of(sent)) == 64
+
+
+def _header_of(state):
+    from dptrain.runtime import state_wire
+
+    return state_wire.header(*state_wire.split(state))
 
 
 def test_no_source_file_unpickles_what_it_receives():
@@ -136,3 +171,16 @@ def test_a_member_that_sent_what_is_not_json_is_left_out_of_the_next_agreement_a
         signed.put(store, f"{key}alive/{rank}", "4 0")
     assert membership._decide(group, store, key, [0, 2, 3], timeout=5.0, stall=1.0) == "0,2;4;0"
     assert membership.gone(store, None, [2, 3], 1.0) == {3: "it sent what is not JSON"}
+
+
+def test_buckets_hold_at_most_their_limit_and_a_larger_tensor_alone():
+    from dptrain.runtime import state_wire
+
+    specs = [state_wire.Spec(torch.float32, shape, False) for shape in ((10,), (3,), (40,), (2,))]  # 40, 12, 160, 8 B
+    layout = state_wire.buckets(specs, limit=64)
+    assert [(b.size, b.parts) for b in layout] == [(60, ((0, 0), (1, 48))), (160, ((2, 0),)), (8, ((3, 0),))]
+    tensors = [torch.randn(s.shape) for s in specs]
+    into: dict = {}
+    for bucket in layout:
+        state_wire.unpack(bucket, state_wire.pack(bucket, tensors, torch.device("cpu")), specs, None, into)
+    assert all(torch.equal(into[i], t) for i, t in enumerate(tensors))

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dptrain.runtime import signed
+from dptrain.runtime import signed, state_wire
 from dptrain.runtime.heartbeat import Heartbeat
 from dptrain.runtime.store_keys import FAILED, REFUSED, REPORTED, REPORTED_SEEN  # noqa: F401 - for callers
 from dptrain.runtime.heartbeat import bounded as store_call
@@ -376,6 +376,48 @@ class Group:
             return data if self.rank == src else bytes(payload.cpu().numpy().tobytes())
 
         return self.bounded(what, broadcast)
+
+    def broadcast_state(self, what: str, tree: Any, src: int = 0, device: Optional[torch.device] = None,
+                        keep: bool = True) -> tuple[Any, int]:
+        """Rank `src`'s `tree` (dicts, lists and tuples of tensors and plain values: a training state) on every
+        rank, as tensors (dptrain.runtime.state_wire): its structure in one broadcast of bytes read with
+        weights_only, its tensors' bytes in buckets broadcast on the collective device. Returns (the tree:
+        `src`'s own on `src`; elsewhere a copy whose tensors are on `device`, or on the CPU where `src`'s were,
+        or None where not `keep`; the bytes that travelled). Counted in no comm_bytes; a structure that is not
+        tensors and plain values is refused in one line naming the sender, and nothing of it runs."""
+        sender = self.rank == src
+        skeleton, tensors = state_wire.split(tree) if sender else (None, [])
+        data = self.broadcast_bytes(what, state_wire.header(skeleton, tensors) if sender else None, src)
+        if self.world_size == 1:
+            return tree, len(data)
+        me, them = self.members[self.rank], self.members[src]
+
+        def refuse(why: str) -> UntrustedValue:
+            return UntrustedValue(f"rank {me}: {what}: rank {them} sent {len(data)} bytes that are not a dptrain "
+                                  f"state of tensors and plain values ({why}); nothing of it was run")
+
+        if not sender:
+            skeleton, specs = state_wire.read_header(data, refuse)
+        else:
+            specs = [state_wire.Spec(t.dtype, tuple(t.shape), t.device.type == "cpu") for t in tensors]
+        received: dict[int, torch.Tensor] = {}
+
+        def broadcast() -> int:
+            moved = len(data)
+            for bucket in state_wire.buckets(specs):
+                payload = state_wire.pack(bucket, tensors, self.collective_device) if sender else \
+                    torch.empty(bucket.size, dtype=torch.uint8, device=self.collective_device)
+                if bucket.size:  # (tensors of no elements only: nothing to send)
+                    self._broadcast_watched(payload, src, what)
+                if not sender and keep:
+                    state_wire.unpack(bucket, payload, specs, device, received)
+                moved += bucket.size
+            return moved
+
+        moved = self.bounded(what, broadcast)
+        if sender:
+            return tree, moved
+        return (state_wire.join(skeleton, [received[i] for i in range(len(specs))]) if keep else None), moved
 
     def _gathered(self, tensor: torch.Tensor, what: str) -> list[torch.Tensor]:
         """Every rank's `tensor` (all-gather, watched like any tensor collective; not counted)."""

@@ -20,10 +20,9 @@ there, healed from rank 0 in one broadcast of tensors and plain values. The LR r
 
 from __future__ import annotations
 
-import io
 import time
 from dataclasses import replace
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -65,18 +64,12 @@ def scale_lr(rule: Optional[Callable[[int], float]], state: TrainState, before: 
         f"(the LR rule follows the live world): {state.optimizer.param_groups[0]['lr']:g}")
 
 
-def received_state(data: bytes, me: int, sender: int, device: torch.device) -> dict:
-    """The state a joiner was healed with, read as tensors and plain values only (torch.load's weights_only):
-    a peer's bytes that would run code when unpickled are refused in one line, and nothing of them runs."""
-    try:
-        state = torch.load(io.BytesIO(data), map_location=device, weights_only=True)
-    except Exception as exc:  # noqa: BLE001 - whatever the bytes are, they are not a state dptrain sent
-        raise UntrustedValue(f"rank {me}: healing the workers that join: rank {sender} sent {len(data)} bytes that "
-                             f"are not a dptrain state of tensors and plain values ({first_line(exc)[:160]}); "
-                             "nothing of it was run") from None
-    if not isinstance(state, dict):
+def check_received(state: Any, me: int, sender: int) -> dict:
+    """The state a joiner was healed with (Group.broadcast_state: tensors and plain values only) is a dict of a
+    dptrain state, or the joiner stops in one line."""
+    if not isinstance(state, dict) or not {"epoch", "world", "strategy_name", "job_world", "history", "step"} <= set(state):
         raise UntrustedValue(f"rank {me}: healing the workers that join: rank {sender} sent a "
-                             f"{type(state).__name__}, not a dptrain state")
+                             f"{type(state).__name__} that is not a dptrain state")
     return state
 
 
@@ -298,7 +291,7 @@ class LiveMembership(FixedMembership):
         group = old.bounded(f"admitting rank{'s' if len(joiners) > 1 else ''} {names}",
                             lambda: old.rebuild(members, generation))
         try:
-            healed = len(self._heal(group, state, epoch + 1))
+            _, healed = self._heal(group, state, epoch + 1)
         except PeerFailure as failure:  # a joiner died before it trained: the others go on without it
             self.recorder.log(f"dptrain: {failure}; the workers agree on who is left")
             group, membership = regroup(group, generation + 1, epoch + 1, min_workers=self.options.min_workers,
@@ -311,19 +304,16 @@ class LiveMembership(FixedMembership):
                           f"{workers(group.world_size)} ({ranks(members)} of the job)")
         return Membership(generation, members, epoch + 1, (), joiners, healed)
 
-    def _heal(self, group: Group, state: TrainState, epoch: int) -> bytes:
-        """Rank 0 of `group` hands its whole state to every other worker of it in one broadcast of bytes (the
-        joiners load it in `start_from_peer`, tensors and plain values only; the others already hold theirs). Returns it,
-        serialized."""
-        data = None
+    def _heal(self, group: Group, state: TrainState, epoch: int, joining: bool = False) -> tuple[Optional[dict], int]:
+        """Rank 0 of `group` hands its whole state to every other worker of it, as tensors from where they are
+        (Group.broadcast_state: no pickled blob, no copy of the state); the joiners load it in `start_from_peer`,
+        the others already hold theirs and drop it. Returns (the state, on a joiner; the bytes that travelled)."""
+        whole = None
         if group.rank == 0:
-            whole = {**state.snapshot(self.recorder.history), "epoch": epoch, "world": self.ctx.world_size,
-                     "strategy_name": self.strategy.name, "job_world": self.recorder.job_world,
-                     **state.checks.heal_state()}
-            buffer = io.BytesIO()
-            torch.save(whole, buffer)
-            data = buffer.getvalue()
-        return group.broadcast_bytes("healing the workers that join", data)
+            whole = {**state.snapshot(self.recorder.history, host=False), "epoch": epoch,
+                     "world": self.ctx.world_size, "strategy_name": self.strategy.name,
+                     "job_world": self.recorder.job_world, **state.checks.heal_state()}
+        return group.broadcast_state("healing the workers that join", whole, device=self.ctx.device, keep=joining)
 
     def start_from_peer(self, state: TrainState, remake_checks: Callable[[bool], object]) -> None:
         """A worker joining a running job (ctx.joining: its rank of the job), prepared alone: say it is ready,
@@ -337,7 +327,7 @@ class LiveMembership(FixedMembership):
             ctx.group.store, me, members, generation, device=ctx.device, backend=ctx.backend, timeout=self.timeout,
             heartbeat=ctx.heartbeat))
         group.watch = ctx.group.watch
-        received = received_state(self._heal(group, state, epoch), me, members[0], ctx.device)
+        received = check_received(self._heal(group, state, epoch, joining=True)[0], me, members[0])
         if received["strategy_name"] != self.strategy.name:  # --strategy auto: the choice made when the run began
             raise PeerFailure(f"rank {me}: the run trains with {received['strategy_name']}, this worker prepared "
                               f"{self.strategy.name}; it cannot join")

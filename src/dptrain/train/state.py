@@ -70,13 +70,15 @@ class TrainState:
             parts["lr_guard"] = self.checks.lr_guard
         return parts
 
-    def snapshot(self, history: list[dict], position: Optional[Position] = None, into: Optional[dict] = None) -> dict:
+    def snapshot(self, history: list[dict], position: Optional[Position] = None, into: Optional[dict] = None,
+                 host: bool = True) -> dict:
         """This rank's state now, in host memory (what a checkpoint holds), to return to after a membership
         change; `position`: where within the epoch it stands (a commit's); `into`: a snapshot no longer needed,
-        whose buffers this one reuses (dptrain.train.host_copy)."""
+        whose buffers this one reuses (dptrain.train.host_copy). `host=False`: the state_dicts' own tensors
+        where they are (to send them on at once, healing a joiner), no copy."""
         parts = {name: part.state_dict() for name, part in self.parts().items() if part is not None}
         return {"step": self.step, "rng": checkpoint_files.rng_state(), "history": list(history),
-                "position": position, **host_copy(parts, into)}
+                "position": position, **(host_copy(parts, into) if host else parts)}
 
     def load(self, saved: dict) -> None:
         """Back to a `snapshot` (its random state too)."""

@@ -34,7 +34,7 @@ from dptrain.train import checkpoint_files
 from dptrain.train.checkpointer import Checkpointer, describe_interruption
 from dptrain.train.checks import Checks
 from dptrain.train.evaluation import EVAL_BATCH, Evaluator, summarise  # noqa: F401 - EVAL_BATCH, for callers
-from dptrain.train.live import membership_for, received_state, scale_lr  # noqa: F401 - received_state, for callers
+from dptrain.train.live import membership_for, scale_lr
 from dptrain.train.preemption import StopSignals
 from dptrain.train.planner import Planner
 from dptrain.train.recorder import EpochStats, Recorder, Summary
