@@ -17,6 +17,8 @@ from torch import nn
 from distributed import run_distributed, toy_data, toy_model
 from dptrain.data import sharding
 from dptrain.errors import UserError
+from dptrain.runtime.distributed import init_process_group
+from dptrain.runtime.env import detect
 from dptrain.strategies import AllReduce, Sync
 from dptrain.strategies.hierarchical import Hierarchical, assign_nodes
 from dptrain.train.trainer import Trainer
@@ -279,3 +281,29 @@ def test_nodes_from_the_launchers_local_world_size_equal_the_override():
     for env_result, override_result in zip(from_env, overridden):
         assert all(torch.equal(env_result[0][key], override_result[0][key]) for key in env_result[0])
         assert env_result[3] == override_result[3]
+
+
+def _regrouped_worker(rank, world):
+    """Hierarchical on 2 nodes of 2, then a membership change that keeps all four (a new generation of the
+    group): the node and leader groups of the generation before are closed, the new ones work."""
+    ctx = init_process_group(detect())
+    model = _model()
+    strategy = Hierarchical(ranks_per_node=2)
+    strategy.setup(model, _optimizer(model), ctx)
+    old = [strategy._node_group, strategy._leader_group]
+    ctx.group = ctx.group.rebuild(list(range(world)), 1)
+    strategy.rebind(ctx)
+    new = [strategy._node_group, strategy._leader_group]
+    value = torch.tensor([float(rank)])
+    strategy.node_group.all_reduce(value)
+    return [g.closed if g is not None else None for g in old], [g.closed if g is not None else None for g in new], \
+        value.item()
+
+
+def test_a_membership_change_closes_the_node_and_leader_groups_it_replaces():
+    results = run_distributed(_regrouped_worker, 4)
+    for rank, (old, new, node_sum) in enumerate(results):
+        leader = rank in (0, 2)
+        assert old == [True, True if leader else None], (rank, old)  # a non-leader has no leaders' group
+        assert new == [False, False if leader else None], (rank, new)
+        assert node_sum == (0 + 1 if rank < 2 else 2 + 3)

@@ -167,7 +167,12 @@ class Hierarchical(HierarchicalRules, Strategy):
         return self._wrap(init_sync=True)
 
     def _make_groups(self, ctx: DistContext, nodes: list[list[int]]) -> None:
-        """The node groups and the leaders' group for the layout `nodes` (ranks of `ctx.group`)."""
+        """The node groups and the leaders' group for the layout `nodes` (ranks of `ctx.group`); the ones they
+        replace (a membership change) are closed first, their connections dropped (they were made from a group
+        of the generation before, which is gone: nothing is sent on them again)."""
+        for old in (self._node_group, self._leader_group):
+            if old is not None:
+                old.close()
         self.nodes = nodes
         self._node = next(node for node in nodes if ctx.rank in node)
         self._node_of = {ctx.group.members[rank]: index for index, node in enumerate(nodes) for rank in node}
@@ -206,6 +211,9 @@ class Hierarchical(HierarchicalRules, Strategy):
         members = ctx.group.members
         if ctx.world_size == 1:
             self.nodes, self._node, self._node_of = [[0]], [0], {members[0]: 0}
+            for old in (self._node_group, self._leader_group):
+                if old is not None:
+                    old.close()
             self._node_group = self._leader_group = None
             self._buffer_bytes = 0
             return model
