@@ -70,7 +70,7 @@ SIZES = {
 def all_steps() -> list[str]:
     """In the order they run: where the budget runs out, what crosses ranks has been checked first."""
     return (["nccl", "strategy:allreduce"] + [f"ranks:{s}" for s in EVERY_STRATEGY]
-            + ["live:kill", "live:join", "resume:int8", "amp:clip", "torchrun"]
+            + ["live:kill", "live:join", "memory:live", "resume:int8", "amp:clip", "torchrun"]
             + [f"amp:{a}" for a in AMPS] + [f"strategy:{s}" for s in STRATEGIES if s != "allreduce"]
             + [f"{kind}:{model}" for model in MODELS for kind in ("dptrain", "plain")])
 
@@ -312,8 +312,55 @@ def step_torchrun(device: str, sizes: dict, workdir: Path) -> dict:
     return result
 
 
+def step_memory_live(device: str, sizes: dict, workdir: Path) -> dict:
+    """Peak memory on the model's device of one rank training a 25M-parameter MLP with Adam, with live
+    membership (--min-workers 1, a commit every 2 steps: a state kept at each epoch start and commit) and
+    without: the states are kept in host memory (dptrain.train.host_copy), so the difference should be at
+    most 0.1 x the model state (parameters, gradients and Adam's two moments: 16 bytes per parameter)."""
+    import torch
+
+    from dptrain.strategies import AllReduce
+    from dptrain.train.trainer import Trainer
+
+    dev = torch.device(device, 0) if device == "cuda" else torch.device("cpu")
+    width = 2048 if device == "cuda" else 64
+    peaks = {}
+    for live in (False, True):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[layer for _ in range(6) for layer in (torch.nn.Linear(width, width),
+                                                                            torch.nn.ReLU())],
+                                    torch.nn.Linear(width, 10))
+        parameters = sum(p.numel() for p in model.parameters())
+        x, y = torch.randn(512, width), torch.randint(0, 10, (512,))
+        options = {"min_workers": 1, "commit_every_steps": 2} if live else {}
+        trainer = Trainer(model, torch.optim.Adam(model.parameters(), lr=1e-4), strategy=AllReduce(), batch_size=64,
+                          device=device, verbose=False, progress=False, **options)
+        if device == "cuda":
+            torch.cuda.synchronize(dev)
+            torch.cuda.reset_peak_memory_stats(dev)
+        trainer.fit((x, y), epochs=2)
+        peaks[live] = torch.cuda.max_memory_allocated(dev) if device == "cuda" else None
+        del trainer, model
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    model_state = 16 * parameters
+    result = {"parameters": parameters, "model_state_bytes": model_state,
+              "peak_memory_bytes": peaks[True], "peak_memory_without_live_bytes": peaks[False]}
+    if device != "cuda":
+        return {"ok": True, "note": "peak memory is measured on a GPU only", **result}
+    overhead = peaks[True] - peaks[False]
+    result.update(live_overhead_bytes=overhead, live_overhead_of_model_state=round(overhead / model_state, 4),
+                  ok=overhead <= 0.1 * model_state)
+    if not result["ok"]:
+        result["error"] = f"live membership took {overhead / 2 ** 20:,.0f} MiB more on the GPU, above 0.1 x the " \
+                          f"model state ({model_state / 2 ** 20:,.0f} MiB)"
+    return result
+
+
 def run_step(name: str, device: str, sizes: dict, workdir: Path) -> dict:
     kind, _, arg = name.partition(":")
+    if name == "memory:live":
+        return step_memory_live(device, sizes, workdir)
     if kind == "ranks":
         return step_ranks(arg, device, sizes, workdir)
     if kind == "live":
