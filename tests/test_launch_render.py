@@ -591,30 +591,59 @@ def test_setup_lines_run_after_set_e_and_before_the_ranks_start(tmp_path, schedu
     assert file_given.returncode == 0, file_given.stderr
     lines = file_given.stdout.splitlines()
     at = lines.index(f"# Set-up from {tmp_path}/env.sh (--setup):")
-    assert lines[at + 1].startswith("set +u  # ")  # (conda's activate reads unset variables)
-    assert lines[at + 2:at + 5] == ["module load cuda/12", "source /opt/venv/bin/activate", "set -u"]
+    assert lines[at - 1].startswith("set +u  # ")  # (conda's activate reads unset variables)
+    assert lines[at + 1:at + 4] == ["module load cuda/12", "source /opt/venv/bin/activate", "set -u"]
     assert lines.index("set -euo pipefail") < at
     start = next(i for i, line in enumerate(lines) if line.startswith(("srun ", "mpirun ", "start_ranks() {")))
     assert at < start
     typed = dptrain("launch", "--scheduler", scheduler, "--setup", "module load cuda; nvidia-smi -L", "--dry-run",
                     "--", "--out", "run", cwd=tmp_path)
     lines = typed.stdout.splitlines()
-    assert lines[lines.index("# Set-up given with --setup:") + 2] == "module load cuda; nvidia-smi -L"
+    assert lines[lines.index("# Set-up as given (--setup):") + 1] == "module load cuda; nvidia-smi -L"
+
+
+def test_setup_is_repeatable_and_runs_in_the_order_given(tmp_path):
+    # Each --setup is a file (copied in: a requeued job runs what was submitted) or typed lines; a file
+    # whose name has a space is still the file.
+    (tmp_path / "site env.sh").write_text("module purge\nmodule load cuda/12\n")
+    (tmp_path / "venv.sh").write_text("source /opt/venv/bin/activate")
+    result = dptrain("launch", "--scheduler", "slurm", "--setup", "site env.sh", "--setup", "ulimit -n 4096",
+                     "--setup", "venv.sh", "--dry-run", "--", "--out", "run", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert _lines_between(result.stdout, "set +u", "set -u") == [
+        "set +u  # environment scripts (module, conda activate) may read variables that are not set",
+        f"# Set-up from {tmp_path}/site env.sh (--setup):", "module purge", "module load cuda/12",
+        "# Set-up as given (--setup):", "ulimit -n 4096",
+        f"# Set-up from {tmp_path}/venv.sh (--setup):", "source /opt/venv/bin/activate",
+        "set -u"]
+    # run by bash, each block in turn, with unset variables allowed in them only
+    (tmp_path / "venv.sh").write_text('echo "two $UNSET_BY_ANYONE"')
+    script = dptrain("launch", "--scheduler", "slurm", "--setup", "echo one; echo once", "--setup", "venv.sh",
+                     "--dry-run", "--", "--out", "run", cwd=tmp_path).stdout
+    done = subprocess.run(["bash", "-c", "set -euo pipefail\n" + "\n".join(_lines_between(script, "set +u", "set -u"))
+                           + '\necho "$UNSET_BY_ANYONE"'], capture_output=True, text=True, timeout=10)
+    assert done.returncode != 0 and "UNSET_BY_ANYONE: unbound variable" in done.stderr
+    assert done.stdout.splitlines() == ["one", "once", "two "]
 
 
 def test_an_sbatch_option_is_taken_as_typed_even_though_it_starts_with_dashes(tmp_path):
     result = dptrain("launch", "--scheduler", "slurm", "--sbatch-option", "--mem=0", "--sbatch-option=--exclusive",
-                     "--dry-run", "--", "--out", "run", "--epochs", "2", cwd=tmp_path)
+                     "--sbatch-option", "-C a100", "--dry-run", "--", "--out", "run", "--epochs", "2", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
-    assert "#SBATCH --mem=0\n#SBATCH --exclusive\nset -euo pipefail\n" in result.stdout
+    assert "#SBATCH --mem=0\n#SBATCH --exclusive\n#SBATCH -C a100\nset -euo pipefail\n" in result.stdout
     assert f"--epochs 2 --out {tmp_path}/run" in result.stdout  # the words after -- are still train's
 
 
 @pytest.mark.parametrize("words, message", [
     (["--sbatch-option", "mem=0"], "--sbatch-option 'mem=0' is not one sbatch option; give one option on one line "
-                                   "starting with '--', e.g. --sbatch-option '--mem=0'"),
+                                   "starting with '-', e.g. --sbatch-option '--mem=0'"),
     (["--sbatch-option", "--mem=0\n--qos=x"], "--sbatch-option '--mem=0\\n--qos=x' is not one sbatch option; give "
-                                              "one option on one line starting with '--', e.g. --sbatch-option '--mem=0'"),
+                                              "one option on one line starting with '-', e.g. --sbatch-option '--mem=0'"),
+    (["--sbatch-option", "---"], "--sbatch-option '---' is not one sbatch option; give one option on one line "
+                                 "starting with '-', e.g. --sbatch-option '--mem=0'"),
+    (["--setup", "env.sh", "--setup", "mod"], "--setup 'mod' is not a file (in {cwd}); give a file of set-up lines, "
+                                              "or the lines themselves, e.g. --setup 'module load cuda'"),
+    (["--setup", "empty.sh"], "--setup 'empty.sh' is empty; give a file of set-up lines, or leave --setup out"),
     (["--pbs-option", "-l mem=1gb"], "--pbs-option '-l mem=1gb' is for --scheduler pbs, not slurm"),
     (["--setup", "nope.sh"], "--setup 'nope.sh' is not a file (in {cwd}); give a file of set-up lines, or the lines "
                              "themselves, e.g. --setup 'module load cuda'"),
@@ -639,11 +668,23 @@ def test_an_sbatch_option_is_taken_as_typed_even_though_it_starts_with_dashes(tm
      "--setup runs lines in a job script; a Kubernetes pod runs its --image as it is: put the set-up into the image"),
 ])
 def test_a_bad_site_option_is_one_line_and_nothing_is_written(tmp_path, words, message):
+    (tmp_path / "env.sh").write_text("module load cuda\n")
+    (tmp_path / "empty.sh").write_text("\n")
     scheduler = [] if words[0] == "--scheduler" else ["--scheduler", "slurm"]
     result = dptrain("launch", *scheduler, *words, "--", "--out", "run", cwd=tmp_path)
     assert result.returncode == 2
     assert result.stderr.splitlines() == ["dptrain: error: " + message.format(cwd=tmp_path)]
     assert not (tmp_path / "run").exists()
+
+
+def test_a_bad_option_leaves_a_job_script_already_written_as_it_was(tmp_path):
+    first = dptrain("launch", "--scheduler", "slurm", "--mem", "16G", "--", "--out", "run", cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    written = (tmp_path / "run" / "job.slurm").read_text()
+    for words in (["--mem", "16 G"], ["--sbatch-option", "mem=0"], ["--setup", "missing.sh"], ["--mem", "32G"]):
+        again = dptrain("launch", "--scheduler", "slurm", *words, "--", "--out", "run", cwd=tmp_path)
+        assert again.returncode == 2 and len(again.stderr.splitlines()) == 1, again.stderr
+        assert (tmp_path / "run" / "job.slurm").read_text() == written
 
 
 def _threads(text: str, tmp_path: Path, cpus: int, **env: str) -> str:
@@ -664,12 +705,25 @@ def test_without_cpus_per_task_the_threads_are_what_the_node_offers(tmp_path):
     spec = JobSpec(**{**example_spec("slurm", "none").__dict__, "cpus_per_task": None})
     text = slurm.render(spec)
     assert "--cpus-per-task=" not in text  # neither asked of SLURM nor pinned on srun
+    assert _lines_between(text, "# CPU threads per rank", "export OMP_NUM_THREADS") == [
+        "# CPU threads per rank (no --cpus-per-task): SLURM_CPUS_PER_TASK if set, else the CPUs the job was",
+        "# given on this node (SLURM_CPUS_ON_NODE, else nproc) shared among the ranks on it, at least 1. A",
+        "# site's default is often one CPU per rank: for more, give --cpus-per-task N, or --exclusive.",
+        "threads=${SLURM_CPUS_PER_TASK:-$(( ${SLURM_CPUS_ON_NODE:-$(nproc)} / ${SLURM_NTASKS_PER_NODE:-2} ))}",
+        "export OMP_NUM_THREADS=$(( threads > 1 ? threads : 1 ))"]
+    # the job's output says how many, so that one thread per rank is never silent
+    assert ('echo "dptrain: $OMP_NUM_THREADS CPU threads per rank (OMP_NUM_THREADS; --cpus-per-task N asks for N)"'
+            in text.splitlines())
     assert _threads(text, tmp_path, 32, SLURM_NTASKS_PER_NODE="4") == "8"
-    assert _threads(text, tmp_path, 32, SLURM_NTASKS_PER_NODE="4", SLURM_CPUS_PER_TASK="6") == "6"
+    # what SLURM gave the job on the node, not all the node's CPUs, which nproc sees where nothing confines it
+    assert _threads(text, tmp_path, 64, SLURM_NTASKS_PER_NODE="4", SLURM_CPUS_ON_NODE="16") == "4"
+    assert _threads(text, tmp_path, 32, SLURM_NTASKS_PER_NODE="4", SLURM_CPUS_PER_TASK="6",
+                    SLURM_CPUS_ON_NODE="16") == "6"
     assert _threads(text, tmp_path, 3, SLURM_NTASKS_PER_NODE="4") == "1"  # at least 1
     assert _threads(text, tmp_path, 8) == "4"  # no SLURM_NTASKS_PER_NODE: --tasks-per-node (2)
     pbs_text = pbs.render(JobSpec(**{**example_spec("pbs", "none").__dict__, "cpus_per_task": None}))
     assert "#PBS -l select=2:ncpus=2:mpiprocs=2:ngpus=2" in pbs_text.splitlines()
+    assert "threads=$(( $(nproc) / 2 ))" in pbs_text.splitlines()
     assert _threads(pbs_text, tmp_path, 48) == "24"
     given = slurm.render(example_spec("slurm", "none"))  # --cpus-per-task 4: asked for and pinned
     assert "#SBATCH --cpus-per-task=4" in given and " --cpus-per-task=4 " in given
@@ -712,3 +766,22 @@ def test_wait_names_a_requeue_that_started_again_between_two_polls(tmp_path, mon
     assert status.state == "COMPLETED" and status.restarts == 1
     printed = capsys.readouterr().out
     assert printed.count("went back to the queue") == 1 and "(restart 1, RUNNING again)" in printed
+
+
+def test_kubernetes_with_an_absolute_out_writes_the_manifest_here_and_nothing_at_the_pods_path(tmp_path):
+    # --out /.../k8s is the pods' run directory (on a --volume): this machine need not have it, nor make it.
+    pods_path = tmp_path / "not-here" / "srv" / "runs" / "k8s"
+    result = dptrain("launch", "--scheduler", "kubernetes", "--image", "img", "--volume", f"runs:{pods_path.parent}",
+                     "--", "--dataset", "digits", "--out", str(pods_path), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    manifest = tmp_path / "runs" / "k8s" / "job.yaml"
+    assert result.stdout.splitlines()[:2] == [
+        f"dptrain: wrote {manifest}",
+        f"dptrain: the pods write the run into {pods_path} (--out); this machine keeps only the manifest, in "
+        f"{manifest.parent}"]
+    assert not (tmp_path / "not-here").exists()
+    assert f"- {pods_path}\n" in manifest.read_text()  # the pods' --out, as given
+    relative = dptrain("launch", "--scheduler", "kubernetes", "--image", "img", "--", "--dataset", "digits", "--out",
+                       "runs/rel", cwd=tmp_path)
+    assert relative.stdout.splitlines()[0] == f"dptrain: wrote {tmp_path}/runs/rel/job.yaml"
+    assert "keeps only the manifest" not in relative.stdout

@@ -8,6 +8,7 @@ from __future__ import annotations
 import posixpath
 import re
 import shlex
+import textwrap
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -16,6 +17,8 @@ from dptrain.errors import UserError
 
 TIME_PATTERN = re.compile(r"(\d+-)?\d{1,3}:\d{2}:\d{2}")
 MEMORY_PATTERN = re.compile(r"\d+[KMGT]?")  # SLURM's --mem; PBS's mem= is written from it (pbs.memory)
+# One option of a directive line: sbatch's long (--mem=0) or short (-C a100) form; PBS's are short (-l mem=1gb).
+DIRECTIVE_PATTERN = {"slurm": re.compile(r"--?[A-Za-z]"), "pbs": re.compile(r"-[A-Za-z]")}
 SITE_EXAMPLES = {"--mem": "16G", "--qos": "normal", "--constraint": "a100"}
 
 
@@ -64,8 +67,9 @@ class JobSpec:
     exclusive: bool = False  # --exclusive: whole nodes, no other job beside
     sbatch_options: tuple[str, ...] = ()  # --sbatch-option: each one #SBATCH line, verbatim
     pbs_options: tuple[str, ...] = ()  # --pbs-option: each one #PBS line, verbatim
-    setup: str = ""  # --setup: shell lines run before the ranks start, verbatim
-    setup_from: str = ""  # where they came from ("from FILE (--setup)"), said in a comment above them
+    # --setup, in the order given: (where the lines came from, e.g. "from FILE", said in a comment above them;
+    # the shell lines, run verbatim before the ranks start)
+    setup: tuple[tuple[str, str], ...] = ()
     # Kubernetes: the run directory as the pods see it (--out as given: relative to the image's working
     # directory, or absolute, e.g. on a --volume), and the (flag, path) of each file the pods read, as given
     pod_run_dir: str = ""
@@ -113,14 +117,14 @@ class JobSpec:
 
     def _check_site_options(self) -> None:
         """One line for a site option the scheduler has no directive for, or a directive that is not one."""
-        for flag, lines, own, dashes, example in (("--sbatch-option", self.sbatch_options, "slurm", "--", "'--mem=0'"),
-                                                  ("--pbs-option", self.pbs_options, "pbs", "-", "'-l mem=16gb'")):
+        for flag, lines, own, example in (("--sbatch-option", self.sbatch_options, "slurm", "'--mem=0'"),
+                                          ("--pbs-option", self.pbs_options, "pbs", "'-l mem=16gb'")):
             for line in lines:
                 if self.scheduler != own:
                     raise UserError(f"{flag} {line!r} is for --scheduler {own}, not {self.scheduler}")
-                if not line.startswith(dashes) or "\n" in line or "\r" in line or not line[len(dashes):].strip():
+                if not DIRECTIVE_PATTERN[own].match(line) or "\n" in line or "\r" in line:
                     raise UserError(f"{flag} {line!r} is not one {'sbatch' if own == 'slurm' else 'PBS'} option; give "
-                                    f"one option on one line starting with '{dashes}', e.g. {flag} {example}")
+                                    f"one option on one line starting with '-', e.g. {flag} {example}")
         for flag, value in (("--mem", self.mem), ("--qos", self.qos), ("--constraint", self.constraint)):
             if value is not None and (not value or any(character.isspace() for character in value)):
                 raise UserError(f"{flag} {value!r} must be one word without spaces, e.g. {SITE_EXAMPLES[flag]}")
@@ -160,36 +164,48 @@ def header(spec: JobSpec, what: str, own_lines: str = "") -> list[str]:
             + (f" ({own_lines})." if own_lines else ".")]
 
 
-def process_environment(spec: JobSpec, *, cpus_variable: str = "", tasks_variable: str = "") -> list[str]:
+def process_environment(spec: JobSpec, *, cpus_variable: str = "", node_cpus_variable: str = "",
+                        tasks_variable: str = "") -> list[str]:
     """Script lines every rank's process environment starts from: its CPU threads, and torch's C++ log
     level at ERROR unless the user chose one (torch reads it once, at import, before dptrain runs in a
     rank started by srun, mpirun or torchrun; dptrain's own local workers set it themselves).
 
     The threads are --cpus-per-task when given. Otherwise they are found as the job starts: the
     scheduler's own count of CPUs per task (`cpus_variable`, e.g. SLURM_CPUS_PER_TASK, set when an
-    --sbatch-option gives one) if set, else the CPUs this node lets the job use (nproc) divided among
-    the ranks on it (`tasks_variable` if set, else --tasks-per-node), at least 1."""
+    --sbatch-option gives one) if set, else the CPUs the job was given on this node
+    (`node_cpus_variable`, e.g. SLURM_CPUS_ON_NODE, right also where the job is not confined to its
+    CPUs and nproc counts the whole node; else nproc) divided among the ranks on it (`tasks_variable`
+    if set, else --tasks-per-node), at least 1. Never a fixed 1: a CPU job on whole nodes (--exclusive)
+    uses their cores. The job's output says how many."""
     log_level = 'export TORCH_CPP_LOG_LEVEL="${TORCH_CPP_LOG_LEVEL:-ERROR}"'
     if spec.cpus_per_task is not None:
         return [f"export OMP_NUM_THREADS={spec.cpus_per_task}", log_level]
     tasks = f"${{{tasks_variable}:-{spec.tasks_per_node}}}" if tasks_variable else str(spec.tasks_per_node)
-    offered = f"$(( $(nproc) / {tasks} ))"
-    source = f"{cpus_variable} if set, else " if cpus_variable else ""
-    return [f"# CPU threads per rank (no --cpus-per-task): {source}the CPUs this job may use on this node",
-            "# (nproc) shared among the ranks on it, at least 1.",
+    node = f"${{{node_cpus_variable}:-$(nproc)}}" if node_cpus_variable else "$(nproc)"
+    offered = f"$(( {node} / {tasks} ))"
+    first = f"{cpus_variable} if set, else " if cpus_variable else ""
+    given = f"{node_cpus_variable}, else nproc" if node_cpus_variable else "nproc"
+    comment = (f"CPU threads per rank (no --cpus-per-task): {first}the CPUs the job was given on this node "
+               f"({given}) shared among the ranks on it, at least 1.")
+    if spec.scheduler != "local":  # a batch scheduler's default share, not the node's cores
+        comment += " A site's default is often one CPU per rank: for more, give --cpus-per-task N, or --exclusive."
+    return [*textwrap.wrap(comment, 100, initial_indent="# ", subsequent_indent="# "),
             f"threads={f'${{{cpus_variable}:-{offered}}}' if cpus_variable else offered}",
             "export OMP_NUM_THREADS=$(( threads > 1 ? threads : 1 ))",
+            'echo "dptrain: $OMP_NUM_THREADS CPU threads per rank (OMP_NUM_THREADS; --cpus-per-task N asks for N)"',
             log_level]
 
 
 def setup_lines(spec: JobSpec) -> list[str]:
-    """The user's --setup lines (module load, activating an environment ...), verbatim, under a comment
-    saying where they came from; run once on the first node before the ranks start."""
+    """The user's --setup lines (module load, activating an environment ...), verbatim and in the order
+    given, each block under a comment saying where it came from; run once on the first node before the
+    ranks start."""
     if not spec.setup:
         return []
-    return ["", f"# Set-up {spec.setup_from or 'given with --setup'}:",
-            "set +u  # environment scripts (module, conda activate) may read variables that are not set",
-            *spec.setup.rstrip("\n").split("\n"), "set -u"]
+    lines = ["", "set +u  # environment scripts (module, conda activate) may read variables that are not set"]
+    for where, text in spec.setup:
+        lines += [f"# Set-up {where} (--setup):", *text.rstrip("\n").split("\n")]
+    return [*lines, "set -u"]
 
 
 def train_command(spec: JobSpec, run_dir: str = "") -> list[str]:

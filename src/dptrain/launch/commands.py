@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import posixpath
 import re
 import shlex
 import shutil
@@ -62,8 +63,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpus-per-node", type=int, default=0, help="GPUs to request per node (default: 0)")
     parser.add_argument("--cpus-per-task", type=int, default=None,
                         help="CPU cores per rank; sets OMP_NUM_THREADS (default: none asked for; SLURM, PBS and local "
-                             "jobs set OMP_NUM_THREADS as they start to the CPUs the node lets the job use divided "
-                             "among its ranks, at least 1, or SLURM_CPUS_PER_TASK when set; Kubernetes: 1)")
+                             "jobs set OMP_NUM_THREADS as they start to the CPUs the job was given on the node "
+                             "(SLURM_CPUS_ON_NODE, else nproc) divided among its ranks, at least 1, or "
+                             "SLURM_CPUS_PER_TASK when set, and say it in the job's output; Kubernetes: 1)")
     parser.add_argument("--time", help="wall-time limit HH:MM:SS or D-HH:MM:SS (default: the queue's)")
     parser.add_argument("--partition", help="SLURM partition, PBS queue or Kubernetes Kueue LocalQueue")
     parser.add_argument("--account", help="account to charge")
@@ -74,14 +76,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--constraint", help="SLURM: node features, e.g. a100")
     parser.add_argument("--exclusive", action="store_true", help="SLURM and PBS: whole nodes, shared with no other job")
     parser.add_argument("--sbatch-option", action="append", default=[], metavar="OPTION",
-                        help="SLURM: one more #SBATCH line, written as given, e.g. --sbatch-option '--mem=0' "
-                             "(repeatable)")
+                        help="SLURM: one more #SBATCH line, written as given, e.g. --sbatch-option '--mem=0' or "
+                             "'-C a100' (repeatable)")
     parser.add_argument("--pbs-option", action="append", default=[], metavar="OPTION",
                         help="PBS: one more #PBS line, written as given, e.g. --pbs-option '-l software=x' (repeatable)")
-    parser.add_argument("--setup", metavar="FILE|LINES",
+    parser.add_argument("--setup", action="append", default=[], metavar="FILE|LINES",
                         help="SLURM, PBS and local: shell lines the job script runs before the ranks start, after "
                              "'set -euo pipefail' (e.g. 'module load cuda; source venv/bin/activate'), or a FILE "
-                             "holding them (a value without spaces is a file)")
+                             "holding them, copied into the script (repeatable, run in the order given)")
     parser.add_argument("--python", metavar="PATH",
                         help="the absolute path of the Python that runs dptrain on every rank (default: this one, "
                              f"{sys.executable}; in a --container: dptrain in the image)")
@@ -213,24 +215,35 @@ def check_files(config: TrainConfig, workdir: Path) -> None:
     check_spec_file(config.model, "--model")
 
 
-def read_setup(text: Optional[str], workdir: Path) -> tuple[str, str]:
-    """(lines, where they came from) of --setup: a value without spaces names a file, read here; any other
-    value is the lines themselves."""
-    if text is None:
-        return "", ""
-    if any(character.isspace() for character in text.strip()):
-        return text, "given with --setup"
-    path = (workdir / text).resolve()
-    if not path.is_file():
-        raise UserError(f"--setup {text!r} is not a file (in {workdir}); give a file of set-up lines, or the lines "
-                        "themselves, e.g. --setup 'module load cuda'")
+def is_file(path: Path) -> bool:
+    """Whether `path` is a file; False for what cannot name one (a name too long, a NUL in it)."""
     try:
-        lines = path.read_text()
-    except (OSError, UnicodeDecodeError) as error:
-        raise UserError(f"--setup {text!r} cannot be read as text ({error.__class__.__name__})") from None
-    if not lines.strip():
-        raise UserError(f"--setup {text!r} is empty; give a file of set-up lines, or leave --setup out")
-    return lines, f"from {path} (--setup)"
+        return path.is_file()
+    except (OSError, ValueError):
+        return False
+
+
+def read_setup(values: list[str], workdir: Path) -> tuple[tuple[str, str], ...]:
+    """(where they came from, lines) of each --setup, in order: a value that names a file here is that file's
+    lines, read now and written into the script (a requeued job runs what was submitted, and the nodes need
+    not see the file); any other value with a space is the lines themselves."""
+    blocks = []
+    for text in values:
+        path = (workdir / text).resolve()
+        if not is_file(path):
+            if not text.strip() or not any(character.isspace() for character in text.strip()):
+                raise UserError(f"--setup {text!r} is not a file (in {workdir}); give a file of set-up lines, or the "
+                                "lines themselves, e.g. --setup 'module load cuda'")
+            blocks.append(("as given", text))
+            continue
+        try:
+            lines = path.read_text()
+        except (OSError, UnicodeDecodeError) as error:
+            raise UserError(f"--setup {text!r} cannot be read as text ({error.__class__.__name__})") from None
+        if not lines.strip():
+            raise UserError(f"--setup {text!r} is empty; give a file of set-up lines, or leave --setup out")
+        blocks.append((f"from {path}", lines))
+    return tuple(blocks)
 
 
 def dptrain_command(args: argparse.Namespace, container: Optional[ContainerSpec]) -> str:
@@ -258,6 +271,15 @@ def pod_files(config: Optional[TrainConfig], command: list[str]) -> list[tuple[s
         return [("the command's script", script)] if script else []
     data = config.data and (spec_file(config.data) if looks_like_spec(config.data) else config.data)
     return [(flag, path) for flag, path in (("--data", data), ("--model", spec_file(config.model))) if path]
+
+
+def manifest_dir(out: str, job_name: str) -> str:
+    """Where a Kubernetes manifest is written on this machine: --out as given when relative (the pods take it
+    from the image's working directory); for an absolute --out, a path in the pods (on a --volume, or in the
+    image) that need not exist here, runs/NAME, NAME being its last part (else the job's name)."""
+    if not posixpath.isabs(out):
+        return out
+    return posixpath.join("runs", posixpath.basename(posixpath.normpath(out)) or job_name)
 
 
 def build_spec(args: argparse.Namespace, workdir: Path) -> JobSpec:
@@ -298,9 +320,9 @@ def build_spec(args: argparse.Namespace, workdir: Path) -> JobSpec:
         if container:
             binds += [str((workdir / path).resolve().parent) for path in (config.data, spec_file(config.model))
                       if path]
-    run_dir = (workdir / out).resolve()
-    setup, setup_from = read_setup(args.setup, workdir)
     in_pods = args.scheduler == "kubernetes"
+    run_dir = (workdir / (manifest_dir(out, args.job_name) if in_pods else out)).resolve()
+    setup = read_setup(args.setup, workdir)
     return JobSpec(scheduler=args.scheduler, workdir=str(workdir), run_dir=str(run_dir),
                    train_args=tuple(without_out(train_args)), command=tuple(command), nodes=args.nodes,
                    tasks_per_node=args.tasks_per_node, gpus_per_node=args.gpus_per_node,
@@ -313,7 +335,7 @@ def build_spec(args: argparse.Namespace, workdir: Path) -> JobSpec:
                    replacements=ranks if config is not None and config.replace_workers else 0,
                    mem=args.mem, qos=args.qos, constraint=args.constraint, exclusive=args.exclusive,
                    sbatch_options=tuple(args.sbatch_option), pbs_options=tuple(args.pbs_option), setup=setup,
-                   setup_from=setup_from, pod_run_dir=os.path.normpath(out) if in_pods else "",
+                   pod_run_dir=os.path.normpath(out) if in_pods else "",
                    pod_files=tuple(pod_files(config, command)) if in_pods else ())
 
 
@@ -344,6 +366,9 @@ def main(args: argparse.Namespace) -> int:
     script.write_text(text)
     script.chmod(0o755)
     print(f"dptrain: wrote {script}", flush=True)
+    if spec.pod_run_dir and posixpath.isabs(spec.pod_run_dir):
+        print(f"dptrain: the pods write the run into {spec.pod_run_dir} (--out); this machine keeps only the "
+              f"manifest, in {run_dir}", flush=True)
     if not args.submit:
         # Last on the line and quoted for a shell: a path with a space or a quote pastes as it is.
         submit = shlex.join([*shlex.split(scheduler.SUBMIT_COMMAND), str(script)])

@@ -3,10 +3,11 @@
 # Written by dptrain launch; rerun it rather than editing this file (--setup adds set-up lines).
 set -euo pipefail
 cd /home/ada/project
-# CPU threads per rank (no --cpus-per-task): the CPUs this job may use on this node
-# (nproc) shared among the ranks on it, at least 1.
+# CPU threads per rank (no --cpus-per-task): the CPUs the job was given on this node (nproc) shared
+# among the ranks on it, at least 1.
 threads=$(( $(nproc) / 2 ))
 export OMP_NUM_THREADS=$(( threads > 1 ? threads : 1 ))
+echo "dptrain: $OMP_NUM_THREADS CPU threads per rank (OMP_NUM_THREADS; --cpus-per-task N asks for N)"
 export TORCH_CPP_LOG_LEVEL="${TORCH_CPP_LOG_LEVEL:-ERROR}"
 
 # dptrain's own launcher starts the ranks, stops them all if one fails and passes a stop signal on
