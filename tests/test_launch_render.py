@@ -641,6 +641,7 @@ def test_an_sbatch_option_is_taken_as_typed_even_though_it_starts_with_dashes(tm
                                               "one option on one line starting with '-', e.g. --sbatch-option '--mem=0'"),
     (["--sbatch-option", "---"], "--sbatch-option '---' is not one sbatch option; give one option on one line "
                                  "starting with '-', e.g. --sbatch-option '--mem=0'"),
+    (["--sbatch-option"], "--sbatch-option needs a value (see 'dptrain launch --help')"),
     (["--setup", "env.sh", "--setup", "mod"], "--setup 'mod' is not a file (in {cwd}); give a file of set-up lines, "
                                               "or the lines themselves, e.g. --setup 'module load cuda'"),
     (["--setup", "empty.sh"], "--setup 'empty.sh' is empty; give a file of set-up lines, or leave --setup out"),

@@ -134,13 +134,14 @@ OPTION_VALUED = ("--sbatch-option", "--pbs-option")
 
 def split_argv(words: list[str]) -> tuple[list[str], None]:
     """The words with `--sbatch-option VALUE` joined into `--sbatch-option=VALUE` before the first '--', so that
-    a VALUE starting with '-' is taken as the value it is; nothing is passed on untouched."""
+    a VALUE starting with '-' is taken as the value it is (a '--' right after is no value: the train arguments
+    start there); nothing is passed on untouched."""
     joined: list[str] = []
     at = 0
     while at < len(words):
         if words[at] == "--":
             return joined + list(words[at:]), None
-        if words[at] in OPTION_VALUED and at + 1 < len(words):
+        if words[at] in OPTION_VALUED and at + 1 < len(words) and words[at + 1] != "--":
             joined.append(f"{words[at]}={words[at + 1]}")
             at += 2
             continue
