@@ -110,6 +110,9 @@ EVERY_SETTING = {
     "max_workers": (["--min-workers", "1"], "5", 5),
     "max_restarts": ([], "2", 2),
     "grace": ([], "4", 4.0),
+    "nnodes": (["--master", "node0:29400"], "2", 2),
+    "node_rank": (["--nnodes", "3", "--master", "node0:29400"], "2", 2),
+    "master": (["--nnodes", "2"], "node0:29400", "node0:29400"),
 }
 
 

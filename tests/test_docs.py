@@ -193,7 +193,7 @@ FOREIGN_FLAGS = {"--nproc-per-node": "torchrun", "--ntasks": "srun", "--nodes": 
                  "--fault-report": "pytest", "--save-faults": "pytest", "--logdir": "tensorboard",
                  "--index-url": "pip", "--strict": "mkdocs", "--site-dir": "mkdocs", "--kill-on-bad-exit": "srun",
                  "--overlap": "srun", "--enable-recovery": "mpirun", "--max-np": "horovodrun",
-                 "--mail-type": "sbatch", "--gres-flags": "sbatch"}
+                 "--mail-type": "sbatch", "--gres-flags": "sbatch", "--rdzv-endpoint": "torchrun"}
 TEXT = {page: page.read_text() for page in PAGES}
 
 

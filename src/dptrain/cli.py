@@ -141,7 +141,7 @@ def _train(config) -> int:
     from dptrain.runtime.env import detect
 
     prestarted = None
-    if config.workers > 1 and not detect().launched:
+    if config.workers > 1 and config.nnodes == 1 and not detect().launched:
         from dptrain.exits import skip_finalization
         from dptrain.runtime.prestart import prestart
         prestarted = prestart(config.workers, serve_store=config.min_workers is not None)

@@ -192,6 +192,12 @@ class MembershipSection(_Section):
     grace: Optional[float] = Field(None, gt=0, description="local launcher: seconds the workers have, after a stop "
                                    "signal passed on to them, to save and exit; those still running then are killed "
                                    "and named (default: --timeout; a frozen worker never exits by itself)")
+    nnodes: int = Field(1, ge=1, description="machines that train together without a scheduler (torchrun's "
+                        "--nnodes): run the same command on each, with its own --node-rank; --workers ranks on each")
+    node_rank: int = Field(0, ge=0, description="with --nnodes: this machine's place, 0 to NNODES-1 (node 0 serves "
+                           "the rendezvous at --master)")
+    master: Optional[str] = Field(None, description="with --nnodes: HOST:PORT where node 0 serves the rendezvous "
+                                  "(torchrun's --rdzv-endpoint): node 0's name or address and a free port")
 
 
 SECTIONS: dict[str, type[BaseModel]] = {"data": DataSection, "model": ModelSection, "optimizer": OptimizerSection,
@@ -254,7 +260,34 @@ class TrainConfig(MembershipSection, RunSection, StrategySection, OptimizerSecti
         for rank, factor in self.slow_workers().items():
             if factor < 1:
                 raise ValueError(f"slow_worker factor {factor} for rank {rank} must be at least 1")
+        self._nodes_check()
         return self
+
+    def _nodes_check(self) -> None:
+        """--nnodes, --node-rank and --master together (dptrain.runtime.nodes)."""
+        if self.nnodes == 1:
+            for key, default in (("node_rank", 0), ("master", None)):
+                if getattr(self, key) != default:
+                    raise ValueError(f"{key} applies to several machines (nnodes above 1), not nnodes 1")
+            return
+        if self.node_rank >= self.nnodes:
+            raise ValueError(f"node_rank {self.node_rank} must be 0 to {self.nnodes - 1} with nnodes {self.nnodes}")
+        if self.master is None:
+            raise ValueError(f"nnodes {self.nnodes} needs master HOST:PORT, where node 0 serves the rendezvous "
+                             "(the same on every machine)")
+        from dptrain.runtime.nodes import parse_master
+
+        try:
+            parse_master(self.master, "master")
+        except UserError as exc:
+            raise ValueError(str(exc)) from None
+        for key, given in (("min_workers", self.min_workers is not None), ("replace_workers", self.replace_workers),
+                           ("max_restarts", self.max_restarts > 0)):
+            if given:
+                raise ValueError(f"{key} is not available across machines without a scheduler (nnodes "
+                                 f"{self.nnodes}): each machine's launcher stops its ranks when one fails; start the "
+                                 "same commands again to resume from the last checkpoint, or use a scheduler "
+                                 "(dptrain launch --scheduler slurm or pbs)")
 
     def lr_scale(self, world: int) -> tuple[float, str]:
         """(factor the LR is multiplied by for `world` workers, the rule that gave it): dptrain.lr_policy.lr_scale."""

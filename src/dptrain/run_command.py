@@ -33,7 +33,8 @@ from dptrain.runtime.spawn import spawn_ranks
 
 # The ranks' DPTRAIN_LAUNCHER, which a Trainer records in summary.json (see runtime/env.py's OWN_LAUNCHERS).
 LAUNCHER = "dptrain-run"
-USAGE = "dptrain run [-h] [--workers N] [--max-restarts R] [--timeout S] [--grace S] (SCRIPT | -m MODULE) [ARGS ...]"
+USAGE = ("dptrain run [-h] [--workers N] [--max-restarts R] [--timeout S] [--grace S] "
+         "[--nnodes N --node-rank I --master HOST:PORT] (SCRIPT | -m MODULE) [ARGS ...]")
 EXAMPLE = "dptrain run --workers 2 train.py --epochs 10"
 MODULE_NAME = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
 
@@ -55,6 +56,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--grace", type=float, default=None, metavar="S",
                         help="after passing a stop signal (TERM, USR1, USR2) on to the ranks, seconds they have to "
                              "exit; those still running then are named and killed (default: no limit)")
+    parser.add_argument("--nnodes", type=int, default=1, metavar="N",
+                        help="machines that run the script together without a scheduler (torchrun's --nnodes): run "
+                             "the same command on each with its own --node-rank; --workers ranks on each (default: 1)")
+    parser.add_argument("--node-rank", type=int, default=0, metavar="I",
+                        help="with --nnodes: this machine's place, 0 to N-1 (default: 0)")
+    parser.add_argument("--master", default=None, metavar="HOST:PORT",
+                        help="with --nnodes: where node 0 serves the rendezvous (torchrun's --rdzv-endpoint)")
     parser.add_argument("-m", dest="module", metavar="MODULE", help="run a module, as python -m MODULE does")
 
 
@@ -152,6 +160,17 @@ def main(args: argparse.Namespace) -> int:
         raise UserError(f"dptrain run starts the ranks itself, but was started as rank {outer.rank} of "
                         f"{outer.world_size} (launcher {outer.launcher}); start `{shown}` under that launcher "
                         "directly, or dptrain run outside it")
+    if args.nnodes > 1 or args.node_rank or args.master:
+        from dptrain.runtime.nodes import launch_node, nodes_from
+
+        if args.nnodes == 1:
+            raise UserError("--node-rank and --master apply to several machines: give --nnodes N (N above 1)")
+        if args.max_restarts:
+            raise UserError(f"--max-restarts is not available across machines (--nnodes {args.nnodes}): each "
+                            "machine's launcher stops its ranks when one fails; start the same commands again")
+        nodes = nodes_from(args.nnodes, args.node_rank, args.master)
+        return launch_node(command, args.workers, nodes, timeout=args.timeout, grace=args.grace, noun="rank",
+                           of=f" of `{shown}`", others="the other ranks", threads=ranks_threads(), hand_over=False)
     return run_ranks(command, shown, args.workers, args.max_restarts, args.timeout, args.grace)
 
 

@@ -218,7 +218,7 @@ PROBLEMS: tuple[Problem, ...] = (
             "only the first node works (`launcher: local` in summary.json)",
             "`dptrain train` ran in the batch script itself, not under srun/mpirun, and spawned --workers "
             "processes there", "start it with `srun` or `mpirun`, as the script from `dptrain launch` does",
-            symptom=True, source=('OWN_LAUNCHERS = ("local", "dptrain-run")',)),
+            symptom=True, source=('OWN_LAUNCHERS = ("local", "dptrain-run", "nodes")',)),
     Problem("launch", "A bad --time", "dptrain: error: --time '{value}'{rest}",
             "the scheduler's time limit is written HH:MM:SS (or D-HH:MM:SS)", "write it as 02:00:00",
             case="launch-bad-time"),

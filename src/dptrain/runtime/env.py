@@ -33,9 +33,10 @@ DEFAULT_PORT = 29500
 PORT_BASE, PORT_SPAN = 20000, 20000
 # DPTRAIN_LAUNCHER of the ranks dptrain itself started on this machine: `dptrain train`'s workers
 # ("local": the launcher opened the run directory, checked the data and prints the run's last
-# line) and the ranks of a user's script under `dptrain run` ("dptrain-run": nothing prepared).
-# Both launchers stop every rank on Ctrl-C and say so once, themselves.
-OWN_LAUNCHERS = ("local", "dptrain-run")
+# line) and the ranks of a user's script under `dptrain run` ("dptrain-run": nothing prepared), and one
+# machine's ranks of a job over several without a scheduler ("nodes", dptrain.runtime.nodes: rank 0 opens
+# the run directory, as under torchrun). Each launcher stops its ranks on Ctrl-C and says so once, itself.
+OWN_LAUNCHERS = ("local", "dptrain-run", "nodes")
 # What dptrain.cluster.torchrun calls ranks that only RANK and WORLD_SIZE describe.
 GENERIC_LAUNCHER = "env"
 

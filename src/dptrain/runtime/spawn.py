@@ -88,15 +88,16 @@ class RanksExit:
 
 def worker_env(rank: int, world: int, port: int, threads: int, base: dict[str, str], *,
                master_addr: str = "127.0.0.1", tty: Optional[bool] = None, launcher: str = "local",
-               local_rank: Optional[int] = None) -> dict[str, str]:
+               local_rank: Optional[int] = None, local_world: Optional[int] = None) -> dict[str, str]:
     """A local worker's environment: torchrun's variables on top of `base`. `tty` (default: whether
     our stderr is a terminal) lets rank 0 draw a progress bar although its output is piped;
     `launcher` is DPTRAIN_LAUNCHER, which tells the rank who started it (dptrain.runtime.env);
-    `local_rank` (default: `rank`) is its slot on this machine, its GPU under NCCL."""
+    `local_rank` (default: `rank`) is its slot on this machine, its GPU under NCCL; `local_world` (default:
+    `world`) the ranks on this machine (several machines: dptrain.runtime.nodes)."""
     env = dict(base)
     env.update(
         RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank if local_rank is None else local_rank),
-        LOCAL_WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world if local_world is None else local_world),
         MASTER_ADDR=master_addr, MASTER_PORT=str(port), DPTRAIN_LAUNCHER=launcher,
         OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1",
     )
@@ -147,8 +148,11 @@ def start_ranks(command: Sequence[str], world: int, *, port: int, master_addr: s
                 threads: Optional[int] = None, extra_env: Optional[dict[str, str]] = None,
                 prefix: Optional[Callable[[int], list[str]]] = None, log_dir: Optional[Path] = None,
                 held: bool = False, listener: Optional[socket.socket] = None, launcher: str = "local",
-                serve_store: bool = False) -> "Ranks":
+                serve_store: bool = False, first_rank: int = 0, job_world: Optional[int] = None) -> "Ranks":
     """Start `command` as ranks 0..world-1 (see spawn_ranks) and return them running; `Ranks.wait` waits.
+    With `first_rank` and `job_world` (one machine of several, dptrain.runtime.nodes), they are ranks
+    first_rank..first_rank+world-1 of a job of `job_world`, local ranks 0..world-1 here (`Ranks` and its exits
+    count them from 0; their output is labelled with their rank of the job).
 
     With `held`, each rank's stdin is a pipe and the ranks are meant to wait for one line on it
     (`Ranks.release`), so they can start (import torch) while this process still prepares the run;
@@ -175,8 +179,9 @@ def start_ranks(command: Sequence[str], world: int, *, port: int, master_addr: s
         ranks.pass_on_stop_signals()
     try:
         for rank in range(world):
-            env = worker_env(rank, world, port, threads, base, master_addr=master_addr,
-                             tty=False if log_dir is not None else None, launcher=launcher)
+            env = worker_env(first_rank + rank, job_world or world, port, threads, base, master_addr=master_addr,
+                             tty=False if log_dir is not None else None, launcher=launcher, local_rank=rank,
+                             local_world=world)
             handed: tuple[int, ...] = ()
             if serve_store:
                 env[STORE_SERVED] = "1"
@@ -184,7 +189,7 @@ def start_ranks(command: Sequence[str], world: int, *, port: int, master_addr: s
                 handed = (listener.fileno(),)
                 env[STORE_FD] = str(listener.fileno())
             ranks.start(rank, [*(prefix(rank) if prefix else []), *command], env, held=held, handed=handed,
-                        log_dir=log_dir)
+                        log_dir=log_dir, shown=first_rank + rank)
     except BaseException:
         ranks.close()
         raise
@@ -239,18 +244,20 @@ class Ranks:
             self.handlers = _forward_signals(self.procs, self.forwarded)
 
     def start(self, rank: int, argv: Sequence[str], env: dict[str, str], *, held: bool = False,
-              handed: tuple[int, ...] = (), log_dir: Optional[Path] = None) -> subprocess.Popen:
-        """Start rank `rank` as `argv` with `env`: its output to `log_dir/rankN.log` or prefixed to ours; its
-        exit reported to `wait`."""
+              handed: tuple[int, ...] = (), log_dir: Optional[Path] = None,
+              shown: Optional[int] = None) -> subprocess.Popen:
+        """Start rank `rank` as `argv` with `env`: its output to `log_dir/rankN.log` or prefixed to ours (N:
+        `shown`, its rank of the job, by default `rank`); its exit reported to `wait`."""
         stdin = subprocess.PIPE if held else subprocess.DEVNULL
+        shown = rank if shown is None else shown
         if log_dir is not None:
-            self.logs.append(open(log_dir / f"rank{rank}.log", "wb"))
+            self.logs.append(open(log_dir / f"rank{shown}.log", "wb"))
             proc = subprocess.Popen(argv, env=env, stdout=self.logs[-1], stderr=subprocess.STDOUT, stdin=stdin,
                                     pass_fds=handed)
         else:
             proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=stdin,
                                     pass_fds=handed)
-            label = f"[rank{rank}] ".encode()
+            label = f"[rank{shown}] ".encode()
             for stream, sink in ((proc.stdout, sys.stdout.buffer), (proc.stderr, sys.stderr.buffer)):
                 self.pumps.append(threading.Thread(target=_pump, args=(stream, label, sink, self.interrupted),
                                                    daemon=True))

@@ -12,6 +12,7 @@ import json
 import os
 import signal
 import sys
+import tempfile
 import threading
 from contextlib import ExitStack
 from pathlib import Path
@@ -186,6 +187,8 @@ def _train(config: TrainConfig, prestarted: Optional[Ranks] = None) -> tuple[int
     env = detect()
     if env.launched:
         return 0, run_worker(config, env)
+    if config.nnodes > 1:  # one machine of several: its ranks meet the others' at --master
+        return start_node(config)
     own = None
     handlers = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
     try:
@@ -206,6 +209,25 @@ def _train(config: TrainConfig, prestarted: Optional[Ranks] = None) -> tuple[int
             for signum, handler in handlers.items():
                 if handler is not None and threading.current_thread() is threading.main_thread():
                     signal.signal(signum, handler)
+
+
+def start_node(config: TrainConfig) -> tuple[int, Path]:
+    """This machine's --workers ranks of a job over --nnodes machines (dptrain.runtime.nodes), each started as
+    `dptrain train` with the same settings; its rank 0 opens the run directory, as under torchrun."""
+    from dptrain.runtime.nodes import launch_node, nodes_from
+
+    nodes = nodes_from(config.nnodes, config.node_rank, config.master)
+    _validate(config)  # the same data and model checks as one machine's, on each machine, before any rank starts
+    argv = [sys.executable, "-m", "dptrain", "train", "--config", "-"]
+    quiet_cpp_logs_of_children()
+    text = to_yaml(config)
+    with tempfile.TemporaryDirectory(prefix="dptrain-node-") as folder:
+        settings = Path(folder) / "config.yaml"
+        write_text(settings, text)
+        argv[-1] = str(settings)
+        code = launch_node(argv, config.workers, nodes, timeout=config.timeout,
+                           grace=config.grace if config.grace is not None else config.timeout)
+    return code, Path(config.out) if config.out else Path(".")  # (rank 0 printed the run's last line)
 
 
 def train(config: TrainConfig, prestarted: Optional[Ranks] = None) -> int:
