@@ -8,11 +8,18 @@
 
     if __name__ == "__main__":
         dptrain.run(main)
+
+A user's mistake (dptrain.errors.UserError) ends such a script in one line and exit code 2, with `dptrain.run`
+and without it (the hook dptrain.errors.install_excepthook puts in sys.excepthook, on this import).
 """
 
 import importlib
 
+from dptrain.errors import install_excepthook
+
 __version__ = "0.1.0"
+
+install_excepthook()
 
 # Imported on first use, so that `dptrain --help` or `dptrain launch` do not pay for torch.
 _EXPORTS = {

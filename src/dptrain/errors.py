@@ -1,4 +1,16 @@
-"""Errors a user can cause: reported as one sentence and exit code 2, never a traceback."""
+"""Errors a user can cause: reported as one sentence and exit code 2, never a traceback.
+
+Wherever one is raised: `dptrain` (the command) and `dptrain.run(main)` say it and exit 2, and so does a user's
+own script that lets one go uncaught (`install_excepthook`, done on `import dptrain`). `--debug` or
+DPTRAIN_DEBUG=1 shows the traceback before the line.
+"""
+
+import os
+import sys
+import time
+import traceback
+
+REPORTED_LAST = 0.5  # seconds a rank told of a peer's error waits before it exits (report_user_error)
 
 
 class UserError(Exception):
@@ -9,6 +21,63 @@ class UserError(Exception):
     """
 
     exit_code = 2
+
+
+class UserValueError(UserError, ValueError):
+    """A bad value of an argument of dptrain's Python API (a loss name, an amp setting): a UserError, and the
+    ValueError that Python code catching bad values expects."""
+
+
+class UserTypeError(UserError, TypeError):
+    """An argument of dptrain's Python API of the wrong type (a strategy's name instead of the object): a
+    UserError, and the TypeError that Python code catching wrong types expects."""
+
+
+def debugging() -> bool:
+    """--debug anywhere on the command line, or DPTRAIN_DEBUG=1 (which spawned workers inherit)."""
+    return os.environ.get("DPTRAIN_DEBUG") == "1"
+
+
+def report_user_error(error: UserError) -> int:
+    """Say `error` in one line (`dptrain: error: ...`, its traceback first when debugging) and tell the peers
+    of a process group this process joined, so that they end with its code and no line of their own; its
+    exit code. A peer that failed the same way at once and said so first leaves the line to that peer."""
+    if debugging():
+        traceback.print_exception(error)
+    distributed = sys.modules.get("dptrain.runtime.distributed")  # looked up, not imported: no torch here
+    if distributed is not None:
+        distributed.report_error(error.exit_code)
+    if distributed is not None and distributed.error_said_first() is not None and not debugging():
+        time.sleep(REPORTED_LAST)  # leave after that peer, so that a launcher names the rank whose line says why
+        return error.exit_code
+    print(f"dptrain: error: {error}", file=sys.stderr, flush=True)
+    return error.exit_code
+
+
+def _say_and_exit(kind, error, trace, previous=sys.__excepthook__) -> None:
+    """sys.excepthook: a UserError nobody caught ends the program as under dptrain.run (one line, its exit
+    code); anything else goes to the hook there was before."""
+    if not isinstance(error, UserError):
+        return previous(kind, error, trace)
+    code = report_user_error(error)
+    distributed = sys.modules.get("dptrain.runtime.distributed")
+    if distributed is not None:  # a process group joined: leave without the abort gloo's threads may cause
+        distributed.exit_process(code)
+    sys.exit(code)  # raised in an excepthook, SystemExit sets the exit code
+
+
+def install_excepthook() -> None:
+    """Have a user's script that lets a UserError go uncaught end with its one line and exit code 2 instead of a
+    traceback (DPTRAIN_DEBUG=1: the traceback too); every other exception reaches the hook installed before."""
+    if getattr(sys.excepthook, "dptrain", False):
+        return
+    previous = sys.excepthook
+
+    def hook(kind, error, trace) -> None:
+        _say_and_exit(kind, error, trace, previous)
+
+    hook.dptrain = True
+    sys.excepthook = hook
 
 
 class Preempted(Exception):

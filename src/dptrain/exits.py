@@ -23,10 +23,9 @@ import time
 import traceback
 from typing import Any, Callable, NoReturn
 
-from dptrain.errors import Interrupted, Preempted, StoppedStarting, UserError
+from dptrain.errors import (REPORTED_LAST, Interrupted, Preempted, StoppedStarting, UserError, debugging,
+                            report_user_error)
 
-
-REPORTED_LAST = 0.5  # seconds a rank told of a peer's error waits before it exits (report_errors)
 _FINALIZE = True  # whether `run` lets a process that joined no process group finalize the interpreter
 
 
@@ -41,27 +40,13 @@ def skip_finalization() -> None:
     _FINALIZE = False
 
 
-def debugging() -> bool:
-    """--debug anywhere on the command line, or DPTRAIN_DEBUG=1 (which spawned workers inherit)."""
-    return os.environ.get("DPTRAIN_DEBUG") == "1"
-
-
 def report_errors(main: Callable[[], Any]) -> int:
     """main()'s exit code (an int it returns, else 0), or the code of the known failure it raised, said in one line."""
     try:
         result = main()
         return result if isinstance(result, int) and not isinstance(result, bool) else 0
     except UserError as exc:
-        if debugging():
-            traceback.print_exc()
-        distributed = sys.modules.get("dptrain.runtime.distributed")
-        if distributed is not None:  # a script's own group: the peers end with this code, without a line
-            distributed.report_error(exc.exit_code)
-        if distributed is not None and distributed.error_said_first() is not None and not debugging():
-            time.sleep(REPORTED_LAST)  # a peer failed the same way at once and said so first: leave after it
-            return exc.exit_code
-        print(f"dptrain: error: {exc}", file=sys.stderr, flush=True)
-        return exc.exit_code
+        return report_user_error(exc)
     except (Preempted, StoppedStarting) as exc:
         print(f"dptrain: {exc}", file=sys.stderr)
         return exc.exit_code
