@@ -18,11 +18,12 @@ from typing import Callable, Iterator, Optional, Union
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler, Subset, default_collate
+from torch.utils.data import DataLoader, Dataset, Sampler, Subset, TensorDataset, default_collate
 
 from dptrain.data.dstensor import DSTensor
-from dptrain.errors import UserError
+from dptrain.errors import UserError, UserTypeError
 from dptrain.data import sharding
+from dptrain.data.labels import check_class_labels
 
 ArrayLike = Union[DSTensor, np.ndarray, torch.Tensor]
 
@@ -162,8 +163,9 @@ class CheckedItems(Dataset):
             raise UserError(f"item {index} of the {self.role} Dataset raised {type(error).__name__}: "
                             f"{str(error).splitlines()[0] if str(error) else ''}") from error
         if not isinstance(item, (tuple, list)) or len(item) != 2:
-            raise UserError(f"item {index} of the {self.role} Dataset is of type {type(item).__name__}; "
-                            "each item must be an (x, y) pair")
+            what = (f"a {type(item).__name__} of {len(item)} values" if isinstance(item, (tuple, list))
+                    else f"of type {type(item).__name__}")
+            raise UserError(f"item {index} of the {self.role} Dataset is {what}; each item must be an (x, y) pair")
         return item
 
 
@@ -175,29 +177,46 @@ def as_dataset(data: TrainData, role: str = "training") -> Dataset:
         return CheckedItems(data, role)
     if isinstance(data, (tuple, list)) and len(data) == 2:
         return ArrayPairs(as_dstensor(data[0]), as_dstensor(data[1]))
-    raise TypeError(f"training and test data must be an (x, y) pair or a torch Dataset, not {type(data).__name__}")
+    what = f"a {type(data).__name__} of {len(data)}" if isinstance(data, (tuple, list)) else type(data).__name__
+    raise UserTypeError(f"training and test data must be an (x, y) pair or a torch Dataset, not {what}")
 
 
-def _known_labels(dataset: Dataset) -> "np.ndarray | None":
-    """Labels a dataset states without reading its items: arrays, a `targets`/`labels` attribute."""
+def known_labels(dataset: Dataset) -> "np.ndarray | None":
+    """Labels a dataset states without reading its items: arrays, a TensorDataset's, a `targets`/`labels`
+    attribute."""
     if isinstance(dataset, ArrayPairs):
         return dataset.labels()
     if isinstance(dataset, CheckedItems):
-        return _known_labels(dataset.dataset)
+        return known_labels(dataset.dataset)
+    if isinstance(dataset, TensorDataset) and len(dataset.tensors) == 2 and dataset.tensors[1].dim() == 1:
+        return dataset.tensors[1].numpy(force=True)
     for name in ("targets", "labels"):
         if hasattr(dataset, name) and not callable(getattr(dataset, name)):
             return np.asarray(getattr(dataset, name))
     if isinstance(dataset, Subset):  # a held-out split: its parent's labels where it states them
-        parent = _known_labels(dataset.dataset)
+        parent = known_labels(dataset.dataset)
         return None if parent is None else parent[np.asarray(dataset.indices)]
     return None
+
+
+def check_known_labels(train: Dataset, test: Optional[Dataset], log: Callable[[str], None]) -> None:
+    """fit's data under a classification loss, as an array file's and a factory's are checked, where the
+    labels are known without reading the items (known_labels): integer class labels 0..C-1
+    (dptrain.data.sources.check_class_labels)."""
+    labels = known_labels(train)
+    if labels is None or labels.dtype.kind not in "iu" or labels.ndim != 1:
+        return
+    tested = known_labels(test) if test is not None else None
+    check_class_labels(labels, "the training data passed to fit", log,
+                       tested if tested is not None and tested.dtype.kind in "iu" else None,
+                       "the test data passed to fit")
 
 
 def labels_of(dataset: Dataset, log: Callable[[str], None] = print,
               read: Optional[Callable[[], np.ndarray]] = None) -> np.ndarray:
     """Every sample's label (for partitioners): from the data, a `targets`/`labels` attribute, or one pass
     (`read`: the labels of every item, read already, instead of that pass)."""
-    known = _known_labels(dataset)
+    known = known_labels(dataset)
     if known is not None:
         return known
     if read is not None:

@@ -47,6 +47,7 @@ from dptrain import registry
 from dptrain.data.dstensor import DSTensor, list_arrays
 from dptrain.data.holdout import HOLD_OUT, hold_out, holding_out_line
 from dptrain.data.image_files import IMAGE_SUFFIXES, class_dirs
+from dptrain.data.labels import negative_label, unseen_label
 from dptrain.errors import UserError, unknown_name
 
 DATASET_NAMES = registry.names("dataset")
@@ -499,15 +500,10 @@ def _scan(path: Path, key: str, tensor: DSTensor) -> tuple[float, float]:
 def _num_classes(path: Path, stats: dict[str, tuple[float, float]]) -> int:
     for key in ("y", "y_test"):
         if key in stats and stats[key][0] < 0:
-            raise UserError(
-                f"array '{key}' in '{path}' has negative class label {int(stats[key][0])}; labels must be 0..C-1."
-            )
+            raise negative_label(f"array '{key}' in '{path}'", stats[key][0])
     train_max = int(stats["y"][1])
     if "y_test" in stats and stats["y_test"][1] > train_max:
-        raise UserError(
-            f"array 'y_test' in '{path}' has class label {int(stats['y_test'][1])} but 'y' only goes up to "
-            f"{train_max}; test labels must be classes seen in training."
-        )
+        raise unseen_label(f"array 'y_test' in '{path}'", stats["y_test"][1], "'y'", train_max)
     if train_max < 1:
         raise UserError(f"array 'y' in '{path}' has only class 0; classification needs at least 2 classes.")
     return train_max + 1

@@ -18,7 +18,8 @@ from torch.utils.data import Dataset, Subset
 
 from dptrain.data.holdout import HOLD_OUT, hold_out, holding_out_line
 from dptrain.data.splits import DataSplits
-from dptrain.data.sampler import CheckedItems, labels_of
+from dptrain.data.sampler import CheckedItems, known_labels, labels_of
+from dptrain.data.labels import check_class_labels
 from dptrain.data.sources import decide_task, first_fraction
 from dptrain.errors import UserError
 from dptrain.user_code import load_callable
@@ -49,8 +50,9 @@ def load_user_data(spec: str, seed: int, test_fraction: float = HOLD_OUT,
         raise UserError(f"data factory {spec} raised {type(error).__name__}: {error}") from error
     train, test = (returned if isinstance(returned, (tuple, list)) and len(returned) == 2 else (returned, None))
     for which, value in (("train", train), ("test", test)):
-        if value is not None and not _is_dataset(value):
-            raise UserError(f"data factory {spec} returned a value of type {type(value).__name__} as its {which} set; "
+        if (value is not None or which == "train") and not _is_dataset(value):
+            got = "None" if value is None else f"a value of type {type(value).__name__}"
+            raise UserError(f"data factory {spec} returned {got} as its {which} set; "
                             "return (train, test) map-style Datasets (test may be None)")
     if len(train) < 2:
         raise UserError(f"data factory {spec} returned a training set of {len(train)} samples; it needs at least 2")
@@ -66,11 +68,12 @@ def describe_splits(train: Dataset, test: Optional[Dataset], spec: str, no_test:
     `check_values`: read every item once first and refuse NaN and infinite values (check_finite)."""
     train = CheckedItems(train, "training")
     test = CheckedItems(test, "test") if test is not None else None
-    read = None  # every training item's label, when check_finite read them
+    read = test_read = None  # every training (test) item's label, when check_finite read them
     if check_values:
         read = check_finite(train, spec)
         if test is not None:
-            check_finite(test, spec)
+            test_read = check_finite(test, spec)
+    test_labels = None if test is None else known_labels(test) if test_read is None else np.asarray(test_read)
     if test is None:
         keep, hold = (part.tolist() for part in hold_out(len(train), seed, test_fraction, at_least_one=True))
         log(holding_out_line(no_test, len(hold), len(train), test_fraction))
@@ -87,7 +90,8 @@ def describe_splits(train: Dataset, test: Optional[Dataset], spec: str, no_test:
         if fraction is not None:
             raise UserError(f"--task classify: {spec} has the label {fraction!r}, which is not a whole "
                             "number; class labels must be 0..C-1")
-        classes = outputs = int(np.max(labels)) + 1
+        classes = outputs = check_class_labels(np.asarray(labels), f"--data {spec}: the training Dataset", log,
+                                               test_labels, f"--data {spec}: the test Dataset")
     return DataSplits(train, test, task, classes, tuple(x.shape), outputs, spec)
 
 
