@@ -13,7 +13,7 @@ import secrets
 import socket
 import time
 import sys
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Iterator, Optional
@@ -43,13 +43,13 @@ RESUMABLE_CHANGES = {"out", "resume", "progress", "timeout", "epochs", "max_rest
 WORKERS = "workers"
 
 
-def claim_run_dir(path: str) -> Path:
+def claim_run_dir(path: str, out: str = "--out") -> Path:
     """Create `path` for a new run (or take an empty one, or one dptrain claimed before, or one whose run
     recorded nothing), refusing one that holds a run's files or files of anything else; marks it as a run
     directory."""
     directory = Path(path)
-    _check_claim(path)
-    _make_run_dir(path)
+    _check_claim(path, out)
+    _make_run_dir(path, out)
     if not (directory / MARKER).exists():
         write_text(directory / MARKER, f"a dptrain run directory\n{RUN_ID}{secrets.token_hex(8)}\n")
     return directory
@@ -72,16 +72,16 @@ def run_id(directory: Path, create: bool = True) -> Optional[str]:
     return made
 
 
-def _check_claim(path: str) -> None:
-    """claim_run_dir's refusals, writing nothing."""
+def _check_claim(path: str, out: str = "--out") -> None:
+    """claim_run_dir's refusals, writing nothing (`out`: how the user named the directory, --out or out=)."""
     directory = Path(path)
     if directory.exists() and not directory.is_dir():
-        raise UserError(f"run directory '{path}' is a file; give --out a new directory")
+        raise UserError(f"run directory '{path}' is a file; give {out} a new directory")
     held = [name for name in RUN_FILES if directory.is_dir() and (directory / name).exists()]
     if held and not recorded_nothing(directory):
-        raise UserError(f"run directory '{path}' already holds a run ({', '.join(held)}); give --out a new directory")
+        raise UserError(f"run directory '{path}' already holds a run ({', '.join(held)}); give {out} a new directory")
     if directory.is_dir() and not (directory / MARKER).exists():
-        _refuse_other_files(path)
+        _refuse_other_files(path, out)
 
 
 def recorded_nothing(directory: Path) -> bool:
@@ -93,12 +93,12 @@ def recorded_nothing(directory: Path) -> bool:
             and not (directory / "checkpoints").exists())
 
 
-def _refuse_other_files(path: str) -> None:
+def _refuse_other_files(path: str, out: str = "--out") -> None:
     """A directory holding files that are not a run's (`--out .` in a project folder) is not taken."""
     others = sorted(entry.name for entry in Path(path).iterdir() if entry.name not in (LOCK_FILE, MARKER))
     if others:
         shown = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
-        raise UserError(f"--out '{path}' holds files that are not a dptrain run ({shown}); give --out a new or "
+        raise UserError(f"{out} '{path}' holds files that are not a dptrain run ({shown}); give {out} a new or "
                         "empty directory")
 
 
@@ -109,11 +109,11 @@ def _is_run_dir(directory: Path) -> bool:
         (directory / "metrics.jsonl").exists() or (directory / "checkpoints").is_dir())
 
 
-def _make_run_dir(path: str) -> bool:
+def _make_run_dir(path: str, out: str = "--out") -> bool:
     """Create the run directory if needed; whether it was created now."""
     directory = Path(path)
     if directory.exists() and not directory.is_dir():
-        raise UserError(f"run directory '{path}' is a file; give --out a new directory")
+        raise UserError(f"run directory '{path}' is a file; give {out} a new directory")
     if directory.is_dir():
         return False
     try:
@@ -124,12 +124,13 @@ def _make_run_dir(path: str) -> bool:
 
 
 LOCK_FILE = "dptrain.lock"
+_HELD: set[Path] = set()  # the run directories this process holds now (lock_run_dir), resolved
 # Where the launcher of a run that takes joiners (--min-workers) serves its store, while it runs: `dptrain join`.
 JOIN_FILE = "join.address"
 
 
 @contextmanager
-def lock_run_dir(path: str) -> Iterator[Path]:
+def lock_run_dir(path: str, out: str = "--out") -> Iterator[Path]:
     """Hold the run directory `path` (created if needed) exclusively while the block runs.
 
     Two runs writing one directory would interleave their metrics and checkpoints. The lock
@@ -139,16 +140,18 @@ def lock_run_dir(path: str) -> Iterator[Path]:
     the lock is taken over. The lock file is removed on release, and a directory this call
     created is removed again if the run left nothing in it (a refused run changes nothing).
     """
-    created = _make_run_dir(path)
+    created = _make_run_dir(path, out)
     lock = Path(path) / LOCK_FILE
     try:
-        handle = _acquire(lock, path)
+        handle = _acquire(lock, path, out)
     except BaseException:
         _remove_if_empty(path, created)
         raise
+    _HELD.add(Path(path).resolve())
     try:
         yield Path(path)
     finally:
+        _HELD.discard(Path(path).resolve())
         # Unlink while still holding the lock: a process that opened the old file meanwhile
         # sees that it was replaced (see _acquire) instead of locking a file nobody else will.
         try:
@@ -179,7 +182,7 @@ def check_not_busy(path: str) -> None:
         fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def _acquire(lock: Path, path: str):
+def _acquire(lock: Path, path: str, out: str = "--out"):
     while True:
         try:
             handle = open_private(lock, os.O_RDWR | os.O_APPEND, "a+b", buffering=0)  # unbuffered: a full disk fails the write, not close()
@@ -192,7 +195,7 @@ def _acquire(lock: Path, path: str):
             holder = _holder_when_written(handle)
             handle.close()
             raise UserError(f"run directory '{path}' is in use by another dptrain run ({holder or 'PID not yet written'}); wait for it "
-                            "to end or give --out another directory") from None
+                            f"to end or give {out} another directory") from None
         except OSError as exc:
             if exc.errno not in (errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOLCK):
                 raise
@@ -209,7 +212,7 @@ def _acquire(lock: Path, path: str):
     if previous and not supported and _alive_elsewhere(handle):
         handle.close()
         raise UserError(f"run directory '{path}' is in use by another dptrain run ({previous}); wait for it "
-                        f"to end or give --out another directory (or remove '{lock}' if that run is gone)")
+                        f"to end or give {out} another directory (or remove '{lock}' if that run is gone)")
     if previous:
         print(f"dptrain: taking over run directory '{path}' from a run that ended without releasing it "
               f"({previous})", file=sys.stderr, flush=True)
@@ -343,8 +346,7 @@ def check_run_dir(path: str, settings: dict[str, Any], resume: bool = False, onl
         if resume:
             raise UserError(f"--resume: run directory '{path}' holds no run to continue")
         _refuse_other_files(path)
-    if (directory / "summary.json").exists():
-        raise UserError(f"run directory '{path}' holds a finished run (summary.json); give --out a new directory")
+    _refuse_finished(path)
     if not saved.exists() or recorded_nothing(directory) and not resume:
         if resume:
             raise UserError(f"--resume: run directory '{path}' holds no run to continue")
@@ -364,3 +366,60 @@ def check_run_dir(path: str, settings: dict[str, Any], resume: bool = False, onl
     if resume and not (directory / "checkpoints").is_dir():
         raise UserError(f"--resume: run directory '{path}' has no checkpoint yet")
     return True
+
+
+def _refuse_finished(path: str, out: str = "--out") -> None:
+    if (Path(path) / "summary.json").exists():
+        raise UserError(f"run directory '{path}' holds a finished run (summary.json); give {out} a new directory")
+
+
+API_OUT = "out="  # how the Python API's refusals name the run directory: Trainer(..., out=DIR)
+
+
+def check_api_run_dir(path: str, resume: bool) -> bool:
+    """check_run_dir's rules for a run of the Python API (Trainer(out=...).fit), which records no settings to
+    compare: whether it continues the run in `path` (False: a new run starts there), writing nothing.
+
+    A run of `dptrain train` (config.yaml: its settings are that command's to continue) is refused, and so is a
+    finished run (summary.json), unless `resume=True` and it has checkpoints to train on from; an unfinished run of
+    the API (its metrics, model or checkpoints) is continued with `resume=True` and refused without; where there
+    is no run, `resume=True` starts one (the same script starts a run and continues it after a stop); a directory
+    of other files is refused."""
+    directory = Path(path)
+    if not directory.is_dir():
+        _check_claim(path, API_OUT)
+        return False
+    command_run = (directory / "config.yaml").exists() and _is_run_dir(directory) and not recorded_nothing(directory)
+    if command_run or not (resume and (directory / "checkpoints").is_dir()):
+        _refuse_finished(path, API_OUT)
+    if command_run:
+        raise UserError(f"run directory '{path}' holds a run of `dptrain train` (config.yaml); continue it with "
+                        f"`dptrain train --config {directory / 'config.yaml'}`, or give {API_OUT} a new directory")
+    recorded = [name for name in ("metrics.jsonl", "model.pt", "checkpoints") if (directory / name).exists()]
+    if (directory / MARKER).exists() and recorded:
+        if not resume:
+            raise UserError(f"run directory '{path}' holds an unfinished run ({', '.join(recorded)}); pass "
+                            f"resume=True to continue it, or give {API_OUT} a new directory")
+        return True
+    _check_claim(path, API_OUT)
+    return False
+
+
+def open_for_trainer(out: Optional[Path], resume: bool, ctx, held: ExitStack) -> None:
+    """A Trainer's run directory, opened by the rules `dptrain train` keeps (check_api_run_dir): rank 0 locks it
+    into `held` (kept for the whole fit) and claims it, and every rank raises rank 0's refusal. Nothing is done where
+    the caller opened it: `dptrain train` (its launcher, for its own workers; or this very process, which holds its
+    lock), or where the worker joins a running job."""
+    if out is None or ctx.launcher == "local" or ctx.joining is not None:
+        return
+    refusal = None
+    if ctx.is_main and Path(out).resolve() not in _HELD:
+        try:
+            held.enter_context(lock_run_dir(str(out), API_OUT))
+            if not check_api_run_dir(str(out), resume):
+                claim_run_dir(str(out), API_OUT)
+        except UserError as exc:
+            refusal = str(exc)
+    refusal = ctx.group.broadcast_object("opening the run directory", refusal)
+    if refusal:
+        raise UserError(refusal)

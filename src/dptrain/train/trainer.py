@@ -13,7 +13,9 @@ stop signals; the state they share is one TrainState (state.py).
 
 from __future__ import annotations
 
+import os
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Union
@@ -23,14 +25,15 @@ from torch import nn
 
 from dptrain import faults
 from dptrain.data.fingerprint import fingerprint
-from dptrain.data.sampler import TrainData, as_dataset
-from dptrain.errors import Diverged, Interrupted, Preempted, UserError
+from dptrain.data.sampler import TrainData, as_dataset, check_known_labels
+from dptrain.errors import Diverged, Interrupted, Preempted, UserError, install_excepthook
 from dptrain.runtime.distributed import DistContext, init_process_group
 from dptrain.runtime.env import detect, launcher_reports_interrupts
 from dptrain.runtime.group import PeerFailure
 from dptrain.strategies.base import Strategy
 from dptrain.strategies.rules import step_checkpoints_refused
 from dptrain.train import checkpoint_files
+from dptrain.train.api_checks import check_trainer_arguments
 from dptrain.train.checkpointer import Checkpointer, describe_interruption
 from dptrain.train.checks import Checks
 from dptrain.train.evaluation import EVAL_BATCH, Evaluator, summarise  # noqa: F401 - EVAL_BATCH, for callers
@@ -38,6 +41,7 @@ from dptrain.train.live import membership_for, scale_lr
 from dptrain.train.preemption import StopSignals
 from dptrain.train.planner import Planner
 from dptrain.train.recorder import EpochStats, Recorder, Summary
+from dptrain.train.rundir import open_for_trainer
 from dptrain.train.state import Position, TrainState, options_from
 from dptrain.train.step import AMP_DTYPES, LossFn, Stepper, check_amp, make_loss, timing_step  # noqa: F401
 from dptrain.train.straggler import StepDelay, measure_delay
@@ -78,15 +82,11 @@ class Trainer:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, loss: Union[str, LossFn] = "cross-entropy",
                  strategy: Optional[Strategy] = None, *, run=None, step=None, checkpoints=None, checks=None,
                  membership=None, **keywords) -> None:
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"optimizer must be a torch.optim.Optimizer over the model's parameters, "
-                            f"not {type(optimizer).__name__}")
         given = options_from({"run": run, "step": step, "checkpoints": checkpoints, "checks": checks,
                               "membership": membership}, keywords)
         self.run, self.steps, self.checkpoints = given["run"], given["step"], given["checkpoints"]
         self.check_options, self.membership = given["checks"], given["membership"]
-        if self.steps.amp not in AMP_DTYPES:
-            raise ValueError(f"amp must be one of {sorted(AMP_DTYPES)}, not {self.steps.amp!r}")
+        check_trainer_arguments(model, optimizer, loss, strategy, self.steps.amp)  # a mistake: one line
         if strategy is None:
             from dptrain.strategies.allreduce import AllReduce
             strategy = AllReduce()
@@ -98,6 +98,7 @@ class Trainer:
         self.stop_signals = StopSignals()
         self._slowdown = 1.0
         self.step_delay: Optional[StepDelay] = None  # --slow-worker: measured before training (train.straggler)
+        self._held = ExitStack()
 
     # The settings strategies and callers read (auto also sets the schedule and the LR scale it chose).
     out = property(lambda self: Path(self.run.out) if self.run.out else None)
@@ -122,6 +123,8 @@ class Trainer:
         """Join the process group the launcher describes (a one-rank group when there is none)."""
         run, checkpoints = self.run, self.checkpoints
         self.ctx = ctx = init_process_group(detect(), device=run.device, timeout=run.timeout)
+        install_excepthook()  # over torch's, which init_process_group put over ours (buffering what it prints)
+        open_for_trainer(self.out, checkpoints.resume, ctx, self._held)  # dptrain train's rules; locked until fit ends
         check_amp(self.steps.amp, ctx.device)
         self.stepper = Stepper(ctx, self.loss_fn, self.steps.amp, self.steps.grad_clip, self.optimizer)
         self.model = self.model.to(ctx.device)
@@ -140,8 +143,12 @@ class Trainer:
         items); evaluate on `test` after each epoch; return the Summary (also written to OUT/summary.json).
 
         Ctrl-C raises Interrupted, saying after which epoch and what the same command would do again."""
+        train, test = as_dataset(train), (as_dataset(test, "test") if test is not None else None)
+        if self.classify and self.data_record is None:  # (`dptrain train` checked its data itself)
+            check_known_labels(train, test, print if os.environ.get("RANK", "0") == "0" else lambda line: None)
         try:
-            return self._fit(train, test, epochs)
+            with self._held:  # the run directory's lock (rank 0, from _connect)
+                return self._fit(train, test, epochs)
         except KeyboardInterrupt:
             ctx = getattr(self, "ctx", None)
             # dptrain's own launchers stop every rank and say it once; elsewhere rank 0 says it.
