@@ -98,7 +98,6 @@ class Trainer:
         self.stop_signals = StopSignals()
         self._slowdown = 1.0
         self.step_delay: Optional[StepDelay] = None  # --slow-worker: measured before training (train.straggler)
-        self._held = ExitStack()
 
     # The settings strategies and callers read (auto also sets the schedule and the LR scale it chose).
     out = property(lambda self: Path(self.run.out) if self.run.out else None)
@@ -147,7 +146,7 @@ class Trainer:
         if self.classify and self.data_record is None:  # (`dptrain train` checked its data itself)
             check_known_labels(train, test, print if os.environ.get("RANK", "0") == "0" else lambda line: None)
         try:
-            with self._held:  # the run directory's lock (rank 0, from _connect)
+            with ExitStack() as self._held:  # the run directory's lock (rank 0 takes it in _connect)
                 return self._fit(train, test, epochs)
         except KeyboardInterrupt:
             ctx = getattr(self, "ctx", None)
