@@ -104,6 +104,8 @@ EVERY_SETTING = {
     "out": ([], "OUT", "OUT"),
     "stop_on_collapse": ([], None, True),
     "progress": ([], "no", False),  # --no-progress
+    "tensorboard": ([], None, True),
+    "log_to": ([], "mlflow,wandb", "mlflow,wandb"),
     # membership
     "workers": ([], "4", 4),
     "replace_workers": (["--min-workers", "1"], None, True),

@@ -174,6 +174,20 @@ class RunSection(_Section):
                                                       "row clearly worse than the workers' own models); by default "
                                                       "it is said and recorded, and training goes on")
     progress: bool = Field(True, description="progress bar on rank 0 when the terminal is interactive")
+    tensorboard: bool = Field(False, description="write TensorBoard events in OUT/tensorboard as each epoch ends "
+                              "(tensorboard --logdir OUT/tensorboard); needs the tensorboard package. OUT/metrics.csv "
+                              "is written always")
+    log_to: Optional[str] = Field(None, description="also log each epoch's metrics to mlflow and/or wandb (comma-separated; "
+                                  "the package must be installed), set up by their own variables (MLFLOW_TRACKING_URI, "
+                                  "WANDB_PROJECT, WANDB_MODE=offline)")
+
+    @field_validator("log_to")
+    @classmethod
+    def _loggers_are_known(cls, value: Optional[str]) -> Optional[str]:
+        names = value.split(",") if value else []
+        if value is not None and (not names or any(n not in ("mlflow", "wandb") for n in names) or len(set(names)) < len(names)):
+            raise ValueError("must be mlflow, wandb or both, comma-separated (mlflow,wandb)")
+        return value
 
 
 class MembershipSection(_Section):

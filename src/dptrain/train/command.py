@@ -39,7 +39,7 @@ from dptrain.runtime.prestart import prestart, quiet_cpp_logs_of_children
 from dptrain.runtime.spawn import Ranks
 from dptrain.strategies import build_strategy
 from dptrain.train.optim import build_optimizer
-from dptrain.train import checkpoint_files
+from dptrain.train import checkpoint_files, loggers
 from dptrain.train.rundir import (JOIN_FILE, check_not_busy, check_run_dir, default_run_dir, lock_run_dir, open_run_dir,
                                   run_id)
 from dptrain.train.preemption import (STOP_SIGNALS, catch_stop_signals_early, release_early_stop_signals,
@@ -110,6 +110,7 @@ def check_first(config: TrainConfig) -> None:
     by another run, finished, with other settings). A directory of other files is refused where the run
     directory is opened, after the data: a mistake in the data is the likelier one to fix first."""
     check_model_name(config.model)
+    loggers.check([*(["tensorboard"] if config.tensorboard else []), *(config.log_to.split(",") if config.log_to else [])])
     if config.loss not in BUILTIN_LOSSES:
         check_spec_file(config.loss, "--loss")
     if config.out:
@@ -389,6 +390,7 @@ def train_in_group(config: TrainConfig, env: DistEnv, ctx, held: ExitStack) -> S
                       batch_size=config.batch_size, schedule=schedule, amp=config.amp,
                       grad_clip=config.grad_clip, seed=config.seed, shuffle=config.shuffle,
                       device=config.device, timeout=config.timeout, out=config.out, progress=config.progress,
+                      tensorboard=config.tensorboard, log_to=tuple(config.log_to.split(",")) if config.log_to else (),
                       loader_workers=loader_workers(config.loader_workers, ctx),
                       checkpoint_every=config.checkpoint_every, keep_checkpoints=config.keep_checkpoints,
                       checkpoint_every_steps=config.checkpoint_every_steps,

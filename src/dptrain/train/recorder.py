@@ -1,4 +1,5 @@
-"""What a run reports: per-epoch records (metrics.jsonl), the console line, the progress bar, the summary.
+"""What a run reports: per-epoch records (metrics.jsonl, and through dptrain.train.loggers metrics.csv,
+TensorBoard, MLflow, W&B), the console line, the progress bar, the summary.
 
 Only rank 0 writes and prints; every rank keeps the history, because it goes into each rank's
 checkpoint. Files are written atomically (dptrain.io) into the run directory, created on the
@@ -18,6 +19,7 @@ import torch
 from tqdm import tqdm
 
 from dptrain.io import append_jsonl, make_dirs, save_torch, write_json, write_jsonl
+from dptrain.train.loggers import Loggers
 
 
 @dataclass
@@ -83,8 +85,9 @@ class Recorder:
     """Keeps the history; rank 0 writes metrics.jsonl, prints epoch lines and draws the progress bar."""
 
     def __init__(self, out: Optional[Path], is_main: bool, verbose: bool = True, progress: bool = True,
-                 world_size: int = 1) -> None:
+                 world_size: int = 1, loggers: Optional[Loggers] = None) -> None:
         self.out, self.is_main, self.world_size = out, is_main, world_size
+        self.loggers = loggers if loggers is not None else Loggers()  # metrics.csv, TensorBoard, MLflow, W&B
         self.job_world = world_size  # the workers the job started with; world_size follows the live membership
         self.members: Optional[tuple[int, ...]] = None  # ranks of the job still training, after a membership change
         # Bytes the workers gone from the run had communicated (in the record of the last epoch they trained in):
@@ -97,6 +100,9 @@ class Recorder:
         self.verbose = verbose and is_main
         self.show_progress = self._progress_asked and is_main
         self.history: list[dict] = []
+        if self.is_main and self.out and self.loggers.names:
+            make_dirs(self.out)
+            self.loggers.start(self.out)
 
     def log(self, message: str) -> None:
         if self.verbose:
@@ -186,6 +192,7 @@ class Recorder:
         self.history.append(record)
         if path := self._file("metrics.jsonl"):
             append_jsonl(path, record)
+            self.loggers.epoch(self.out, self.history)
         accuracy = f"  test_acc {test['test_accuracy']:.4f}" if test and test["test_accuracy"] is not None else ""
         test_loss = f"  test_loss {test['test_loss']:.4f}" if test else ""
         # Without a barrier (async) an epoch's record holds this rank's numbers only, until the run
@@ -202,6 +209,7 @@ class Recorder:
         self.history = list(history)
         if path := self._file("metrics.jsonl"):
             write_jsonl(path, self.history)
+            self.loggers.history(self.out, self.history)
 
     def complete(self, workers: dict[int, list[dict]]) -> None:
         """Fill in every worker's numbers {epoch: [worker stats]} where the live records held only one rank's."""
@@ -221,6 +229,7 @@ class Recorder:
         if path := self._file("model.pt"):
             save_torch(path, {k: v.detach().cpu() for k, v in model.state_dict().items()})
             write_json(self.out / "summary.json", summary.to_dict())
+            self.loggers.close(summary.to_dict())
         if os.environ.get("DPTRAIN_LAUNCHER") != "local":
             self.log(summary_line(summary, self.out))
 

@@ -92,8 +92,8 @@ class TrainState:
 # -- the options of a run, by concern ------------------------------------------------------------
 @dataclass
 class RunOptions:
-    """Where the run writes and what it says: OUT's files, lines and progress bars; the device, the wait on
-    another worker, the seed, the shuffle, the data loader's processes."""
+    """Where the run writes and what it says: OUT's files, lines and progress bars, the loggers; the device,
+    the wait on another worker, the seed, the shuffle, the data loader's processes."""
 
     out: Optional[str] = None
     progress: bool = True
@@ -103,6 +103,8 @@ class RunOptions:
     seed: int = 0
     shuffle: str = "global"
     loader_workers: int = 0
+    tensorboard: bool = False  # TensorBoard events in OUT/tensorboard as each epoch ends (dptrain.train.loggers)
+    log_to: tuple = ()  # also "mlflow", "wandb"
 
 
 @dataclass

@@ -38,6 +38,7 @@ from dptrain.train.checkpointer import Checkpointer, describe_interruption
 from dptrain.train.checks import Checks
 from dptrain.train.evaluation import EVAL_BATCH, Evaluator, summarise  # noqa: F401 - EVAL_BATCH, for callers
 from dptrain.train.live import membership_for, scale_lr
+from dptrain.train.loggers import Loggers
 from dptrain.train.preemption import StopSignals
 from dptrain.train.planner import Planner
 from dptrain.train.recorder import EpochStats, Recorder, Summary
@@ -127,7 +128,8 @@ class Trainer:
         check_amp(self.steps.amp, ctx.device)
         self.stepper = Stepper(ctx, self.loss_fn, self.steps.amp, self.steps.grad_clip, self.optimizer)
         self.model = self.model.to(ctx.device)
-        self.recorder = Recorder(self.out, ctx.writes_results, run.verbose, run.progress, ctx.world_size)
+        self.recorder = Recorder(self.out, ctx.writes_results, run.verbose, run.progress, ctx.world_size,
+                                 loggers=Loggers.of_run(run, self.strategy, ctx.world_size, self.batch_size, self.optimizer))
         self.checkpointer = Checkpointer(self.out, ctx, checkpoints.every, checkpoints.keep, self.recorder.log,
                                          checkpoints.every_steps, checkpoints.resume_with_changed_data)
         self.evaluator = Evaluator(ctx, self.loss_fn, self.classify, run.loader_workers, self.batch_size, self.steps.amp)
