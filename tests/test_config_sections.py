@@ -104,6 +104,7 @@ EVERY_SETTING = {
     "out": ([], "OUT", "OUT"),
     "stop_on_collapse": ([], None, True),
     "progress": ([], "no", False),  # --no-progress
+    "accumulate": ([], "4", 4),
     "tensorboard": ([], None, True),
     "log_to": ([], "mlflow,wandb", "mlflow,wandb"),
     # membership

@@ -86,6 +86,9 @@ class OptimizerSection(_Section):
     (dptrain.lr_policy says what they mean)."""
 
     batch_size: int = Field(32, ge=1, description="samples per step and worker")
+    accumulate: int = Field(1, ge=1, description="gradient accumulation: one optimizer step every N batches of "
+                            "--batch-size, so the global batch is batch-size x workers x N (DDP communicates once "
+                            "per step)")
     optimizer: Literal["sgd", "adam", "adamw"] = Field("sgd", description="sgd, adam or adamw")
     lr: Optional[float] = Field(None, gt=0, description="learning rate (default: 0.02 for sgd, 0.01 for adam and "
                                                          "adamw)")

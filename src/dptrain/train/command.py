@@ -142,6 +142,11 @@ def _validate(config: TrainConfig) -> tuple[torch.nn.Module, DataSplits]:
         raise UserError(f"--batch-size {config.batch_size} is larger than a worker's shard of "
                         f"{samples // config.workers} samples ({samples} samples over "
                         f"{config.workers} workers); use at most {samples // config.workers}")
+    if config.batch_size * config.accumulate > samples // config.workers:
+        raise UserError(f"--accumulate {config.accumulate} with --batch-size {config.batch_size} makes a step of "
+                        f"{config.batch_size * config.accumulate} samples per worker, more than a worker's shard of "
+                        f"{samples // config.workers}; use --accumulate {max(1, samples // config.workers // config.batch_size)} "
+                        "or fewer")
     return model, data
 
 
@@ -383,11 +388,15 @@ def train_in_group(config: TrainConfig, env: DistEnv, ctx, held: ExitStack) -> S
     lr = config.lr * factor
     if factor != 1 and ctx.is_main and ctx.joining is None:
         print(lr_policy.lr_line(config, world), flush=True)
+    if config.accumulate > 1 and ctx.is_main and ctx.joining is None:
+        print(f"dptrain: one optimizer step every {config.accumulate} batches of {config.batch_size} (--accumulate "
+              f"{config.accumulate}): a global batch of {config.batch_size} x {world} workers x {config.accumulate} = "
+              f"{config.batch_size * world * config.accumulate} samples", flush=True)
     optimizer = build_optimizer(config.optimizer, model.parameters(), lr=lr, momentum=config.momentum,
                                 nesterov=config.nesterov, weight_decay=config.weight_decay)
     schedule = lr_policy.ConfigSchedule(config, world)
     trainer = Trainer(model, optimizer, build_loss(config, data), build_strategy(config),
-                      batch_size=config.batch_size, schedule=schedule, amp=config.amp,
+                      batch_size=config.batch_size, accumulate=config.accumulate, schedule=schedule, amp=config.amp,
                       grad_clip=config.grad_clip, seed=config.seed, shuffle=config.shuffle,
                       device=config.device, timeout=config.timeout, out=config.out, progress=config.progress,
                       tensorboard=config.tensorboard, log_to=tuple(config.log_to.split(",")) if config.log_to else (),

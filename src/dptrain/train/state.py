@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from dptrain.data.sampler import Rest
+from dptrain.errors import UserValueError
 from dptrain.train import checkpoint_files
 from dptrain.train.host_copy import host_copy
 
@@ -109,12 +110,20 @@ class RunOptions:
 
 @dataclass
 class StepOptions:
-    """How each step trains: the batch, the LR schedule, the precision, gradient clipping."""
+    """How each step trains: the batch (`accumulate` batches of `batch_size` per step), the LR schedule, the
+    precision, gradient clipping."""
 
     batch_size: int = 32
+    accumulate: int = 1  # an optimizer step every N batches of batch_size (gradient accumulation)
     schedule: Optional[Callable] = None
     amp: str = "none"
     grad_clip: Optional[float] = None
+
+    def __post_init__(self) -> None:
+        for name in ("batch_size", "accumulate"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise UserValueError(f"{name} must be a whole number of at least 1, not {value!r}")
 
 
 @dataclass

@@ -55,22 +55,32 @@ class Stepper:
     """The step of one run: its context, loss, precision, loss scaler, clipping and the strategy it trains with."""
 
     def __init__(self, ctx, loss_fn: LossFn, amp: str, grad_clip: Optional[float],
-                 optimizer: torch.optim.Optimizer) -> None:
+                 optimizer: torch.optim.Optimizer, accumulate: int = 1) -> None:
         self.ctx, self.loss_fn, self.amp, self.grad_clip, self.optimizer = ctx, loss_fn, amp, grad_clip, optimizer
+        self.accumulate = accumulate  # a step's batch holds this many micro-batches (gradient accumulation)
         self.scaler: Optional[torch.amp.GradScaler] = torch.amp.GradScaler("cuda") if amp == "fp16" else None
         self.strategy = None  # set once the strategy is known (after --strategy auto chose)
         self._forward_mark: Optional[tuple] = None  # (the DDP model, its forward pre-hook) for `forward`
         self._in_user_forward = False
 
     def step(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """One optimizer step on the batch (x, y). With `accumulate` N, the batch is N micro-batches (the last
+        may be short), each forward and backward in turn with its loss weighted by its share of the batch, so
+        the gradient is the batch's mean, as one backward of the whole batch would give; under DDP only the
+        last backward communicates (no_sync before it). Returns the batch's loss."""
         device = self.ctx.device
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        dtype = AMP_DTYPES[self.amp]
-        with torch.autocast(device.type, dtype=dtype) if dtype else contextlib.nullcontext():
-            output = self.forward(model, x)
-            loss = self.loss_fn(output.float(), y)
-        scaled = self.scaler.scale(loss) if self.scaler else loss
-        self.ctx.group.bounded("backward", scaled.backward, communication_failed=self.strategy.communication_failed)
+        parts = max(1, min(self.accumulate, len(x)))
+        size = -(-len(x) // parts)
+        chunks = list(zip(x.split(size), y.split(size)))
+        total = x.new_zeros((), dtype=torch.float32)
+        for index, (part_x, part_y) in enumerate(chunks):
+            last = index == len(chunks) - 1
+            quiet = model.no_sync() if not last and isinstance(model, nn.parallel.DistributedDataParallel) \
+                else contextlib.nullcontext()
+            with quiet:
+                loss = self._backward(model, part_x, part_y, len(part_x) / len(x) if len(chunks) > 1 else 1.0)
+            total = total + loss * (len(part_x) / len(x)) if len(chunks) > 1 else loss
         self.strategy.after_backward(model)
         if self.grad_clip is not None:
             if self.scaler:
@@ -82,6 +92,17 @@ class Stepper:
         else:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        return total.detach()
+
+    def _backward(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, share: float) -> torch.Tensor:
+        """Forward and backward of (x, y), its loss weighted by `share` in the gradient; returns the loss."""
+        dtype = AMP_DTYPES[self.amp]
+        with torch.autocast(self.ctx.device.type, dtype=dtype) if dtype else contextlib.nullcontext():
+            output = self.forward(model, x)
+            loss = self.loss_fn(output.float(), y)
+        weighted = loss * share if share != 1.0 else loss
+        scaled = self.scaler.scale(weighted) if self.scaler else weighted
+        self.ctx.group.bounded("backward", scaled.backward, communication_failed=self.strategy.communication_failed)
         return loss.detach()
 
     def forward(self, model: nn.Module, x: torch.Tensor) -> torch.Tensor:

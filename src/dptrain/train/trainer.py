@@ -104,6 +104,7 @@ class Trainer:
     out = property(lambda self: Path(self.run.out) if self.run.out else None)
     resume = property(lambda self: self.checkpoints.resume)
     batch_size = property(lambda self: self.steps.batch_size)
+    step_batch = property(lambda self: self.steps.batch_size * self.steps.accumulate)  # the rows of one step
     seed = property(lambda self: self.run.seed)
     schedule = property(lambda self: self.steps.schedule, lambda self, value: setattr(self.steps, "schedule", value))
     lr_scale = property(lambda self: self.check_options.lr_scale,
@@ -126,7 +127,7 @@ class Trainer:
         install_excepthook()  # over torch's, which init_process_group put over ours (buffering what it prints)
         open_for_trainer(self.out, checkpoints.resume, ctx, self._held)  # dptrain train's rules; locked until fit ends
         check_amp(self.steps.amp, ctx.device)
-        self.stepper = Stepper(ctx, self.loss_fn, self.steps.amp, self.steps.grad_clip, self.optimizer)
+        self.stepper = Stepper(ctx, self.loss_fn, self.steps.amp, self.steps.grad_clip, self.optimizer, self.steps.accumulate)
         self.model = self.model.to(ctx.device)
         self.recorder = Recorder(self.out, ctx.writes_results, run.verbose, run.progress, ctx.world_size,
                                  loggers=Loggers.of_run(run, self.strategy, ctx.world_size, self.batch_size, self.optimizer))
@@ -134,7 +135,7 @@ class Trainer:
                                          checkpoints.every_steps, checkpoints.resume_with_changed_data)
         self.evaluator = Evaluator(ctx, self.loss_fn, self.classify, run.loader_workers, self.batch_size, self.steps.amp)
         self.live = membership_for(ctx, self.recorder, self.membership, timeout=run.timeout, seed=run.seed,
-                                   out=self.out, batch_size=self.batch_size, whole_epoch=lambda epoch, members: self.planner.whole_epoch(epoch, members),
+                                   out=self.out, batch_size=self.step_batch, whole_epoch=lambda epoch, members: self.planner.whole_epoch(epoch, members),
                                    forget_model=self.stepper.forget_model)
         return ctx
 
@@ -194,7 +195,7 @@ class Trainer:
         self.live.bind(strategy, chosen=self.strategy_choice is not None)
         self._train = train
         self.checkpointer.identify(strategy.name, lambda: fingerprint(train), strategy.refuses_other_world)
-        self.planner = Planner(ctx, strategy, train, self.recorder.log, batch_size=self.batch_size, seed=self.seed,
+        self.planner = Planner(ctx, strategy, train, self.recorder.log, batch_size=self.step_batch, seed=self.seed,
                                shuffle=self.run.shuffle, loader_workers=self.run.loader_workers,
                                checkpoint_every_steps=self.checkpoints.every_steps, schedule=self.schedule)
         plan = self.planner.plan(None)
@@ -373,7 +374,7 @@ class Trainer:
             self.recorder.resume_without(min(len(members), ctx.world_size))
         if position and len(members) != ctx.world_size:  # (never taken after rows were shared out again)
             rest = self.planner.whole_epoch(saved["epoch"], members)
-            state.rest = rest.after(position["steps"], tuple(ctx.group.members), self.batch_size)
+            state.rest = rest.after(position["steps"], tuple(ctx.group.members), self.step_batch)
         # a copy draws its own random numbers within the epoch too (its source's stay its source's)
         rng = checkpoint_files.rng_state() if saved["copy"] else saved["rng"]
         state.position = Position.from_saved(position, rng) if position else None
