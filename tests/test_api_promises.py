@@ -266,3 +266,15 @@ def test_labels_from_1_and_gaps_are_said_and_a_test_label_beyond_trainings_refus
         describe_splits(TensorDataset(torch.zeros(6, 4), torch.tensor([0, 1, 2] * 2)),
                         TensorDataset(torch.zeros(2, 4), torch.tensor([7, 0])), "mine.py:make", "", 0,
                         lambda line: None, "auto")
+
+
+def test_an_array_files_labels_from_1_are_said_in_the_same_words(tmp_path):
+    from dptrain.data.sources import load_dataset
+
+    np.savez(tmp_path / "d.npz", x=np.zeros((40, 4), np.float32), y=np.array([1, 2, 3, 1] * 10))
+    said = []
+    load_dataset(None, data_path=str(tmp_path / "d.npz"), check_values=True, log=said.append)
+    assert [line for line in said if "warning" in line] == [
+        f"dptrain: warning: array 'y' in '{tmp_path / 'd.npz'}' has no sample of class 0 (classes 0..3: the largest "
+        "label + 1) (labels from 1 leave class 0 empty); the model's output for it trains towards nothing: number "
+        "the classes 0..C-1 with no gaps"]

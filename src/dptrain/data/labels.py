@@ -33,10 +33,15 @@ def check_class_labels(labels: np.ndarray, what: str, log: Callable[[str], None]
     classes = int(labels.max()) + 1 if labels.size else 0
     if test is not None and test.size and test.max() >= classes:
         raise unseen_label(test_what, test.max(), what, classes - 1)
-    missing = np.setdiff1d(np.arange(classes), np.unique(labels.astype(np.int64, copy=False)))
+    say_missing_classes(np.unique(labels), classes, what, log)
+    return classes
+
+
+def say_missing_classes(present: np.ndarray, classes: int, what: str, log: Callable[[str], None]) -> None:
+    """One `log` line when some of the classes 0..`classes`-1 are not among the labels `present` in `what`."""
+    missing = np.setdiff1d(np.arange(classes), present.astype(np.int64, copy=False))
     if missing.size:
         shown = ", ".join(str(int(c)) for c in missing[:5]) + (f" and {missing.size - 5} more" if missing.size > 5 else "")
         first = " (labels from 1 leave class 0 empty)" if missing[0] == 0 else ""
         log(f"dptrain: warning: {what} has no sample of class {shown} (classes 0..{classes - 1}: the largest label "
             f"+ 1){first}; the model's output for it trains towards nothing: number the classes 0..C-1 with no gaps")
-    return classes

@@ -47,7 +47,7 @@ from dptrain import registry
 from dptrain.data.dstensor import DSTensor, list_arrays
 from dptrain.data.holdout import HOLD_OUT, hold_out, holding_out_line
 from dptrain.data.image_files import IMAGE_SUFFIXES, class_dirs
-from dptrain.data.labels import negative_label, unseen_label
+from dptrain.data.labels import negative_label, say_missing_classes, unseen_label
 from dptrain.errors import UserError, unknown_name
 
 DATASET_NAMES = registry.names("dataset")
@@ -363,6 +363,9 @@ def _load_file(path: Path, name: str | None, seed: int, block_size: int | None, 
             if key in opened:
                 _check_whole_labels(path, key, opened[key])
     num_classes = _num_classes(path, stats) if task == "classification" else None
+    if num_classes is not None and check_values:  # (said once, by the process that validates the run)
+        present = np.unique(np.concatenate([np.unique(y.block(i)) for i in range(y.n_blocks)]))
+        say_missing_classes(present, num_classes, f"array 'y' in '{path}'", log)
     if "x_test" in opened:
         x_train, y_train, x_test, y_test = x, y, opened["x_test"], opened["y_test"]
     else:
