@@ -528,6 +528,9 @@ def _pump(stream: IO[bytes], prefix: bytes, sink: IO[bytes], silenced: Optional[
 
 
 def _prefixed(data: bytes, prefix: bytes) -> bytes:
-    """`prefix` before every line of `data` (which starts at a line start)."""
+    """`prefix` before every line of `data` (which starts at a line start). A line that torch already
+    tagged with the same rank (its C++ warnings and logs print "[rank1]:[W1204 ...] ...") keeps one tag,
+    ours: "[rank1] [W1204 ...] ...", not "[rank1] [rank1]:[W1204 ...] ..."."""
+    theirs = prefix[:-1] + b":" if re.fullmatch(rb"\[rank\d+\] ", prefix) else None
     lines = re.split(rb"(?<=[\r\n])", data)
-    return b"".join(prefix + line for line in lines if line)
+    return b"".join(prefix + (line.removeprefix(theirs) if theirs else line) for line in lines if line)
