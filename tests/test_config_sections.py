@@ -105,6 +105,8 @@ EVERY_SETTING = {
     "stop_on_collapse": ([], None, True),
     "progress": ([], "no", False),  # --no-progress
     "accumulate": ([], "4", 4),
+    "monitor": ([], "test_accuracy", "test_accuracy"),
+    "early_stop_patience": ([], "3", 3),
     "tensorboard": ([], None, True),
     "log_to": ([], "mlflow,wandb", "mlflow,wandb"),
     # membership

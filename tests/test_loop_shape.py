@@ -96,7 +96,8 @@ OLD_KEYWORDS = {"batch_size": 7, "schedule": None, "amp": "bf16", "grad_clip": 1
                 "loader_workers": 2, "checkpoint_every": 2, "keep_checkpoints": 5, "resume": True,
                 "check_averages": False, "stop_on_collapse": True, "lr_scale": 2.0, "checkpoint_every_steps": 4,
                 "min_workers": 1, "max_workers": 3, "lr_rule": None, "commit_every_steps": 2,
-                "resume_with_changed_data": True, "tensorboard": True, "log_to": ("mlflow",), "accumulate": 3}
+                "resume_with_changed_data": True, "tensorboard": True, "log_to": ("mlflow",), "accumulate": 3, "monitor": "test_accuracy",
+                "early_stop_patience": 2}
 
 
 def test_every_keyword_of_old_still_lands_where_it_did():

@@ -169,6 +169,10 @@ class RunSection(_Section):
     keep_checkpoints: int = Field(2, ge=1, description="how many checkpoints to keep")
     resume: bool = Field(False, description="continue the run in --out from its last checkpoint (also automatic when "
                                             "--out holds an unfinished run with the same settings)")
+    monitor: Optional[Literal["test_loss", "test_accuracy"]] = Field(
+        None, description="keep the best model by this test metric in OUT/best.pt (OUT/best.json says its epoch)")
+    early_stop_patience: Optional[int] = Field(None, ge=1, description="stop after N evaluated epochs without a "
+                                               "better --monitor value (test_loss unless --monitor says otherwise)")
     resume_with_changed_data: bool = Field(False, description="continue the run in --out although its training data "
                                                               "changed since its checkpoint (other rows, or other "
                                                               "rows held out); without it such a run is refused")

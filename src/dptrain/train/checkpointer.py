@@ -19,6 +19,7 @@ from dptrain import faults
 from dptrain.runtime.distributed import DistContext
 from dptrain.strategies.rules import RESUME_ON_ANY_NUMBER
 from dptrain.train import checkpoint_files
+from dptrain.train.best import Best
 from dptrain.train.rundir import run_id
 
 
@@ -64,17 +65,21 @@ class Checkpointer:
     `identify` says what each checkpoint's manifest records beside its members: the strategy's name, the
     training data's fingerprint and why the strategy cannot resume on another number of workers."""
 
-    def __init__(self, out: Optional[Path], ctx: DistContext, every: int, keep: int,
-                 log: Callable[[str], None], every_steps: int = 0, changed_data_ok: bool = False) -> None:
-        self.out, self.ctx, self.every, self.keep, self.log = out, ctx, every, keep, log
-        self.every_steps, self.changed_data_ok = every_steps, changed_data_ok
+    def __init__(self, out: Optional[Path], ctx: DistContext, options, log: Callable[[str], None]) -> None:
+        """`options`: the run's CheckpointOptions (dptrain.train.state)."""
+        self.out, self.ctx, self.every, self.keep, self.log = out, ctx, options.every, options.keep, log
+        self.every_steps, self.changed_data_ok = options.every_steps, options.resume_with_changed_data
+        self.best = Best(out, ctx, options.monitor, options.early_stop_patience, log)  # --monitor, early stopping
         self.strategy = "local"
         self._fingerprint: Optional[Callable[[], dict]] = None
         self._data: Optional[dict] = None
         self._other_world_refused: Callable[[bool], Optional[str]] = lambda within: None
 
-    def identify(self, strategy: str, data: Callable[[], dict], other_world_refused: Callable[[bool], Optional[str]]) -> None:
-        self.strategy, self._fingerprint, self._other_world_refused = strategy, data, other_world_refused
+    def identify(self, strategy, data: Callable[[], dict]) -> None:
+        """The strategy the run trains with (its name, why it cannot resume on another number of workers, whether
+        it can stop early) and the training data's fingerprint, for each checkpoint's manifest."""
+        self.strategy, self._fingerprint, self._other_world_refused = strategy.name, data, strategy.refuses_other_world
+        self.best.check_strategy(strategy)
 
     def _data_fingerprint(self) -> Optional[dict]:
         if self._data is None and self._fingerprint is not None:

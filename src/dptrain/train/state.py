@@ -136,6 +136,8 @@ class CheckpointOptions:
     keep: int = 2
     resume: bool = False
     resume_with_changed_data: bool = False
+    monitor: Optional[str] = None  # test_loss or test_accuracy: OUT/best.pt (dptrain.train.best)
+    early_stop_patience: Optional[int] = None  # stop after N evaluated epochs without a better monitored value
 
 
 @dataclass

@@ -131,8 +131,7 @@ class Trainer:
         self.model = self.model.to(ctx.device)
         self.recorder = Recorder(self.out, ctx.writes_results, run.verbose, run.progress, ctx.world_size,
                                  loggers=Loggers.of_run(run, self.strategy, ctx.world_size, self.batch_size, self.optimizer))
-        self.checkpointer = Checkpointer(self.out, ctx, checkpoints.every, checkpoints.keep, self.recorder.log,
-                                         checkpoints.every_steps, checkpoints.resume_with_changed_data)
+        self.checkpointer = Checkpointer(self.out, ctx, checkpoints, self.recorder.log)
         self.evaluator = Evaluator(ctx, self.loss_fn, self.classify, run.loader_workers, self.batch_size, self.steps.amp)
         self.live = membership_for(ctx, self.recorder, self.membership, timeout=run.timeout, seed=run.seed,
                                    out=self.out, batch_size=self.step_batch, whole_epoch=lambda epoch, members: self.planner.whole_epoch(epoch, members),
@@ -165,8 +164,8 @@ class Trainer:
         wall_before = self._begin(state, epochs)
         self.stop_signals.watch()
         self._started = time.perf_counter() - wall_before
-        evaluated = False  # whether the last epoch evaluated the global model
-        while state.epoch < epochs:
+        evaluated = stopped = False  # whether the last epoch evaluated the global model; stopped early
+        while state.epoch < epochs and not stopped:
             if self.live.epoch_begins(state):
                 self.planner.replan(state, epochs)
             try:
@@ -176,11 +175,11 @@ class Trainer:
                 self.planner.replan(state, epochs)
                 continue
             evaluated = done.test is not None
-            self._conclude(state, done, epochs)
+            stopped = self._conclude(state, done, epochs)
             if self.live.epoch_ended(state, epochs):
                 self.planner.replan(state, epochs, state.epoch + 1)
             state.epoch += 1
-        return self._finish(test, epochs, evaluated)
+        return self._finish(test, state.epoch if stopped else epochs, evaluated)
 
     def _prepare(self, train, epochs: int) -> TrainState:
         """The strategy (auto measures and picks one), the first epoch plan and schedule, the strategy's model."""
@@ -194,7 +193,7 @@ class Trainer:
             raise UserError(step_checkpoints_refused(strategy.name, strategy.no_step_checkpoints))
         self.live.bind(strategy, chosen=self.strategy_choice is not None)
         self._train = train
-        self.checkpointer.identify(strategy.name, lambda: fingerprint(train), strategy.refuses_other_world)
+        self.checkpointer.identify(strategy, lambda: fingerprint(train))
         self.planner = Planner(ctx, strategy, train, self.recorder.log, batch_size=self.step_batch, seed=self.seed,
                                shuffle=self.run.shuffle, loader_workers=self.run.loader_workers,
                                checkpoint_every_steps=self.checkpoints.every_steps, schedule=self.schedule)
@@ -287,8 +286,8 @@ class Trainer:
         bar.close()
         return seen, loss_sum
 
-    def _conclude(self, state: TrainState, done: EpochDone, epochs: int) -> None:
-        """The epoch's record, its checks' verdicts, its checkpoint, and the stop when one was agreed."""
+    def _conclude(self, state: TrainState, done: EpochDone, epochs: int) -> bool:
+        """The epoch's record, checks, best model and checkpoint, an agreed stop; whether to stop early here."""
         ctx, epoch = self.ctx, state.epoch
         self.live.lead()
         checked = done.checked if done.recovered is None else {**done.checked, "lr_backoff": done.recovered}
@@ -307,6 +306,7 @@ class Trainer:
             self.checkpointer.prune()  # every rank's file of the last checkpoint is written now
             raise Preempted(f"rank {ctx.rank}: stopped by {done.stop} after epoch {epoch + 1}; a checkpoint is saved "
                             f"in {self.out}: run the same command again to continue")
+        return self.checkpointer.best.epoch_ended(self.history, self.strategy)
 
     def _finish(self, test, epochs: int, evaluated: bool) -> Summary:
         """The final model (after any last communication), its evaluation, the summary."""
