@@ -407,6 +407,29 @@ def test_bad_train_arguments_fail_before_anything_is_written(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+def test_train_arguments_before_the_double_dash_say_to_put_them_after_it(tmp_path):
+    result = dptrain("launch", "--scheduler", "slurm", "--nodes", "2", "--epochs", "3", "--strategy", "sync",
+                     "--out", "run", cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.strip() == (
+        "dptrain: error: --epochs is an option of 'dptrain train', not of 'dptrain launch'; put the train arguments "
+        "after '--': dptrain launch --scheduler slurm --nodes 2 --out run -- --epochs 3 --strategy sync")
+    assert not (tmp_path / "run").exists()
+
+
+def test_only_options_launch_lacks_are_moved_after_the_double_dash():
+    from dptrain.cli import parse_args
+
+    # --partition is launch's (a SLURM partition) as well as train's (fedavg's); before '--' it is launch's.
+    args = parse_args(["launch", "--scheduler", "slurm", "--partition", "gpu", "--", "--epochs", "1"])
+    assert (args.partition, args.train_args) == ("gpu", ["--", "--epochs", "1"])
+    with pytest.raises(UserError) as error:
+        parse_args(["launch", "--scheduler", "local", "--no-progress", "--sbatch-option", "--mem=0", "--lr=0.1",
+                    "--", "--epochs", "1"])
+    assert str(error.value).endswith(": dptrain launch --scheduler local --sbatch-option=--mem=0 -- --no-progress "
+                                     "--lr=0.1 --epochs 1")
+
+
 def _build_lines(text):
     """The docker build and apptainer build command lines of a header or of the printed output."""
     return [line.strip("# ").strip() for line in text.splitlines() if " build " in line and "dptrain" in line

@@ -21,10 +21,10 @@ import shlex
 import shutil
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from dptrain import registry
-from dptrain.arguments import train_config
+from dptrain.arguments import add_config_flags, train_config
 from dptrain.config import TrainConfig
 from dptrain.data.kinds import check_spec
 from dptrain.errors import UserError
@@ -135,19 +135,52 @@ OPTION_VALUED = ("--sbatch-option", "--pbs-option")
 def split_argv(words: list[str]) -> tuple[list[str], None]:
     """The words with `--sbatch-option VALUE` joined into `--sbatch-option=VALUE` before the first '--', so that
     a VALUE starting with '-' is taken as the value it is (a '--' right after is no value: the train arguments
-    start there); nothing is passed on untouched."""
+    start there); nothing is passed on untouched. A `dptrain train` option before the '--' is one line
+    saying where it goes."""
     joined: list[str] = []
     at = 0
     while at < len(words):
         if words[at] == "--":
-            return joined + list(words[at:]), None
+            break
         if words[at] in OPTION_VALUED and at + 1 < len(words) and words[at + 1] != "--":
             joined.append(f"{words[at]}={words[at + 1]}")
             at += 2
             continue
         joined.append(words[at])
         at += 1
-    return joined, None
+    reject_train_options(joined, list(words[at:]))
+    return joined + list(words[at:]), None
+
+
+def _flags(add: Callable[[argparse.ArgumentParser], None]) -> dict[str, bool]:
+    """{--flag: whether it takes a value} of the options `add` puts on a parser."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add(parser)
+    return {flag: action.nargs != 0 for action in parser._actions for flag in action.option_strings}
+
+
+def reject_train_options(ours: list[str], after: list[str]) -> None:
+    """One line when a `dptrain train` option that launch does not have comes before the '--' (`ours`; `after`
+    is the '--' and what follows): forgetting the '--' would otherwise read as an unknown option of launch.
+    The line shows the command with those options moved after the '--'."""
+    launch = _flags(add_arguments)
+    train = _flags(add_config_flags)
+    kept, moved, at, first = [], [], 0, None
+    while at < len(ours):
+        name = ours[at].split("=")[0]
+        if name in train and name not in launch:  # --partition, --out, --grace are launch's own too
+            first = first or name
+            takes_value = train[name] and "=" not in ours[at] and at + 1 < len(ours)
+            moved += ours[at:at + 1 + takes_value]
+            at += 1 + takes_value
+        else:
+            kept.append(ours[at])
+            at += 1
+    if first is None:
+        return
+    rest = after[1:] if after[:1] == ["--"] else after
+    raise UserError(f"{first} is an option of 'dptrain train', not of 'dptrain launch'; put the train arguments "
+                    f"after '--': {shlex.join(['dptrain', 'launch', *kept, '--', *moved, *rest])}")
 
 
 def without_out(train_args: list[str]) -> list[str]:
