@@ -461,6 +461,37 @@ def test_container_recipe_writes_a_dockerfile_its_ignore_file_and_an_apptainer_d
         f"apptainer build dptrain.sif {tmp_path}/image/dptrain.def"]
 
 
+def test_container_recipe_pins_the_torch_installed_here_and_shows_where_a_user_s_packages_go(tmp_path):
+    import importlib.metadata
+
+    result = dptrain("container", "recipe", "--out", "image", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    pinned = f"torch=={importlib.metadata.version('torch').split('+')[0]}"
+    dockerfile = (tmp_path / "image" / "Dockerfile").read_text()
+    definition = (tmp_path / "image" / "dptrain.def").read_text()
+    assert f'RUN python -m pip install "{pinned}" && python -m pip install /opt/dptrain' in dockerfile
+    assert f'    python -m pip install "{pinned}"\n' in definition
+    # The place for the user's own packages: after dptrain's install, before the image's working directory.
+    assert dockerfile.index("# Your own packages") > dockerfile.index("pip install /opt/dptrain")
+    assert "# RUN python -m pip install scikit-learn==" in dockerfile
+    assert definition.index("    # Your own packages") > definition.index("pip install /opt/dptrain")
+    assert definition.index("    # Your own packages") < definition.index("%environment")
+
+
+def test_the_torch_pin_drops_the_local_suffix_and_is_plain_torch_without_one_installed(monkeypatch):
+    import importlib.metadata
+    from dptrain.launch.container_commands import installed_torch
+
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "2.13.0+cu128")
+    assert installed_torch() == "torch==2.13.0"
+
+    def missing(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", missing)
+    assert installed_torch() == "torch"
+
+
 @pytest.fixture
 def source_tree(tmp_path, monkeypatch):
     """A directory that looks like a dptrain checkout, as the working directory."""

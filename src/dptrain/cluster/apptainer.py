@@ -64,6 +64,8 @@ From: {base}
     export PIP_NO_CACHE_DIR=1
     python -m pip install "{torch}"
     python -m pip install {target}
+    # Your own packages (what your --data and --model files or your script import) go here, pinned, e.g.
+    # python -m pip install scikit-learn==1.6.1
 
 %environment
     export PYTHONUNBUFFERED=1

@@ -121,6 +121,8 @@ def dockerfile(base: str = DEFAULT_BASE, torch: str = "torch", *, wheel: Optiona
 FROM {base}
 ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1
 {install}
+# Your own packages (what your --data and --model files or your script import) go here, pinned, e.g.
+# RUN python -m pip install scikit-learn==1.6.1
 WORKDIR /work
 CMD ["dptrain", "info"]
 """

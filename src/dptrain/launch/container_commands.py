@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import os
 import re
 import shlex
@@ -37,7 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                           "from), or from a wheel with --wheel; print the commands that build them.")
     recipe.add_argument("--out", default=".", help="directory for Dockerfile and dptrain.def (default: .)")
     recipe.add_argument("--base", default=udocker.DEFAULT_BASE, help=f"base image (default: {udocker.DEFAULT_BASE})")
-    recipe.add_argument("--torch", default="torch", help="PyTorch requirement to install (default: torch)")
+    recipe.add_argument("--torch", default=installed_torch(),
+                        help="PyTorch requirement to install (default: the version installed here without its local "
+                             f"suffix such as +cpu, {installed_torch()}; 'torch', the newest, where none is)")
     recipe.add_argument("--wheel", default=None, metavar="PATH",
                         help="install dptrain from this wheel (copied into --out, the build context) instead of a "
                              "source tree")
@@ -50,6 +53,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     check.add_argument("--dptrain", default="dptrain", metavar="COMMAND",
                        help="how dptrain is run inside (default: dptrain)")
     check.add_argument("--bind", action="append", default=[], metavar="PATH[:DEST]", help="path to bind in (repeatable)")
+
+
+def installed_torch() -> str:
+    """`torch==VERSION` of the PyTorch installed here, less its local suffix (2.13.0+cpu is 2.13.0, which
+    pip finds for the image's platform), so the image trains with the torch the recipe was written under;
+    `torch` when none is installed."""
+    try:
+        version = importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        return "torch"
+    return f"torch=={version.split('+')[0]}"
 
 
 def main(args: argparse.Namespace) -> int:
