@@ -331,8 +331,48 @@ def open_run_dir(path: str, settings: dict[str, Any], resume: bool = False) -> t
     `recorded_nothing`). Nothing on disk is overwritten before that decision.
     """
     if check_run_dir(path, settings, resume):
+        if (Path(path) / "summary.json").exists():
+            _keep_finished(Path(path), settings)
         return Path(path), True
     return claim_run_dir(path), False
+
+
+def _extension(directory: Path, settings: dict[str, Any]) -> Optional[int]:
+    """The epochs of the finished run in `directory` where `settings` ask for more (--epochs raised), so that it
+    is continued from the checkpoint of its last epoch; None where they do not. One line where that checkpoint is
+    missing."""
+    saved = directory / "config.yaml"
+    if not (directory / "summary.json").exists() or not saved.exists():
+        return None
+    before = read_yaml(saved, "run settings file", f"{RUN_SETTINGS}, or give --out a new directory").get("epochs")
+    asked = settings.get("epochs")
+    if not isinstance(before, int) or not isinstance(asked, int) or asked <= before:
+        return None
+    from dptrain.train import checkpoint_files  # torch: only a run extended needs it
+
+    workers = settings.get(WORKERS) if isinstance(settings.get(WORKERS), int) else 1
+    newest, _ = checkpoint_files.latest_complete(directory, workers)
+    if newest != before:
+        have = f"the newest is of {'epoch ' + str(newest) if isinstance(newest, int) else newest}" if newest else "it has none"
+        raise UserError(f"run directory '{directory}' holds a finished run of {before} epochs without a checkpoint "
+                        f"of its last epoch ({have}), so --epochs {asked} cannot continue it; give --out a new "
+                        "directory")
+    return before
+
+
+def _keep_finished(directory: Path, settings: dict[str, Any]) -> None:
+    """A finished run continued to more epochs: its summary.json and model.pt kept as summary-epoch-E.json and
+    model-epoch-E.pt (the run is unfinished again until its new end), said in one line."""
+    before = _extension(directory, settings)
+    kept = []
+    for name, stem, suffix in (("summary.json", "summary", ".json"), ("model.pt", "model", ".pt")):
+        if (directory / name).exists():
+            target = directory / f"{stem}-epoch-{before}{suffix}"
+            os.replace(directory / name, target)
+            kept.append(target.name)
+    print(f"dptrain: continuing the finished run in {directory} from epoch {before} to {settings['epochs']} "
+          f"(--epochs {settings['epochs']}); its {' and '.join(kept)} are kept; the LR schedule now ends at epoch "
+          f"{settings['epochs']}", flush=True)
 
 
 def check_run_dir(path: str, settings: dict[str, Any], resume: bool = False, only_runs: bool = False) -> bool:
@@ -347,7 +387,8 @@ def check_run_dir(path: str, settings: dict[str, Any], resume: bool = False, onl
         if resume:
             raise UserError(f"--resume: run directory '{path}' holds no run to continue")
         _refuse_other_files(path)
-    _refuse_finished(path)
+    if _extension(directory, settings) is None:  # (a finished run is continued only to more --epochs)
+        _refuse_finished(path)
     if not saved.exists() or recorded_nothing(directory) and not resume:
         if resume:
             raise UserError(f"--resume: run directory '{path}' holds no run to continue")
