@@ -319,6 +319,7 @@ def run_worker(config: TrainConfig, env: DistEnv) -> Summary:
         release_early_stop_signals()
     set_cpu_threads()
     ctx = init_process_group(env, device=config.device, timeout=config.timeout)
+    name_process(ctx, config)
     held = ExitStack()  # the run directory's lock, when this rank holds it
     try:
         return train_in_group(config, env, ctx, held)
@@ -328,6 +329,17 @@ def run_worker(config: TrainConfig, env: DistEnv) -> Summary:
     finally:
         destroy_process_group()
         held.close()
+
+
+def name_process(ctx, config: TrainConfig) -> None:
+    """The rank in this worker's process title, as `ps` and `top` show it ("dptrain train rank 1/4 sync runs/x"),
+    where every worker was `python -m dptrain` before (setproctitle: a well-kept library for it)."""
+    try:
+        from setproctitle import setproctitle
+    except ImportError:  # an environment without it: the title stays the interpreter's
+        return
+    rank = ctx.rank if ctx.joining is None else ctx.joining
+    setproctitle(f"dptrain train rank {rank}/{ctx.world_size} {config.strategy}{' ' + config.out if config.out else ''}")
 
 
 def _goes_on_without_a_rank(env: DistEnv) -> bool:

@@ -1,0 +1,42 @@
+"""Each worker's rank is in its process title (ps, top), not only `python -m dptrain` for all of them."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _titles() -> list[str]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                found.append((entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip())
+            except OSError:
+                continue
+    return found
+
+
+def test_each_worker_shows_its_rank_in_its_process_title(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_",
+                                                                     "DPTRAIN_"))}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
+    out = str(tmp_path / "titled")
+    run = subprocess.Popen([sys.executable, "-m", "dptrain", "train", "--dataset", "digits", "--workers", "2",
+                            "--strategy", "sync", "--epochs", "200", "--no-progress", "--out", out], cwd=tmp_path,
+                           env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    wanted = {f"dptrain train rank {rank}/2 sync {out}" for rank in (0, 1)}
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not wanted <= set(_titles()):
+            time.sleep(0.2)
+        assert wanted <= set(_titles()), [t for t in _titles() if "dptrain" in t]
+    finally:
+        os.killpg(run.pid, signal.SIGKILL)
+        run.wait()
