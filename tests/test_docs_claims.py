@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from dptrain.config import TrainConfig
-from dptrain.lr_policy import lr_scale
+from dptrain.lr_policy import lr_kept_line, lr_scale
 
 ROOT = Path(__file__).resolve().parents[1]
 RECORD = (ROOT / "benchmarks" / "README.md").read_text()
@@ -67,10 +67,14 @@ def test_allreduce_s_accuracy_at_equal_epochs_on_the_page_is_the_recorded_one():
 
 
 def test_auto_keeps_the_lr_of_allreduce_as_the_pages_say():
-    # dptrain train prints its LR line only when the factor is not 1 (dptrain.train.command): none here.
+    # dptrain train says so at start (lr_kept_line): the rule asked for has no effect here.
     for strategy in ("allreduce", "streaming", "hierarchical"):
         assert lr_scale(TrainConfig(strategy=strategy, lr_scaling="auto"), 4) == (1.0, "none")
     assert lr_scale(TrainConfig(strategy="sync", lr_scaling="auto"), 4) == (4.0, "auto")
     text = " ".join(LEARNING_RATE.split())
     assert "`--lr-scaling auto` keeps allreduce's LR, so it gave exactly the default's runs" in text
-    assert "a run that keeps `--lr` prints none" in text
+    assert "where a rule you asked for keeps `--lr` (`auto` under `allreduce`), it says that" in text
+    config = TrainConfig(strategy="allreduce", lr_scaling="auto", lr=0.02)
+    assert lr_kept_line(config, 4) == ("dptrain: allreduce on 4 workers keeps learning rate 0.02 (--lr-scaling auto, "
+                                       "which keeps the LR of allreduce)")
+    assert lr_kept_line(TrainConfig(strategy="allreduce", lr=0.02), 4) is None  # the default rule: nothing to say

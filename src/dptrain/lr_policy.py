@@ -79,6 +79,16 @@ def lr_line(config: Any, world: int) -> str:
             f"--lr-scaling none keeps {config.lr:g}")
 
 
+def lr_kept_line(config: Any, world: int) -> Optional[str]:
+    """The line for a run that asked for an LR rule (not the default) which keeps --lr here (auto under allreduce,
+    any rule on one worker), so that the rule asked for is not silently without effect; None otherwise."""
+    factor, rule = lr_scale(config, world)
+    if factor != 1 or (config.lr_scaling == DEFAULT_LR_SCALING and not config.scale_lr):
+        return None
+    return f"dptrain: {config.strategy} on {world} worker{'s' if world > 1 else ''} keeps learning rate " \
+           f"{config.lr:g} ({rule_asked(config, rule)})"
+
+
 def rule_asked(config: Any, rule: str) -> str:
     """The LR rule in effect and how it came to be: '--lr-scaling sqrt', '--lr-scaling none, the default',
     '--scale-lr, i.e. --lr-scaling linear', '--lr-scaling auto, which keeps the LR of allreduce'."""

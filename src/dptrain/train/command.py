@@ -398,8 +398,10 @@ def train_in_group(config: TrainConfig, env: DistEnv, ctx, held: ExitStack) -> S
     world = ctx.world_size if ctx.joining is None else env.world_size
     factor, _ = lr_policy.lr_scale(config, world)
     lr = config.lr * factor
-    if factor != 1 and ctx.is_main and ctx.joining is None:
-        print(lr_policy.lr_line(config, world), flush=True)
+    if ctx.is_main and ctx.joining is None:
+        said = lr_policy.lr_line(config, world) if factor != 1 else lr_policy.lr_kept_line(config, world)
+        if said:
+            print(said, flush=True)
     if config.accumulate > 1 and ctx.is_main and ctx.joining is None:
         print(f"dptrain: one optimizer step every {config.accumulate} batches of {config.batch_size} (--accumulate "
               f"{config.accumulate}): a global batch of {config.batch_size} x {world} workers x {config.accumulate} = "
