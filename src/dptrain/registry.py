@@ -87,6 +87,10 @@ LAUNCHERS: dict[str, Entry] = {
 CONTAINER_RUNTIMES: dict[str, Entry] = {
     "udocker": Entry("dptrain.cluster.udocker", "rootless through PRoot, a container made by 'dptrain container setup'"),
     "apptainer": Entry("dptrain.cluster.apptainer", "Apptainer or Singularity, one .sif image file"),
+    "pyxis": Entry("dptrain.cluster.pyxis", "enroot through SLURM's pyxis plugin: srun --container-image"),
+    "podman": Entry("dptrain.cluster.podman", "rootless Podman, one podman run per rank"),
+    "charliecloud": Entry("dptrain.cluster.charliecloud", "ch-run on an image directory or a SquashFS file"),
+    "cscs-edf": Entry("dptrain.cluster.cscs_edf", "CSCS Alps' Container Engine: an EDF and srun --environment"),
 }
 
 # Builders `(input_shape, num_outputs, **options) -> nn.Module`; their keyword-only parameters are the options.

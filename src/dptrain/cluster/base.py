@@ -100,7 +100,14 @@ class Scheduler(Protocol):
 
 @runtime_checkable
 class ContainerRuntime(Protocol):
-    """A rootless container runtime that each rank of a job runs in."""
+    """A rootless container runtime that each rank of a job runs in.
+
+    A runtime that is a plugin of srun (pyxis, the CSCS Container Engine) also defines `SCHEDULERS` (the
+    schedulers that can start it; the others refuse it in one line naming `NEEDS`, what it runs through)
+    and `step_options(spec) -> list[str]`, the srun options that start each task in the container, its
+    `wrap` being the plain command. One that needs files beside the job script (the CSCS engine's EDF)
+    defines `files(spec) -> dict[str, str]`, name to text, which `dptrain launch` writes there.
+    """
 
     IMAGE: str  # what --container RUNTIME:IMAGE names, e.g. IMAGE.sif
 

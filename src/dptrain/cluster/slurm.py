@@ -15,7 +15,7 @@ from typing import Mapping, Optional
 import hostlist
 
 from dptrain.cluster.base import Job, Placement, integer
-from dptrain.cluster.containers import rank_command
+from dptrain.cluster.containers import rank_command, step_options
 from dptrain.cluster.spec import (STOP_SIGNALS, JobSpec, command_environment, header, process_environment, quote,
                                   rank_environment, serve_store, setup_lines)
 from dptrain.cluster.submit import JobStatus, run_tool
@@ -104,7 +104,7 @@ def render(spec: JobSpec) -> str:
         *stopping,
         "status=0",
         f"srun --kill-on-bad-exit={0 if spec.elastic else 1} --nodes={spec.nodes} --ntasks-per-node={spec.tasks_per_node} "
-        f"{''.join(option + ' ' for option in cpus_per_task(spec))}{command} || status=$?",
+        f"{''.join(option + ' ' for option in cpus_per_task(spec))}{step_options(spec)}{command} || status=$?",
         *([f'if [ "$status" -ne 0 ] && [ -f {quote([str(Path(spec.run_dir) / "summary.json")])} ]; then',
            '    echo "dptrain: the ranks left finished the run without the ranks that failed (srun exit $status)"',
            "    status=0",

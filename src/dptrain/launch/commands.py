@@ -2,7 +2,7 @@
 optionally submit and follow it.
 
     dptrain launch --scheduler slurm --nodes 2 --tasks-per-node 4 --gpus-per-node 4 \\
-        [--container udocker:NAME | apptainer:IMAGE.sif] [--submit [--wait] | --dry-run] -- <train arguments>
+        [--container RUNTIME:IMAGE] [--submit [--wait] | --dry-run] -- <train arguments>
     dptrain launch --scheduler kubernetes --nodes 2 --gpus-per-node 1 --image IMAGE [--volume CLAIM:PATH] ...
     dptrain launch --scheduler slurm --nodes 2 [--out DIR] ... -- python train.py --epochs 3
 
@@ -30,6 +30,7 @@ from dptrain.data.kinds import check_spec
 from dptrain.errors import UserError
 from dptrain.user_code import check_spec_file, looks_like_spec, spec_file
 from dptrain.io import timestamped
+from dptrain.cluster.containers import files as container_files
 from dptrain.cluster.spec import ContainerSpec, JobSpec
 from dptrain.cluster.submit import follow
 
@@ -397,6 +398,14 @@ def main(args: argparse.Namespace) -> int:
     if script.is_file() and script.read_text() != text:
         raise UserError(f"'{script}' already holds a different job script; give --out a new directory "
                         "(or delete that script to replace it)")
+    beside = {run_dir / name: content for name, content in container_files(spec).items()}
+    for path, content in beside.items():  # (checked before anything is written)
+        if path.is_file() and path.read_text() != content:
+            raise UserError(f"'{path}' already holds a different {spec.container.runtime} file; give --out a new "
+                            "directory (or delete that file to replace it)")
+    for path, content in beside.items():
+        path.write_text(content)
+        print(f"dptrain: wrote {path}", flush=True)
     script.write_text(text)
     script.chmod(0o755)
     print(f"dptrain: wrote {script}", flush=True)
