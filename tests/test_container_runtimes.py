@@ -28,7 +28,7 @@ from dptrain.cluster.spec import ContainerSpec, JobSpec
 from dptrain.errors import UserError
 from dptrain.launch.commands import parse_container
 
-from cluster_fixtures import build_rootfs, runtime_dirs
+from cluster_fixtures import build_rootfs, runtime_dirs, slurm_cluster  # noqa: F401 - a pytest fixture
 from test_launch_render import GOLDEN, REGENERATE, example_spec
 
 SCHEDULERS = {"slurm": slurm, "pbs": pbs, "local": local}
@@ -390,3 +390,23 @@ def test_charliecloud_trains_two_ranks_of_a_local_job_each_in_ch_run(charlieclou
     summary = json.loads((project / "run" / "summary.json").read_text())
     assert summary["workers"] == 2 and summary["test_accuracy"] > 0.5, summary
     assert (project / "run" / "model.pt").is_file() and (project / "run" / "metrics.jsonl").is_file()
+
+
+@pytest.mark.slow
+def test_charliecloud_trains_two_ranks_on_two_slurm_nodes_through_the_real_srun(slurm_cluster, charliecloud_image,
+                                                                               tmp_path):
+    project = tmp_path / "project"
+    project.mkdir()
+    binds = [word for path in runtime_dirs() for word in ("--bind", path)]
+    env = {**os.environ, "USER": os.environ.get("USER") or "root", "SLURM_CONF": slurm_cluster.env["SLURM_CONF"]}
+    done = subprocess.run([sys.executable, "-m", "dptrain", "launch", "--scheduler", "slurm", "--nodes", "2",
+                           "--tasks-per-node", "1", "--container", f"charliecloud:{charliecloud_image}", *binds,
+                           "--dptrain", f"{sys.executable} -m dptrain", "--out", "run", "--submit", "--wait",
+                           "--wait-timeout", "200", "--", *DIGITS], cwd=project, env=env, capture_output=True,
+                          text=True, timeout=240)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-4000:] + slurm_cluster.logs()
+    assert "COMPLETED with exit code 0" in output
+    summary = json.loads((project / "run" / "summary.json").read_text())
+    assert summary["workers"] == 2 and (project / "run" / "model.pt").is_file(), summary
+    assert "rank ch-run -b " in (project / "run" / "job.slurm").read_text()
