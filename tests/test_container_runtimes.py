@@ -410,3 +410,17 @@ def test_charliecloud_trains_two_ranks_on_two_slurm_nodes_through_the_real_srun(
     summary = json.loads((project / "run" / "summary.json").read_text())
     assert summary["workers"] == 2 and (project / "run" / "model.pt").is_file(), summary
     assert "rank ch-run -b " in (project / "run" / "job.slurm").read_text()
+
+
+@pytest.mark.slow
+def test_container_check_runs_dptrain_inside_a_charliecloud_image(charliecloud_image):
+    binds = runtime_dirs()
+    for path in binds:  # (as a job script does for a directory image)
+        (charliecloud_image / path.lstrip("/")).mkdir(parents=True, exist_ok=True)
+    result = subprocess.run([sys.executable, "-m", "dptrain", "container", "check", "--runtime", "charliecloud",
+                             "--name", str(charliecloud_image), "--dptrain", f"{sys.executable} -m dptrain",
+                             *[word for path in binds for word in ("--bind", path)]],
+                            env={**os.environ, "USER": os.environ.get("USER") or "root"}, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.splitlines()[-1].startswith("ok   runs ") and "dptrain 0." in result.stdout

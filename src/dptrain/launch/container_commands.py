@@ -49,7 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     check = actions.add_parser("check", help="check that a container runs dptrain", allow_abbrev=False)
     check.add_argument("--runtime", choices=registry.names("container runtime"), default="udocker",
                        help=f"{', '.join(registry.names('container runtime'))} (default: udocker)")
-    check.add_argument("--name", required=True, metavar="NAME_OR_IMAGE", help="udocker container or .sif image")
+    check.add_argument("--name", required=True, metavar="NAME_OR_IMAGE", help="udocker container, or the image (a .sif, an image directory, a podman image)")
     check.add_argument("--dptrain", default="dptrain", metavar="COMMAND",
                        help="how dptrain is run inside (default: dptrain)")
     check.add_argument("--bind", action="append", default=[], metavar="PATH[:DEST]", help="path to bind in (repeatable)")
