@@ -19,8 +19,6 @@ TIME_PATTERN = re.compile(r"(\d+-)?\d{1,3}:\d{2}:\d{2}")
 MEMORY_PATTERN = re.compile(r"\d+[KMGT]?")  # SLURM's --mem; PBS's mem= is written from it (pbs.memory)
 # One option of a directive line: sbatch's long (--mem=0) or short (-C a100) form; PBS's are short (-l mem=1gb).
 DIRECTIVE_PATTERN = {"slurm": re.compile(r"--?[A-Za-z]"), "pbs": re.compile(r"-[A-Za-z]")}
-# sbatch options that put the batch script itself in a container (pyxis; the CSCS Container Engine).
-SBATCH_CONTAINER_OPTIONS = ("--container-", "--environment")
 SITE_EXAMPLES = {"--mem": "16G", "--qos": "normal", "--constraint": "a100"}
 
 
@@ -112,7 +110,6 @@ class JobSpec:
             raise UserError(f"{flag} is for --scheduler kubernetes; under {self.scheduler} the ranks run on the "
                             "host, or in --container RUNTIME:IMAGE")
         self._check_site_options()
-        self._check_container()
         if not posixpath.isabs(self.workdir) or not posixpath.isabs(self.run_dir):
             raise ValueError("workdir and run_dir must be absolute")
         if self.command and self.train_args:
@@ -148,23 +145,6 @@ class JobSpec:
                                     "--pbs-option '-l ...'")
             if self.mem is not None and int(self.mem.rstrip("KMGT")) == 0:
                 raise UserError("--mem 0 (all of a node's memory) is SLURM's; under PBS give an amount, e.g. --mem 64G")
-
-    def _check_container(self) -> None:
-        """One line for a runtime this scheduler cannot start, or a container asked of sbatch as well."""
-        if self.container is None or self.scheduler == "kubernetes":  # (kubernetes refuses any --container)
-            return
-        given = f"--container {self.container.runtime}:{self.container.image}"
-        runtime = registry.load("container runtime", self.container.runtime)
-        if self.scheduler not in getattr(runtime, "SCHEDULERS", (self.scheduler,)):
-            others = [name for name in registry.names("container runtime") if self.scheduler in
-                      getattr(registry.load("container runtime", name), "SCHEDULERS", (self.scheduler,))]
-            raise UserError(f"{given} starts each rank through {runtime.NEEDS}, which only SLURM jobs have; under "
-                            f"--scheduler {self.scheduler} use one of {', '.join(others)}")
-        for line in self.sbatch_options:
-            if line.startswith(SBATCH_CONTAINER_OPTIONS):
-                raise UserError(f"--sbatch-option {line!r} with {given}: sbatch would run the whole job script in "
-                                "that container, where srun is gone, so no rank could start; drop the "
-                                "--sbatch-option, --container starts one container per rank")
 
     @property
     def world_size(self) -> int:
