@@ -27,6 +27,7 @@ from dptrain.cluster import cscs_edf, local, pbs, slurm
 from dptrain.cluster.spec import ContainerSpec, JobSpec
 from dptrain.errors import UserError
 from dptrain.launch.commands import parse_container
+from dptrain.runtime.env import detect_container
 
 from cluster_fixtures import build_rootfs, runtime_dirs, slurm_cluster  # noqa: F401 - a pytest fixture
 from test_launch_render import GOLDEN, REGENERATE, example_spec
@@ -122,6 +123,12 @@ def test_charliecloud_binds_with_ch_run_and_makes_the_destinations_in_a_director
     assert 'export USER="${USER:-$(id -un)}"\n' in text
     assert "ch-fromhost --nvidia" in text and "ch-fromhost" not in slurm.render(
         spec_of("slurm", "charliecloud", gpus_per_node=0))
+
+
+@pytest.mark.parametrize("env, runtime", [({"CH_RUNNING": "Weird Al Yankovic"}, "charliecloud"),
+                                          ({"container": "podman"}, "podman"), ({"container": "docker"}, None)])
+def test_dptrain_info_names_the_runtime_it_runs_in_from_its_marker(env, runtime):
+    assert detect_container(env) == runtime
 
 
 # ---- bad input: one line, exit 2, nothing written ------------------------------------------------
