@@ -12,6 +12,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _cmdline(entry: Path) -> str:
+    return (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+
+
 def _titles() -> list[str]:
     found = []
     for entry in Path("/proc").iterdir():
@@ -37,6 +41,15 @@ def test_each_worker_shows_its_rank_in_its_process_title(tmp_path):
         while time.monotonic() < deadline and not wanted <= set(_titles()):
             time.sleep(0.2)
         assert wanted <= set(_titles()), [t for t in _titles() if "dptrain" in t]
+        # the process name (comm) has no space: /proc/PID/stat split on spaces keeps its parent (SLURM's
+        # proctrack/linuxproc finds a step's processes so, and signals them)
+        for entry in Path("/proc").iterdir():
+            try:
+                if entry.name.isdigit() and _cmdline(entry) in wanted:
+                    assert (entry / "comm").read_text().strip() == "dptrain"
+                    assert (entry / "stat").read_text().split()[3].isdigit()  # the parent's pid, in field 4
+            except FileNotFoundError:
+                continue
     finally:
         os.killpg(run.pid, signal.SIGKILL)
         run.wait()

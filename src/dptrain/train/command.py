@@ -340,6 +340,12 @@ def name_process(ctx, config: TrainConfig) -> None:
         return
     rank = ctx.rank if ctx.joining is None else ctx.joining
     setproctitle(f"dptrain train rank {rank}/{ctx.world_size} {config.strategy}{' ' + config.out if config.out else ''}")
+    try:  # setproctitle also names the process (comm) after the title's first 15 bytes; with spaces in it,
+        # tools that split /proc/PID/stat on spaces (SLURM's proctrack/linuxproc) lose the process and its signals
+        with open("/proc/self/comm", "w") as comm:
+            comm.write("dptrain")
+    except OSError:
+        pass
 
 
 def _goes_on_without_a_rank(env: DistEnv) -> bool:
@@ -399,13 +405,7 @@ def train_in_group(config: TrainConfig, env: DistEnv, ctx, held: ExitStack) -> S
     factor, _ = lr_policy.lr_scale(config, world)
     lr = config.lr * factor
     if ctx.is_main and ctx.joining is None:
-        said = lr_policy.lr_line(config, world) if factor != 1 else lr_policy.lr_kept_line(config, world)
-        if said:
-            print(said, flush=True)
-    if config.accumulate > 1 and ctx.is_main and ctx.joining is None:
-        print(f"dptrain: one optimizer step every {config.accumulate} batches of {config.batch_size} (--accumulate "
-              f"{config.accumulate}): a global batch of {config.batch_size} x {world} workers x {config.accumulate} = "
-              f"{config.batch_size * world * config.accumulate} samples", flush=True)
+        say_lr_and_batch(config, world, factor)
     optimizer = build_optimizer(config.optimizer, model.parameters(), lr=lr, momentum=config.momentum,
                                 nesterov=config.nesterov, weight_decay=config.weight_decay)
     schedule = lr_policy.ConfigSchedule(config, world)
@@ -427,6 +427,18 @@ def train_in_group(config: TrainConfig, env: DistEnv, ctx, held: ExitStack) -> S
     trainer.emulate_straggler(config.slow_workers().get(ctx.rank if ctx.joining is None else ctx.joining, 1.0))
     trainer.data_record = data_record(config, data)
     return trainer.fit(data.train_set(), data.test_set(), epochs=config.epochs)
+
+
+def say_lr_and_batch(config: TrainConfig, world: int, factor: float) -> None:
+    """The lines at a run's start about its LR (scaled for the workers, or kept although a rule was asked for)
+    and, with --accumulate, its global batch."""
+    said = lr_policy.lr_line(config, world) if factor != 1 else lr_policy.lr_kept_line(config, world)
+    if said:
+        print(said, flush=True)
+    if config.accumulate > 1:
+        print(f"dptrain: one optimizer step every {config.accumulate} batches of {config.batch_size} (--accumulate "
+              f"{config.accumulate}): a global batch of {config.batch_size} x {world} workers x {config.accumulate} = "
+              f"{config.batch_size * world * config.accumulate} samples", flush=True)
 
 
 def data_record(config: TrainConfig, data: DataSplits) -> dict:
