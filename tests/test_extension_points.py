@@ -88,6 +88,7 @@ def test_a_registered_container_runtime_wraps_every_rank(toys, capsys):
 
 
 def test_a_bad_container_names_the_registered_runtimes(toys, capsys):
-    code = main(["launch", "--scheduler", "slurm", "--container", "podman:x", "--dry-run", "--", "--dataset", "digits"])
+    code = main(["launch", "--scheduler", "slurm", "--container", "docker:x", "--dry-run", "--", "--dataset", "digits"])
     assert code == 2
-    assert "udocker:NAME or apptainer:IMAGE.sif or toyrun:IMAGE.toy" in capsys.readouterr().err
+    assert ("udocker:NAME or apptainer:IMAGE.sif or pyxis:IMAGE or podman:IMAGE or charliecloud:IMAGE_DIR_OR.sqfs "
+            "or cscs-edf:IMAGE or toyrun:IMAGE.toy") in capsys.readouterr().err

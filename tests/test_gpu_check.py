@@ -59,7 +59,8 @@ def test_a_failing_step_is_recorded_and_the_others_still_run(tmp_path):
 
 # One of each kind of step (the other strategies' steps are the same code with another name; the whole
 # list runs with `python benchmarks/gpu_check.py --dry-run-cpu`, about a minute on idle cores).
-DRY_RUN_STEPS = ["nccl", "strategy:sync", "live:kill", "amp:bf16", "amp:fp16", "dptrain:nfnet", "plain:nfnet"]
+DRY_RUN_STEPS = ["nccl", "strategy:sync", "live:kill", "memory:live", "amp:bf16", "amp:fp16", "dptrain:nfnet",
+                 "plain:nfnet"]
 
 
 @pytest.mark.slow

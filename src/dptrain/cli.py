@@ -28,7 +28,7 @@ COMMAND_MODULES: dict[str, tuple[str, str]] = {
     "join": ("dptrain.join_command", "add a worker to a run training on this machine (--min-workers): it heals from a live one"),
     "serve-store": ("dptrain.store_service", "serve a job's rendezvous store so that any rank may be lost (job scripts start it with --min-workers)"),
     "launch": ("dptrain.launch.commands", "write a job script for SLURM, PBS or this machine (or a Kubernetes manifest), and optionally submit it"),
-    "container": ("dptrain.launch.container_commands", "prepare a rootless container (udocker, Apptainer) for launch"),
+    "container": ("dptrain.launch.container_commands", "prepare a rootless container (udocker, Apptainer, Podman, Charliecloud...) for launch"),
     "bench": ("dptrain.bench.commands", "benchmark strategies x workers (optionally on an emulated slow network) against plain PyTorch"),
     "simulate": ("dptrain.bench.simulate", "project epoch time and scaling to 1024 workers from a measured bench"),
     "plot": ("dptrain.plot", "draw loss and accuracy against epoch and time for runs, overlaid (optionally TensorBoard)"),
