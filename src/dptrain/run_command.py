@@ -143,8 +143,9 @@ def check_module(module: str) -> None:
 
 def ranks_threads() -> int | None:
     """Each rank's OMP_NUM_THREADS: the user's own setting if any, else (None) the spawner's share of the cores."""
-    value = os.environ.get("OMP_NUM_THREADS", "")
-    return int(value) if value.isdigit() and int(value) > 0 else None
+    from dptrain.runtime.nodes import users_threads
+
+    return users_threads()
 
 
 def main(args: argparse.Namespace) -> int:
@@ -170,7 +171,7 @@ def main(args: argparse.Namespace) -> int:
                             "machine's launcher stops its ranks when one fails; start the same commands again")
         nodes = nodes_from(args.nnodes, args.node_rank, args.master)
         return launch_node(command, args.workers, nodes, timeout=args.timeout, grace=args.grace, noun="rank",
-                           of=f" of `{shown}`", others="the other ranks", threads=ranks_threads(), hand_over=False)
+                           of=f" of `{shown}`", others="the other ranks", hand_over=False)
     return run_ranks(command, shown, args.workers, args.max_restarts, args.timeout, args.grace)
 
 

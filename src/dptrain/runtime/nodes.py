@@ -123,6 +123,12 @@ def interface_env(nodes: Nodes, log=print) -> dict[str, str]:
     return {"GLOO_SOCKET_IFNAME": name, "NCCL_SOCKET_IFNAME": name}
 
 
+def users_threads() -> Optional[int]:
+    """Each rank's OMP_NUM_THREADS: the user's own setting if any, else None (the spawner's share of the cores)."""
+    value = os.environ.get("OMP_NUM_THREADS", "")
+    return int(value) if value.isdigit() and int(value) > 0 else None
+
+
 def launch_node(command: Sequence[str], per_node: int, nodes: Nodes, *, timeout: float, grace: Optional[float],
                 noun: str = "worker rank", of: str = "", others: str = "the other workers",
                 threads: Optional[int] = None, hand_over: bool = True) -> int:
@@ -134,8 +140,7 @@ def launch_node(command: Sequence[str], per_node: int, nodes: Nodes, *, timeout:
     from dptrain.runtime.launcher import say_how_ranks_ended
     from dptrain.runtime.spawn import start_ranks
 
-    if threads is None and os.environ.get("OMP_NUM_THREADS", "").isdigit() and int(os.environ["OMP_NUM_THREADS"]) > 0:
-        threads = int(os.environ["OMP_NUM_THREADS"])
+    threads = threads if threads is not None else users_threads()
     listener = listen_for_node_zero(nodes) if nodes.rank == 0 else None
     if listener is not None and not hand_over:
         listener.close()  # free again for the script's own store; taken meanwhile, the script says so

@@ -13,13 +13,14 @@ every few epochs) count for nothing. Early stopping needs a strategy whose worke
 
 from __future__ import annotations
 
+import operator
 from pathlib import Path
 from typing import Callable, Optional
 
 from dptrain.errors import UserError
 from dptrain.io import save_torch, write_json
 
-MONITORS = {"test_loss": min, "test_accuracy": max}
+MONITORS = {"test_loss": operator.lt, "test_accuracy": operator.gt}  # metric -> "strictly better than"
 
 
 class Best:
@@ -49,7 +50,7 @@ class Best:
             value = record.get(self.metric)
             if not record.get("evaluated", value is not None) or value is None:
                 continue
-            if best_value is None or (better(value, best_value) == value and value != best_value):
+            if best_value is None or better(value, best_value):
                 best_epoch, best_value, since = record["epoch"], value, 0
             else:
                 since += 1

@@ -30,6 +30,11 @@ NAMES = ("tensorboard", "mlflow", "wandb")
 PACKAGES = {"tensorboard": "tensorboard", "mlflow": "mlflow (or mlflow-skinny)", "wandb": "wandb"}
 
 
+def flag(name: str) -> str:
+    """How the user asked for logger `name`."""
+    return "--tensorboard" if name == "tensorboard" else f"--log-to {name}"
+
+
 def check(names: Sequence[str]) -> None:
     """One line for an unknown logger or one whose library is missing (before anything trains)."""
     for name in names:
@@ -40,8 +45,7 @@ def check(names: Sequence[str]) -> None:
         except (ImportError, ValueError):  # a module set to None in sys.modules: not importable here
             missing = True
         if missing:
-            flag = "--tensorboard" if name == "tensorboard" else f"--log-to {name}"
-            raise UserError(f"{flag} needs the {name} package: pip install {PACKAGES[name].split(' ')[0]}")
+            raise UserError(f"{flag(name)} needs the {name} package: pip install {PACKAGES[name].split(' ')[0]}")
 
 
 def scalars(record: dict) -> dict[str, float]:
@@ -144,9 +148,8 @@ class Loggers:
             try:
                 self.live.append(made[name]())
             except Exception as exc:  # noqa: BLE001 - the library's own error, said in one line before training
-                flag = "--tensorboard" if name == "tensorboard" else f"--log-to {name}"
                 lines = [line for line in str(exc).splitlines() if line.strip()]
-                raise UserError(f"{flag}: {name} could not start logging this run: "
+                raise UserError(f"{flag(name)}: {name} could not start logging this run: "
                                 f"{(lines[0] if lines else type(exc).__name__)[:300]}") from None
 
     def start(self, out: Path) -> None:

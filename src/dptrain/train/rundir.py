@@ -331,8 +331,8 @@ def open_run_dir(path: str, settings: dict[str, Any], resume: bool = False) -> t
     `recorded_nothing`). Nothing on disk is overwritten before that decision.
     """
     if check_run_dir(path, settings, resume):
-        if (Path(path) / "summary.json").exists():
-            _keep_finished(Path(path), settings)
+        if (Path(path) / "summary.json").exists():  # check_run_dir let it through: more --epochs
+            _keep_finished(Path(path), _extension(Path(path), settings), settings["epochs"])
         return Path(path), True
     return claim_run_dir(path), False
 
@@ -360,19 +360,17 @@ def _extension(directory: Path, settings: dict[str, Any]) -> Optional[int]:
     return before
 
 
-def _keep_finished(directory: Path, settings: dict[str, Any]) -> None:
-    """A finished run continued to more epochs: its summary.json and model.pt kept as summary-epoch-E.json and
-    model-epoch-E.pt (the run is unfinished again until its new end), said in one line."""
-    before = _extension(directory, settings)
+def _keep_finished(directory: Path, before: int, epochs: int) -> None:
+    """A finished run of `before` epochs continued to `epochs`: its summary.json and model.pt kept as
+    summary-epoch-E.json and model-epoch-E.pt (the run is unfinished again until its new end), said in one line."""
     kept = []
     for name, stem, suffix in (("summary.json", "summary", ".json"), ("model.pt", "model", ".pt")):
         if (directory / name).exists():
             target = directory / f"{stem}-epoch-{before}{suffix}"
             os.replace(directory / name, target)
             kept.append(target.name)
-    print(f"dptrain: continuing the finished run in {directory} from epoch {before} to {settings['epochs']} "
-          f"(--epochs {settings['epochs']}); its {' and '.join(kept)} are kept; the LR schedule now ends at epoch "
-          f"{settings['epochs']}", flush=True)
+    print(f"dptrain: continuing the finished run in {directory} from epoch {before} to {epochs} (--epochs {epochs}); "
+          f"its {' and '.join(kept)} are kept; the LR schedule now ends at epoch {epochs}", flush=True)
 
 
 def check_run_dir(path: str, settings: dict[str, Any], resume: bool = False, only_runs: bool = False) -> bool:

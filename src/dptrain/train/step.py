@@ -73,14 +73,14 @@ class Stepper:
         parts = max(1, min(self.accumulate, len(x)))
         size = -(-len(x) // parts)
         chunks = list(zip(x.split(size), y.split(size)))
-        total = x.new_zeros((), dtype=torch.float32)
+        total = None
         for index, (part_x, part_y) in enumerate(chunks):
-            last = index == len(chunks) - 1
-            quiet = model.no_sync() if not last and isinstance(model, nn.parallel.DistributedDataParallel) \
+            share = len(part_x) / len(x) if len(chunks) > 1 else 1.0
+            quiet = model.no_sync() if index < len(chunks) - 1 and isinstance(model, nn.parallel.DistributedDataParallel) \
                 else contextlib.nullcontext()
             with quiet:
-                loss = self._backward(model, part_x, part_y, len(part_x) / len(x) if len(chunks) > 1 else 1.0)
-            total = total + loss * (len(part_x) / len(x)) if len(chunks) > 1 else loss
+                loss = self._backward(model, part_x, part_y, share)
+            total = loss if len(chunks) == 1 else loss * share + (total if total is not None else 0.0)
         self.strategy.after_backward(model)
         if self.grad_clip is not None:
             if self.scaler:
