@@ -104,3 +104,11 @@ def test_early_stopping_under_async_is_refused_in_one_line(tmp_path):
     assert done.returncode == 2, done.stdout + done.stderr
     assert "early stopping needs workers that meet at every epoch end, and async has none" in done.stdout + done.stderr
     assert "Traceback" not in done.stdout + done.stderr
+
+
+def test_a_monitor_that_is_no_test_metric_is_refused_in_one_line(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "dptrain", "train", "--dataset", "digits", "--out", "run",
+                           "--monitor", "val_loss"], cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and done.stderr == "dptrain: error: --monitor must be test_loss or test_accuracy " \
+                                                  "(got 'val_loss')\n"
+    assert not (tmp_path / "run").exists()

@@ -169,8 +169,8 @@ class RunSection(_Section):
     keep_checkpoints: int = Field(2, ge=1, description="how many checkpoints to keep")
     resume: bool = Field(False, description="continue the run in --out from its last checkpoint (also automatic when "
                                             "--out holds an unfinished run with the same settings)")
-    monitor: Optional[Literal["test_loss", "test_accuracy"]] = Field(
-        None, description="keep the best model by this test metric in OUT/best.pt (OUT/best.json says its epoch)")
+    monitor: Optional[str] = Field(None, description="test_loss or test_accuracy: keep the best model by this test "
+                                   "metric in OUT/best.pt (OUT/best.json says its epoch)")
     early_stop_patience: Optional[int] = Field(None, ge=1, description="stop after N evaluated epochs without a "
                                                "better --monitor value (test_loss unless --monitor says otherwise)")
     resume_with_changed_data: bool = Field(False, description="continue the run in --out although its training data "
@@ -187,6 +187,13 @@ class RunSection(_Section):
     log_to: Optional[str] = Field(None, description="also log each epoch's metrics to mlflow and/or wandb (comma-separated; "
                                   "the package must be installed), set up by their own variables (MLFLOW_TRACKING_URI, "
                                   "WANDB_PROJECT, WANDB_MODE=offline)")
+
+    @field_validator("monitor")
+    @classmethod
+    def _monitor_is_a_test_metric(cls, value: Optional[str]) -> Optional[str]:
+        if value is not None and value not in ("test_loss", "test_accuracy"):
+            raise ValueError("must be test_loss or test_accuracy")
+        return value
 
     @field_validator("log_to")
     @classmethod
