@@ -186,6 +186,22 @@ def test_time_is_the_job_s_active_deadline_in_seconds(time, seconds):
     assert kubernetes.seconds(time) == seconds
 
 
+@pytest.mark.parametrize("mem, quantity", [("16G", "16Gi"), ("4000", "4000Mi"), ("512M", "512Mi"), ("1T", "1Ti")])
+def test_mem_is_each_pod_s_memory_request_and_limit_in_slurm_s_binary_units(mem, quantity):
+    spec = JobSpec(**{**example_spec("train").__dict__, "mem": mem})
+    service, job = documents(kubernetes.render(spec))
+    container = job["spec"]["template"]["spec"]["containers"][0]
+    assert container["resources"] == {"requests": {"cpu": "4", "memory": quantity},
+                                      "limits": {"memory": quantity, "nvidia.com/gpu": "1"}}
+    assert through_the_api_models(job) == job
+
+
+def test_mem_0_all_of_a_node_s_memory_is_refused_for_a_pod():
+    with pytest.raises(UserError, match=r"^--mem 0 \(all of a node's memory\) is SLURM's; under Kubernetes give an "
+                                        r"amount, e.g. --mem 64G$"):
+        JobSpec(**{**example_spec("train").__dict__, "mem": "0"})
+
+
 @pytest.mark.parametrize("changes, message", [
     (dict(image=None), "--scheduler kubernetes needs --image IMAGE: the container image every pod runs (with "
                        "dptrain, or the command's program, installed)"),

@@ -24,7 +24,8 @@ save a checkpoint and exit with 75. The Job's podFailurePolicy ignores exit code
 disrupted): such a pod is recreated with its index without counting against backoffLimit, and resumes
 from the checkpoint, provided the run directory is on a volume every pod mounts (`--volume CLAIM:PATH`, a
 PersistentVolumeClaim). Any other failure fails the Job. `--time` is activeDeadlineSeconds; `--partition`
-names a Kueue LocalQueue (label kueue.x-k8s.io/queue-name); `--image` is the pods' container image.
+names a Kueue LocalQueue (label kueue.x-k8s.io/queue-name); `--image` is the pods' container image;
+`--mem` each pod's memory request and limit (SLURM's binary units: 16G is 16Gi).
 """
 
 from __future__ import annotations
@@ -83,6 +84,12 @@ def cpus(spec: JobSpec) -> int:
     """The CPUs a pod asks for and its rank's threads: --cpus-per-task, else 1 (a pod sees the whole node's
     CPUs in nproc, not its share, so there is nothing to derive them from)."""
     return spec.cpus_per_task or 1
+
+
+def memory(amount: str) -> str:
+    """SLURM's --mem amount (16G; M when no unit; binary units, as SLURM's) as a Kubernetes quantity (16Gi)."""
+    number, unit = (amount[:-1], amount[-1]) if amount[-1] in "KMGT" else (amount, "M")
+    return f"{number}{unit}i"
 
 
 def volumes(spec: JobSpec) -> list[tuple[str, str]]:
@@ -152,8 +159,11 @@ def manifests(spec: JobSpec) -> list[dict[str, Any]]:
                 {"name": "LOCAL_WORLD_SIZE", "value": "1"},
                 {"name": "DPTRAIN_RUN_DIR", "value": pod_run_dir(spec)}]
     resources: dict[str, Any] = {"requests": {"cpu": str(cpus(spec))}}
+    if spec.mem:  # asked and capped alike: a pod over it is killed (OOMKilled), not its node's other pods
+        resources["requests"]["memory"] = memory(spec.mem)
+        resources["limits"] = {"memory": memory(spec.mem)}
     if spec.gpus_per_node:
-        resources["limits"] = {"nvidia.com/gpu": str(spec.gpus_per_node)}
+        resources.setdefault("limits", {})["nvidia.com/gpu"] = str(spec.gpus_per_node)
     # No workingDir: the pods start in the image's own, which the relative paths (--out, --data ...) are
     # taken from; the launching machine's directories exist in neither the image nor a volume.
     container: dict[str, Any] = {"name": CONTAINER, "image": spec.image,

@@ -133,8 +133,13 @@ class JobSpec:
                             "(M when none), e.g. 16G, or 0 for all of a node's memory")
         given = [flag for flag, value in (("--mem", self.mem), ("--qos", self.qos), ("--constraint", self.constraint),
                                           ("--exclusive", self.exclusive or None)) if value is not None]
-        if given and self.scheduler not in ("slurm", "pbs"):
-            raise UserError(f"{given[0]} is a SLURM and PBS directive; --scheduler {self.scheduler} has none")
+        # --mem is also a Kubernetes pod's memory request and limit (kubernetes.memory); the others are not.
+        directives = [flag for flag in given if not (flag == "--mem" and self.scheduler == "kubernetes")]
+        if directives and self.scheduler not in ("slurm", "pbs"):
+            raise UserError(f"{directives[0]} is a SLURM and PBS directive; --scheduler {self.scheduler} has none")
+        if self.scheduler in ("pbs", "kubernetes") and self.mem is not None and int(self.mem.rstrip("KMGT")) == 0:
+            where = "PBS" if self.scheduler == "pbs" else "Kubernetes"
+            raise UserError(f"--mem 0 (all of a node's memory) is SLURM's; under {where} give an amount, e.g. --mem 64G")
         if self.setup and self.scheduler == "kubernetes":
             raise UserError("--setup runs lines in a job script; a Kubernetes pod runs its --image as it is: put "
                             "the set-up into the image")
@@ -143,8 +148,6 @@ class JobSpec:
                 if flag in given:
                     raise UserError(f"{flag} is SLURM's and PBS has no equivalent ({why}); give the site's own with "
                                     "--pbs-option '-l ...'")
-            if self.mem is not None and int(self.mem.rstrip("KMGT")) == 0:
-                raise UserError("--mem 0 (all of a node's memory) is SLURM's; under PBS give an amount, e.g. --mem 64G")
 
     @property
     def world_size(self) -> int:

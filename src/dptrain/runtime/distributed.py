@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from dptrain.errors import UserError
+from dptrain.errors import UserError, debugging
 from dptrain.runtime.env import DistEnv
 from dptrain.runtime import signed
 from dptrain.runtime.group import REPORTED, REPORTED_SEEN, Group, PeerFailure, abandoned
@@ -307,10 +307,6 @@ def _listen(master_addr: str, port: int, where: str) -> socket.socket:
         raise PeerFailure(f"{where} failed: rank 0 cannot serve the store on {host or '*'}:{port}: "
                           f"{exc.strerror.lower() if exc.strerror else exc} (another program holds MASTER_PORT "
                           f"{port}?); choose a free port") from None
-
-
-def debugging() -> bool:
-    return os.environ.get("DPTRAIN_DEBUG") == "1"
 
 
 @contextmanager

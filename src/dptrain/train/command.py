@@ -333,7 +333,10 @@ def run_worker(config: TrainConfig, env: DistEnv) -> Summary:
 
 def name_process(ctx, config: TrainConfig) -> None:
     """The rank in this worker's process title, as `ps` and `top` show it ("dptrain train rank 1/4 sync runs/x"),
-    where every worker was `python -m dptrain` before (setproctitle: a well-kept library for it)."""
+    where every worker was `python -m dptrain` before (setproctitle: a well-kept library for it). The title takes
+    the room of the command line only (SPT_NOENV), so that /proc/PID/environ still shows the rank's environment
+    (monitoring tools and `ps e` read it there); a long output directory is cut short in the title."""
+    os.environ.setdefault("SPT_NOENV", "1")  # read when setproctitle is imported
     try:
         from setproctitle import setproctitle
     except ImportError:  # an environment without it: the title stays the interpreter's
