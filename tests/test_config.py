@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from dptrain import cli
+from dptrain.arguments import parse_key_values
 from dptrain.config import FIELDS, TrainConfig, build_config, load_yaml, resolve, to_yaml, with_absolute_paths
 from dptrain.errors import UserError
 
@@ -66,6 +67,15 @@ def test_changed_config_round_trips_through_yaml(write):
 def test_yaml_keys_may_use_dashes(write):
     config = resolve(write("batch-size: 64\nlr-schedule: cosine\n"), {})
     assert (config.batch_size, config.lr_schedule) == (64, "cosine")
+
+
+def test_yaml_reads_colon_numbers_as_text_not_base_60(write):
+    # YAML 1.1 (PyYAML's safe_load) reads 1:3 as 63 and 1:30:00 as 5400; the settings take them as written.
+    assert yaml.safe_load("x: 1:3") == {"x": 63}
+    config = resolve(write("slow-worker: 1:3\nepochs: 4\nlr: 0.05\n"), {})
+    assert (config.slow_worker, config.slow_workers(), config.epochs, config.lr) == ("1:3", {1: 3.0}, 4, 0.05)
+    assert parse_key_values(["ratio=2:30", "depth=14"], flag="--model-option", example="depth=14") == {
+        "ratio": "2:30", "depth": 14}
 
 
 def test_empty_yaml_file_gives_the_defaults(write):

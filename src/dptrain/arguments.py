@@ -13,7 +13,7 @@ from typing import Any, Iterable, Optional, Sequence
 
 import yaml
 
-from dptrain.config import FIELDS, SECTIONS, TrainConfig, choices_of, flag_of, resolve, section_of
+from dptrain.config import FIELDS, SECTIONS, TrainConfig, choices_of, flag_of, parse_yaml, resolve, section_of
 from dptrain.errors import UserError, did_you_mean
 
 
@@ -97,7 +97,7 @@ def parse_key_values(items: Iterable[str], *, flag: str, example: str,
             hint = did_you_mean(key, allowed) or f"valid keys are: {', '.join(allowed)}"
             raise UserError(f"{flag} {item!r} has unknown key '{key}'; {hint}")
         try:
-            options[key] = yaml.safe_load(value)
+            options[key] = parse_yaml(value)
         except yaml.YAMLError:
             raise UserError(f"{flag} {item!r}: the value {value!r} is not valid YAML, e.g. {flag} {example}") from None
     return options

@@ -13,6 +13,7 @@ registered strategies' own options, each declared once in its rules (dptrain.str
 from __future__ import annotations
 
 import os
+import re
 from typing import Any, Iterable, Literal, Optional, get_args, get_origin
 
 import yaml
@@ -479,6 +480,22 @@ def build_config(values: dict[str, Any], origin: str = "the settings", flags: It
         raise UserError(_describe(exc.errors()[0], origin, frozenset(flags))) from None
 
 
+class YamlLoader(yaml.SafeLoader):
+    """PyYAML's safe loader without YAML 1.1's base-60 numbers: `slow_worker: 1:3` stays the text 1:3 (not 63)
+    and `time: 1:30:00` the text 1:30:00 (not 5400), as YAML 1.2 reads them."""
+
+    yaml_implicit_resolvers = {
+        first: [(tag, re.compile("(?=[^:]*$)" + pattern.pattern, pattern.flags))
+                if tag in ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float") else (tag, pattern)
+                for tag, pattern in resolvers]
+        for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+
+
+def parse_yaml(text: Any) -> Any:
+    """YAML text (or a stream) read with YamlLoader: plain data, nothing constructed, no base-60 numbers."""
+    return yaml.load(text, Loader=YamlLoader)  # noqa: S506 - a SafeLoader
+
+
 # What a run's config.yaml must be, for the line that says it is not.
 RUN_SETTINGS = "dptrain writes it as one 'key: value' line per setting: repair it so"
 
@@ -488,7 +505,7 @@ def read_yaml(path: "str | os.PathLike[str]", what: str, fix: str) -> dict[str, 
     line and column of a syntax error and what the parser expected there, then `fix` (what would be valid)."""
     try:
         with open(path, encoding="utf-8") as handle:
-            data = yaml.safe_load(handle)
+            data = parse_yaml(handle)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -553,7 +570,7 @@ OLD_OUTER_LR_OF_NONE = 0.7
 
 def _as_yaml(value: Any) -> Any:
     """`value` as YAML gives it back (tuples as lists)."""
-    return yaml.safe_load(yaml.safe_dump(value)) if isinstance(value, tuple) else value
+    return parse_yaml(yaml.safe_dump(value)) if isinstance(value, tuple) else value
 
 
 def recorded(config: TrainConfig) -> set[str]:

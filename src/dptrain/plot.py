@@ -23,6 +23,7 @@ from typing import Any, Optional
 
 import yaml
 
+from dptrain.config import parse_yaml
 from dptrain.errors import UserError
 from dptrain.io import atomic_write_bytes, make_dirs
 
@@ -133,7 +134,7 @@ def read_run(name: str) -> Run:
     records = read_records(metrics, name)
     if not records:
         raise UserError(f"run '{name}' has no epochs yet: its metrics.jsonl holds no records")
-    about = _mapping(path / "summary.json", json.loads) or _mapping(path / "config.yaml", yaml.safe_load)
+    about = _mapping(path / "summary.json", json.loads) or _mapping(path / "config.yaml", parse_yaml)
     workers = about.get("workers")
     if not isinstance(workers, int) and isinstance(records[-1].get("workers"), list):
         workers = len(records[-1]["workers"])
