@@ -656,6 +656,20 @@ def test_setup_lines_run_after_set_e_and_before_the_ranks_start(tmp_path, schedu
     assert lines[lines.index("# Set-up as given (--setup):") + 1] == "module load cuda; nvidia-smi -L"
 
 
+@pytest.mark.parametrize("scheduler", ["slurm", "pbs", "local"])
+def test_the_threads_line_is_said_after_a_setup_that_may_set_them(tmp_path, scheduler):
+    said = 'echo "dptrain: $OMP_NUM_THREADS CPU threads per rank (OMP_NUM_THREADS; --cpus-per-task N asks for N)"'
+    result = dptrain("launch", "--scheduler", scheduler, "--setup", "export OMP_NUM_THREADS=3", "--dry-run", "--",
+                     "--out", "run", cwd=tmp_path)
+    lines = result.stdout.splitlines()
+    assert lines.count(said) == 1
+    assert lines.index("export OMP_NUM_THREADS=$(( threads > 1 ? threads : 1 ))") < lines.index(
+        "export OMP_NUM_THREADS=3") < lines.index(said)
+    with_cpus = dptrain("launch", "--scheduler", scheduler, "--cpus-per-task", "2", "--dry-run", "--", "--out", "run",
+                        cwd=tmp_path)
+    assert "export OMP_NUM_THREADS=2" in with_cpus.stdout.splitlines() and said not in with_cpus.stdout
+
+
 def test_setup_is_repeatable_and_runs_in_the_order_given(tmp_path):
     # Each --setup is a file (copied in: a requeued job runs what was submitted) or typed lines; a file
     # whose name has a space is still the file.

@@ -195,20 +195,22 @@ def process_environment(spec: JobSpec, *, cpus_variable: str = "", node_cpus_var
     return [*textwrap.wrap(comment, 100, initial_indent="# ", subsequent_indent="# "),
             f"threads={f'${{{cpus_variable}:-{offered}}}' if cpus_variable else offered}",
             "export OMP_NUM_THREADS=$(( threads > 1 ? threads : 1 ))",
-            'echo "dptrain: $OMP_NUM_THREADS CPU threads per rank (OMP_NUM_THREADS; --cpus-per-task N asks for N)"',
             log_level]
 
 
 def setup_lines(spec: JobSpec) -> list[str]:
     """The user's --setup lines (module load, activating an environment ...), verbatim and in the order
     given, each block under a comment saying where it came from; run once on the first node before the
-    ranks start."""
+    ranks start. Then, without --cpus-per-task, the line that says the ranks' threads: after the set-up,
+    which may export OMP_NUM_THREADS itself."""
+    said = ([] if spec.cpus_per_task is not None else
+            ['echo "dptrain: $OMP_NUM_THREADS CPU threads per rank (OMP_NUM_THREADS; --cpus-per-task N asks for N)"'])
     if not spec.setup:
-        return []
+        return said
     lines = ["", "set +u  # environment scripts (module, conda activate) may read variables that are not set"]
     for where, text in spec.setup:
         lines += [f"# Set-up {where} (--setup):", *text.rstrip("\n").split("\n")]
-    return [*lines, "set -u"]
+    return [*lines, "set -u", *said]
 
 
 def train_command(spec: JobSpec, run_dir: str = "") -> list[str]:

@@ -7,8 +7,8 @@ cd /home/ada/project
 # among the ranks on it, at least 1.
 threads=$(( $(nproc) / 2 ))
 export OMP_NUM_THREADS=$(( threads > 1 ? threads : 1 ))
-echo "dptrain: $OMP_NUM_THREADS CPU threads per rank (OMP_NUM_THREADS; --cpus-per-task N asks for N)"
 export TORCH_CPP_LOG_LEVEL="${TORCH_CPP_LOG_LEVEL:-ERROR}"
+echo "dptrain: $OMP_NUM_THREADS CPU threads per rank (OMP_NUM_THREADS; --cpus-per-task N asks for N)"
 
 # Charliecloud: ch-run needs $USER, and mounts a bind only where the image has its destination;
 # in a directory image they are made here (a SquashFS image must have them built in).

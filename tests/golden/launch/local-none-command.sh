@@ -8,8 +8,8 @@ cd /home/ada/project
 # among the ranks on it, at least 1.
 threads=$(( $(nproc) / 2 ))
 export OMP_NUM_THREADS=$(( threads > 1 ? threads : 1 ))
-echo "dptrain: $OMP_NUM_THREADS CPU threads per rank (OMP_NUM_THREADS; --cpus-per-task N asks for N)"
 export TORCH_CPP_LOG_LEVEL="${TORCH_CPP_LOG_LEVEL:-ERROR}"
+echo "dptrain: $OMP_NUM_THREADS CPU threads per rank (OMP_NUM_THREADS; --cpus-per-task N asks for N)"
 
 # Rendezvous on this machine; the port is derived from this script's PID, like a job id.
 # The command meets its world as under torchrun: init_process_group("env://") reads MASTER_ADDR,

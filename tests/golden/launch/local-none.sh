@@ -7,8 +7,8 @@ cd /home/ada/project
 # among the ranks on it, at least 1.
 threads=$(( $(nproc) / 2 ))
 export OMP_NUM_THREADS=$(( threads > 1 ? threads : 1 ))
-echo "dptrain: $OMP_NUM_THREADS CPU threads per rank (OMP_NUM_THREADS; --cpus-per-task N asks for N)"
 export TORCH_CPP_LOG_LEVEL="${TORCH_CPP_LOG_LEVEL:-ERROR}"
+echo "dptrain: $OMP_NUM_THREADS CPU threads per rank (OMP_NUM_THREADS; --cpus-per-task N asks for N)"
 
 # dptrain's own launcher starts the ranks, stops them all if one fails and passes a stop signal on
 # to them, killing (and naming) those still running 300 s later (--grace).
