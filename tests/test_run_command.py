@@ -159,6 +159,31 @@ def test_bad_input_in_the_script_is_not_restarted(here, capfd):
     assert "restarting" not in err and not (here / "attempt1-rank0").exists()
 
 
+def test_a_mistake_every_rank_makes_alike_is_said_once(here, capfd):
+    # The Trainer's arguments are checked before the ranks form a group: each rank finds the same mistake.
+    write(here / "mistake.py", """
+        import torch
+        from dptrain import Trainer
+        model = torch.nn.Linear(4, 2)
+        Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), strategy="sync")
+    """)
+    assert dptrain_run("--workers", "3", "mistake.py") == 2
+    _, err = capfd.readouterr()
+    errors = [line for line in err.splitlines() if "dptrain: error: " in line]
+    assert len(errors) == 1 and re.fullmatch(r"\[rank[012]\] dptrain: error: strategy 'sync' is a name, not a "
+                                             r"Strategy: pass dptrain.Sync\(\) .*", errors[0]), err
+
+
+def test_different_error_lines_of_two_ranks_are_both_shown():
+    from dptrain.runtime.spawn import SaidOnce, _prefixed
+    said = SaidOnce()
+    first = _prefixed(b"dptrain: error: rank 0 cannot read a.npy\nprogress\n", b"[rank0] ", said)
+    second = _prefixed(b"dptrain: error: rank 0 cannot read a.npy\ndptrain: error: rank 1 cannot read b.npy\n"
+                       b"progress\n", b"[rank1] ", said)
+    assert first == b"[rank0] dptrain: error: rank 0 cannot read a.npy\n[rank0] progress\n"
+    assert second == b"[rank1] dptrain: error: rank 1 cannot read b.npy\n[rank1] progress\n"
+
+
 def test_a_rank_still_running_timeout_seconds_after_another_ended_is_named(here, capfd):
     write(here / "hang.py", "import os, time\nif os.environ['RANK'] == '1':\n    time.sleep(60)\n")
     started = time.monotonic()

@@ -229,6 +229,7 @@ class Ranks:
         self.closed = False
         # Set on Ctrl-C: what the ranks still print as they die (KeyboardInterrupt tracebacks) is not echoed.
         self.interrupted = threading.Event()
+        self.said = SaidOnce()  # an error line several ranks print alike is shown once
         self.listener: Optional[socket.socket] = None  # where this process is to serve the ranks' store
         self.store = None  # the store this process serves (serve_store), kept while the ranks run
         self.slots: dict[int, int] = {}  # a joiner's rank -> the local slot (GPU) of the rank it replaced
@@ -259,8 +260,8 @@ class Ranks:
                                     pass_fds=handed)
             label = f"[rank{shown}] ".encode()
             for stream, sink in ((proc.stdout, sys.stdout.buffer), (proc.stderr, sys.stderr.buffer)):
-                self.pumps.append(threading.Thread(target=_pump, args=(stream, label, sink, self.interrupted),
-                                                   daemon=True))
+                self.pumps.append(threading.Thread(target=_pump, args=(stream, label, sink, self.interrupted,
+                                                                       self.said), daemon=True))
                 self.pumps[-1].start()
         self.procs.append(proc)
         if self.forwarded and not held:  # a stop signal came while the ranks were being started: this one's too
@@ -501,12 +502,34 @@ def _stop(procs: list[subprocess.Popen]) -> None:
         proc.wait()
 
 
-def _pump(stream: IO[bytes], prefix: bytes, sink: IO[bytes], silenced: Optional[threading.Event] = None) -> None:
+class SaidOnce:
+    """The `dptrain: error:` lines the ranks printed, so that the same line from another rank is not shown again:
+    the ranks of one script (dptrain run) that make the same mistake, e.g. in a Trainer's arguments, before they
+    form a group that would let one say it for all."""
+
+    MARK = b"dptrain: error: "
+
+    def __init__(self) -> None:
+        self.lines: set[bytes] = set()
+        self.lock = threading.Lock()
+
+    def new(self, line: bytes) -> bool:
+        """Whether to show `line`: any line but an error line another rank printed already."""
+        if not line.startswith(self.MARK):
+            return True
+        with self.lock:
+            seen = line.rstrip(b"\r\n") in self.lines
+            self.lines.add(line.rstrip(b"\r\n"))
+        return not seen
+
+
+def _pump(stream: IO[bytes], prefix: bytes, sink: IO[bytes], silenced: Optional[threading.Event] = None,
+          said: Optional[SaidOnce] = None) -> None:
     """Copy a worker's output to ours, prefixing every line (and every progress-bar redraw).
 
     Only whole lines (ending in \n or \r) are written, each batch in one write, so lines of
     different ranks never interleave mid-line; a partial line waits for its end. Once `silenced`
-    is set, the rest is read and dropped.
+    is set, the rest is read and dropped. An error line another rank printed already (`said`) is dropped.
     """
     pending = b""
     while True:
@@ -519,18 +542,19 @@ def _pump(stream: IO[bytes], prefix: bytes, sink: IO[bytes], silenced: Optional[
             continue
         cut = max(pending.rfind(b"\n"), pending.rfind(b"\r")) + 1
         if cut:
-            sink.write(_prefixed(pending[:cut], prefix))
+            sink.write(_prefixed(pending[:cut], prefix, said))
             sink.flush()
             pending = pending[cut:]
     if pending and not (silenced is not None and silenced.is_set()):
-        sink.write(_prefixed(pending, prefix))
+        sink.write(_prefixed(pending, prefix, said))
         sink.flush()
 
 
-def _prefixed(data: bytes, prefix: bytes) -> bytes:
-    """`prefix` before every line of `data` (which starts at a line start). A line that torch already
-    tagged with the same rank (its C++ warnings and logs print "[rank1]:[W1204 ...] ...") keeps one tag,
-    ours: "[rank1] [W1204 ...] ...", not "[rank1] [rank1]:[W1204 ...] ..."."""
+def _prefixed(data: bytes, prefix: bytes, said: Optional[SaidOnce] = None) -> bytes:
+    """`prefix` before every line of `data` (which starts at a line start), but for an error line `said` already
+    holds. A line that torch already tagged with the same rank (its C++ warnings and logs print
+    "[rank1]:[W1204 ...] ...") keeps one tag, ours: "[rank1] [W1204 ...] ...", not "[rank1] [rank1]:[W1204 ...] ..."."""
     theirs = prefix[:-1] + b":" if re.fullmatch(rb"\[rank\d+\] ", prefix) else None
     lines = re.split(rb"(?<=[\r\n])", data)
-    return b"".join(prefix + (line.removeprefix(theirs) if theirs else line) for line in lines if line)
+    return b"".join(prefix + (line.removeprefix(theirs) if theirs else line) for line in lines
+                    if line and (said is None or said.new(line)))
