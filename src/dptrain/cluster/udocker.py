@@ -69,10 +69,22 @@ def config_text(proot: Optional[str]) -> str:
 
 
 def proot_wrapper(real_proot: str) -> str:
-    """A proot that ignores `-k RELEASE`: Debian's proot 5.1 fails with it on recent kernels."""
+    """The proot udocker runs: the system's, without `-k RELEASE` (Debian's proot 5.1 fails with it on recent
+    kernels), and with PROOT_DONT_POLLUTE_ROOTFS set.
+
+    Without that variable PRoot makes each bind's destination (and its missing parents, such as /tmp/x/run
+    for a run directory /tmp/x/run) inside the container's root filesystem, and deletes what it made when it
+    exits. Every rank on a node, and on a shared $HOME every rank of the job, runs the same container
+    directory: when the rank whose PRoot made them ends first, the others' paths under that bind vanish
+    (ENOENT), and rank 0 could not write summary.json or model.pt at the end of a finished run. With it, each
+    PRoot keeps those directories in a private one of its own under /tmp and the image is never changed.
+    """
     return f"""#!/bin/sh
 # Written by dptrain container setup: runs {real_proot} without udocker's -k (kernel release)
 # option, which makes this proot fail on recent kernels; the container sees the real release.
+# PROOT_DONT_POLLUTE_ROOTFS: each proot makes the binds' destinations in a private directory, not in the
+# container's root filesystem, which every rank shares and the first proot to exit would empty of them.
+export PROOT_DONT_POLLUTE_ROOTFS=1
 skip=0
 for arg in "$@"; do
     shift
