@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from dptrain.cluster import udocker
+
 from cluster_fixtures import assert_run_written, slurm_cluster, udocker_container  # noqa: F401 - pytest fixtures
 
 pytestmark = pytest.mark.slow
@@ -50,6 +52,37 @@ def test_setup_leaves_udocker_offline_with_the_wrapped_system_proot(udocker_cont
     assert os.access(wrapper, os.X_OK) and "exec " in Path(wrapper).read_text()
 
 
+def execmode(container, name: str) -> str:
+    """The execution mode udocker keeps for container NAME (beside its root filesystem)."""
+    root = subprocess.run([*udocker_argv(container), "inspect", "-p", name], env=container.env, capture_output=True,
+                          text=True, timeout=60, check=True).stdout.split()[-1]
+    return (Path(root).parent / "execmode").read_text().strip()
+
+
+def test_setup_sets_the_fastest_execution_mode_that_runs_here(udocker_container):
+    assert execmode(udocker_container, udocker_container.name) == udocker.AUTO_MODES[0] == "P1"
+
+
+def test_an_execution_mode_that_cannot_run_here_is_one_line_and_auto_falls_back_past_it(udocker_container, capsys):
+    # F1 (Fakechroot) needs udocker's own libfakechroot, which an offline udocker never downloads.
+    tarball = udocker_container.directory.parent / "rootfs.tar.gz"
+    done = subprocess.run([sys.executable, "-m", "dptrain", "container", "setup", "--image", str(tarball), "--name",
+                           "fallback", "--execmode", "F1"], env=udocker_container.env, capture_output=True, text=True,
+                          timeout=180)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stdout + done.stderr
+    assert done.stderr.startswith("dptrain: error: --execmode F1 cannot run container fallback here: 'true' inside it "
+                                  "exited 1: Error: libfakechroot not found") and len(done.stderr.splitlines()) == 1
+    assert done.stderr.rstrip().endswith("; --execmode auto tries P1, P2 in turn")
+    assert udocker.choose_mode(udocker_container.directory, "fallback", ("F1", "P2")) == "P2"
+    line = capsys.readouterr().out.strip()
+    assert line.startswith("dptrain: udocker execution mode F1 cannot run here ('true' inside it exited 1: Error: "
+                           "libfakechroot not found") and line.endswith("; trying P2"), line
+    assert execmode(udocker_container, "fallback") == "P2"
+    result = subprocess.run([*udocker_argv(udocker_container), "run", "--nobanner", "fallback", "true"],
+                            env=udocker_container.env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
 def test_container_check_runs_dptrain_inside(udocker_container):
     binds = [word for path in udocker_container.binds for word in ("--bind", path)]
     result = subprocess.run([sys.executable, "-m", "dptrain", "container", "check", "--name", udocker_container.name,
@@ -59,7 +92,7 @@ def test_container_check_runs_dptrain_inside(udocker_container):
     assert "ok   runs" in result.stdout and "dptrain 0." in result.stdout
 
 
-def udocker(container) -> list[str]:
+def udocker_argv(container) -> list[str]:
     argv = [str(Path(sys.executable).parent / "udocker"), f"--config={container.directory}/udocker.conf"]
     return argv + ["--allow-root"] if os.geteuid() == 0 else argv
 
@@ -67,7 +100,7 @@ def udocker(container) -> list[str]:
 def udocker_run(container, *volumes: str) -> list[str]:
     """`udocker run` of the fixture's container, with its binds and `volumes` bound."""
     binds = [word for path in (*container.binds, *volumes) for word in ("-v", path)]
-    return [*udocker(container), "run", "--nobanner", "--hostenv", *binds, container.name]
+    return [*udocker_argv(container), "run", "--nobanner", "--hostenv", *binds, container.name]
 
 
 def test_info_inside_the_container_names_udocker(udocker_container):
@@ -117,7 +150,7 @@ def test_a_container_that_ends_first_leaves_the_bind_paths_of_one_still_running_
         first.kill()
     assert second.returncode == 0, f"exit {second.returncode} (8: {shared} vanished inside it)\n{output}"
     assert (shared / "checkpoints" / "written").read_text() == "done\n"
-    image = Path(subprocess.run([*udocker(udocker_container), "inspect", "-p", udocker_container.name],
+    image = Path(subprocess.run([*udocker_argv(udocker_container), "inspect", "-p", udocker_container.name],
                                 env=udocker_container.env, capture_output=True, text=True, timeout=60,
                                 check=True).stdout.split()[-1])
     assert image.is_dir() and not (image / tmp_path.relative_to("/")).exists()  # nothing made in the image
