@@ -36,9 +36,12 @@ def running_inside(env: Mapping[str, str]) -> bool:
 # ---- rendering -------------------------------------------------------------------------------
 
 def preamble(spec: JobSpec) -> list[str]:
+    gpu = (["# GPUs: the container holds the host's NVIDIA libraries once 'dptrain container setup --nvidia' has run",
+            "# on a GPU node; udocker run has no flag for them."] if spec.gpus_per_node > 0 else [])
     return [
         "# udocker: the repository is $UDOCKER_DIR (default ~/.udocker); its configuration keeps it",
         "# offline. As root udocker needs --allow-root; a normal user needs nothing.",
+        *gpu,
         'udocker=(udocker "--config=${UDOCKER_DIR:-$HOME/.udocker}/' + CONFIG_NAME + '")',
         'if [ "$(id -u)" = 0 ]; then udocker+=(--allow-root); fi',
     ]
