@@ -326,8 +326,8 @@ def test_an_apptainer_job_script_trains_two_ranks_through_a_stand_in_apptainer(t
 
 @pytest.mark.slow
 def test_a_podman_job_script_trains_two_ranks_with_only_the_variables_it_names(tmp_path):
-    # podman run itself fails in this sandbox (crun: setrlimit not permitted), so a stand-in runs the command with
-    # only the host variables named by --env: the ranks must meet their world from those alone.
+    # podman run cannot run the ranks here (PODMAN_HERE, below), so a stand-in runs the command with only the host
+    # variables named by --env: the ranks must meet their world from those alone.
     image = "localhost/dptrain:latest"
 
     def run_words(project, run):
@@ -338,6 +338,52 @@ def test_a_podman_job_script_trains_two_ranks_with_only_the_variables_it_names(t
     result, calls = run_job(tmp_path, "podman", image, tools=tools, nodes="1")
     trained(tmp_path, result)
     assert [call[0] for call in calls].count("podman") == 2
+
+
+# Tried on the machine these tests were written on (Debian 12, podman 4.3.1, a sandbox with hybrid cgroups
+# and no /dev/mqueue): as root, runc and crun cannot set the container's RLIMIT_NPROC ('operation not
+# permitted'); rootless, as an unprivileged user, podman runs a container only with --runtime runc
+# --cgroup-manager=cgroupfs and without --ipc=host, and that user cannot read this machine's Python (under
+# /root, mode 0700), which the ranks need bound in. So the podman job script runs against a stand-in above.
+PODMAN_HERE = ("podman cannot run a container here as {user}: {error} (rootless podman as an unprivileged user "
+               "runs here only with --runtime runc --cgroup-manager=cgroupfs and no --ipc=host, and cannot read "
+               "this machine's Python, which the ranks need)")
+
+
+@pytest.fixture(scope="module")
+def podman_image(tmp_path_factory):
+    """The tiny root filesystem imported into podman, where a rootless podman runs a container with it."""
+    if shutil.which("podman") is None or shutil.which("busybox") is None:
+        pytest.skip("not installed on this machine: podman (apt-get install podman) or busybox")
+    root = tmp_path_factory.mktemp("podman")
+    build_rootfs(root / "rootfs.tar.gz")
+    name = f"localhost/dptrain-test-{os.getpid()}"
+    imported = subprocess.run(["podman", "import", str(root / "rootfs.tar.gz"), name], capture_output=True, text=True,
+                              timeout=300)
+    user = os.environ.get("USER") or ("root" if os.geteuid() == 0 else str(os.geteuid()))
+    if imported.returncode != 0:
+        pytest.skip(PODMAN_HERE.format(user=user, error=imported.stderr.strip().splitlines()[-1]))
+    try:
+        probe = subprocess.run(["podman", "run", "--rm", "--userns=keep-id", "--network=host", "--ipc=host", name,
+                                "true"], capture_output=True, text=True, timeout=300)
+        if probe.returncode != 0:
+            pytest.skip(PODMAN_HERE.format(user=user, error=(probe.stderr.strip().splitlines() or ["no output"])[-1]))
+        yield name
+    finally:
+        subprocess.run(["podman", "rmi", "-f", name], capture_output=True, timeout=120)
+
+
+@pytest.mark.slow
+def test_podman_trains_two_ranks_of_a_local_job_each_in_podman_run(podman_image, tmp_path):
+    project = tmp_path / "project"
+    project.mkdir()
+    binds = [word for path in runtime_dirs() for word in ("--bind", path)]
+    done = subprocess.run([sys.executable, "-m", "dptrain", "launch", "--scheduler", "local", "--tasks-per-node", "2",
+                           "--container", f"podman:{podman_image}", *binds, "--dptrain", f"{sys.executable} -m dptrain",
+                           "--out", "run", "--submit", "--wait", "--wait-timeout", "200", "--", *DIGITS], cwd=project,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    assert assert_run_written(project / "run", workers=2, epochs=5)["test_accuracy"] > 0.5
 
 
 def test_a_stand_in_fails_on_arguments_it_does_not_expect(tmp_path):
