@@ -301,3 +301,34 @@ def udocker_container(tmp_path_factory) -> UdockerContainer:
     assert result.returncode == 0, result.stdout + result.stderr
     return UdockerContainer(name=name, directory=root / "repo", binds=tuple(runtime_dirs()), env=env,
                             dptrain=f"{sys.executable} -m dptrain")
+
+
+# ---- what a run inside a container wrote ------------------------------------------------------
+
+def assert_run_written(run_dir: Path, workers: int, epochs: int, *, config: bool = True) -> dict:
+    """Every file a finished run writes, each whole, as the ranks wrote them from inside their containers:
+    config.yaml (`dptrain train`'s; a user's script has none: config=False), metrics.jsonl and metrics.csv (one line an epoch), the last checkpoint (each
+    rank's file, its checksum and the manifest), summary.json and model.pt (loadable). Returns the summary."""
+    import csv
+    import hashlib
+    import json
+
+    import torch
+
+    assert (run_dir / "config.yaml").is_file() == config
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [record["epoch"] for record in records] == list(range(1, epochs + 1)), records
+    with open(run_dir / "metrics.csv", newline="") as handle:
+        assert [int(row["epoch"]) for row in csv.DictReader(handle)] == list(range(1, epochs + 1))
+    last = run_dir / "checkpoints" / f"epoch-{epochs:06d}"
+    manifest = json.loads((last / "checkpoint.json").read_text())
+    assert manifest["members"] == list(range(workers)) and manifest["world_size"] == workers, manifest
+    for rank in range(workers):
+        data = (last / f"rank-{rank:05d}.pt").read_bytes()
+        assert (last / f"rank-{rank:05d}.pt.sha256").read_text().split()[0] == hashlib.sha256(data).hexdigest()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["workers"] == workers and summary["epochs"] == epochs, summary
+    state = torch.load(run_dir / "model.pt", weights_only=True)
+    assert state and all(torch.isfinite(value).all() for value in state.values() if value.is_floating_point())
+    assert not list(run_dir.rglob("*.tmp")), list(run_dir.rglob("*.tmp"))  # no write left half-done
+    return summary

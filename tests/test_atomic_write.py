@@ -1,6 +1,6 @@
-"""io.atomic_write_bytes with two writers of one path at once (CI once saw rank 0's model.pt rename fail
-with 'No such file or directory' for PATH.tmp: a temporary name shared by every writer of PATH lets one
-writer's rename take the other's file)."""
+"""io.atomic_write_bytes with two writers of one path at once: a temporary name shared by every writer of
+PATH (PATH.tmp) would let one writer's rename take the other's file, and the second rename fail with 'No such
+file or directory'."""
 
 import subprocess
 import sys

@@ -23,13 +23,13 @@ from pathlib import Path
 import pytest
 
 from dptrain.cli import main
-from dptrain.cluster import cscs_edf, local, pbs, slurm
+from dptrain.cluster import containers, cscs_edf, local, pbs, slurm
 from dptrain.cluster.spec import ContainerSpec, JobSpec
 from dptrain.errors import UserError
 from dptrain.launch.commands import parse_container
 from dptrain.runtime.env import detect_container
 
-from cluster_fixtures import build_rootfs, runtime_dirs, slurm_cluster  # noqa: F401 - a pytest fixture
+from cluster_fixtures import assert_run_written, build_rootfs, runtime_dirs, slurm_cluster  # noqa: F401 - a pytest fixture
 from test_launch_render import GOLDEN, REGENERATE, example_spec
 
 SCHEDULERS = {"slurm": slurm, "pbs": pbs, "local": local}
@@ -123,6 +123,20 @@ def test_charliecloud_binds_with_ch_run_and_makes_the_destinations_in_a_director
     assert 'export USER="${USER:-$(id -un)}"\n' in text
     assert "ch-fromhost --nvidia" in text and "ch-fromhost" not in slurm.render(
         spec_of("slurm", "charliecloud", gpus_per_node=0))
+
+
+@pytest.mark.parametrize("runtime, image, marker", [
+    ("apptainer", "img.sif", '"$apptainer" exec --nv '),  # binds the host's driver libraries at each run
+    ("podman", "img", "--device nvidia.com/gpu=all "),  # CDI, the site's nvidia-ctk cdi generate
+    ("charliecloud", "/img", "ch-fromhost --nvidia"),  # copied into a directory image once; ch-run has no flag
+    ("udocker", "img", "dptrain container setup --nvidia"),  # copied in once by udocker setup --nvidia
+])
+def test_gpus_per_node_sets_each_runtime_s_gpu_flag_and_only_then(runtime, image, marker):
+    for scheduler in ("slurm", "pbs"):
+        gpu = dataclasses.replace(example_spec(scheduler, "udocker"), container=ContainerSpec(runtime, image))
+        assert gpu.gpus_per_node > 0
+        assert marker in SCHEDULERS[scheduler].render(gpu)
+        assert marker not in SCHEDULERS[scheduler].render(dataclasses.replace(gpu, gpus_per_node=0))
 
 
 @pytest.mark.parametrize("env, runtime", [({"CH_RUNNING": "Weird Al Yankovic"}, "charliecloud"),
@@ -312,8 +326,8 @@ def test_an_apptainer_job_script_trains_two_ranks_through_a_stand_in_apptainer(t
 
 @pytest.mark.slow
 def test_a_podman_job_script_trains_two_ranks_with_only_the_variables_it_names(tmp_path):
-    # podman run itself fails in this sandbox (crun: setrlimit not permitted), so a stand-in runs the command with
-    # only the host variables named by --env: the ranks must meet their world from those alone.
+    # podman run cannot run the ranks here (PODMAN_HERE, below), so a stand-in runs the command with only the host
+    # variables named by --env: the ranks must meet their world from those alone.
     image = "localhost/dptrain:latest"
 
     def run_words(project, run):
@@ -324,6 +338,52 @@ def test_a_podman_job_script_trains_two_ranks_with_only_the_variables_it_names(t
     result, calls = run_job(tmp_path, "podman", image, tools=tools, nodes="1")
     trained(tmp_path, result)
     assert [call[0] for call in calls].count("podman") == 2
+
+
+# Tried on the machine these tests were written on (Debian 12, podman 4.3.1, a sandbox with hybrid cgroups
+# and no /dev/mqueue): as root, runc and crun cannot set the container's RLIMIT_NPROC ('operation not
+# permitted'); rootless, as an unprivileged user, podman runs a container only with --runtime runc
+# --cgroup-manager=cgroupfs and without --ipc=host, and that user cannot read this machine's Python (under
+# /root, mode 0700), which the ranks need bound in. So the podman job script runs against a stand-in above.
+PODMAN_HERE = ("podman cannot run a container here as {user}: {error} (rootless podman as an unprivileged user "
+               "runs here only with --runtime runc --cgroup-manager=cgroupfs and no --ipc=host, and cannot read "
+               "this machine's Python, which the ranks need)")
+
+
+@pytest.fixture(scope="module")
+def podman_image(tmp_path_factory):
+    """The tiny root filesystem imported into podman, where a rootless podman runs a container with it."""
+    if shutil.which("podman") is None or shutil.which("busybox") is None:
+        pytest.skip("not installed on this machine: podman (apt-get install podman) or busybox")
+    root = tmp_path_factory.mktemp("podman")
+    build_rootfs(root / "rootfs.tar.gz")
+    name = f"localhost/dptrain-test-{os.getpid()}"
+    imported = subprocess.run(["podman", "import", str(root / "rootfs.tar.gz"), name], capture_output=True, text=True,
+                              timeout=300)
+    user = os.environ.get("USER") or ("root" if os.geteuid() == 0 else str(os.geteuid()))
+    if imported.returncode != 0:
+        pytest.skip(PODMAN_HERE.format(user=user, error=imported.stderr.strip().splitlines()[-1]))
+    try:
+        probe = subprocess.run(["podman", "run", "--rm", "--userns=keep-id", "--network=host", "--ipc=host", name,
+                                "true"], capture_output=True, text=True, timeout=300)
+        if probe.returncode != 0:
+            pytest.skip(PODMAN_HERE.format(user=user, error=(probe.stderr.strip().splitlines() or ["no output"])[-1]))
+        yield name
+    finally:
+        subprocess.run(["podman", "rmi", "-f", name], capture_output=True, timeout=120)
+
+
+@pytest.mark.slow
+def test_podman_trains_two_ranks_of_a_local_job_each_in_podman_run(podman_image, tmp_path):
+    project = tmp_path / "project"
+    project.mkdir()
+    binds = [word for path in runtime_dirs() for word in ("--bind", path)]
+    done = subprocess.run([sys.executable, "-m", "dptrain", "launch", "--scheduler", "local", "--tasks-per-node", "2",
+                           "--container", f"podman:{podman_image}", *binds, "--dptrain", f"{sys.executable} -m dptrain",
+                           "--out", "run", "--submit", "--wait", "--wait-timeout", "200", "--", *DIGITS], cwd=project,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    assert assert_run_written(project / "run", workers=2, epochs=5)["test_accuracy"] > 0.5
 
 
 def test_a_stand_in_fails_on_arguments_it_does_not_expect(tmp_path):
@@ -394,9 +454,8 @@ def test_charliecloud_trains_two_ranks_of_a_local_job_each_in_ch_run(charlieclou
     project = tmp_path / "project"
     project.mkdir()
     launch_in_charliecloud(charliecloud_image, project, *DIGITS)
-    summary = json.loads((project / "run" / "summary.json").read_text())
-    assert summary["workers"] == 2 and summary["test_accuracy"] > 0.5, summary
-    assert (project / "run" / "model.pt").is_file() and (project / "run" / "metrics.jsonl").is_file()
+    summary = assert_run_written(project / "run", workers=2, epochs=5)
+    assert summary["test_accuracy"] > 0.5, summary
 
 
 @pytest.mark.slow
@@ -431,3 +490,76 @@ def test_container_check_runs_dptrain_inside_a_charliecloud_image(charliecloud_i
                             text=True, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.splitlines()[-1].startswith("ok   runs ") and "dptrain 0." in result.stdout
+
+
+# ---- the MPI model, said and checked before a job is submitted ---------------------------------------
+
+def image_with_mpi(root: Path, library: str | None) -> Path:
+    """A directory image (Charliecloud's form, which dptrain looks into) holding the MPI library `library`."""
+    (root / "usr" / "lib" / "x86_64-linux-gnu").mkdir(parents=True)
+    if library:
+        (root / "usr" / "lib" / "x86_64-linux-gnu" / library).write_bytes(b"\x7fELF")
+    return root
+
+
+@pytest.mark.parametrize("library, found", [("libmpi.so.40.30.4", "Open MPI 4"), ("libmpi.so.40.10.2", "Open MPI 3"),
+                                            ("libmpi.so.40.40.0", "Open MPI 5"), ("libmpi.so.12.1.8", "MPICH ABI 12"),
+                                            (None, None)])
+def test_the_mpi_of_a_root_filesystem_is_read_from_its_library_s_name(tmp_path, library, found):
+    assert containers.mpi_in(image_with_mpi(tmp_path, library)) == found
+
+
+HOST_MPI = containers.mpi_in(Path("/"))
+LIBRARY = {"Open MPI 3": "libmpi.so.40.10.2", "Open MPI 4": "libmpi.so.40.30.4", "Open MPI 5": "libmpi.so.40.40.0",
+           "MPICH ABI 12": "libmpi.so.12.1.8"}
+OTHER_MPI = LIBRARY["Open MPI 3" if HOST_MPI == "Open MPI 4" else "Open MPI 4"]
+
+
+def launch_command(tmp_path, capsys, image: Path, *after: str) -> tuple[int, str, str]:
+    os.chdir(tmp_path)
+    (tmp_path / "script.py").write_text("print('hi')\n")
+    code = main(["launch", "--scheduler", "pbs", "--container", f"charliecloud:{image}", "--out", "run", "--", *after])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+@pytest.mark.skipif(HOST_MPI is None, reason="this machine has no MPI library (.ci/run installs openmpi-bin)")
+def test_a_command_in_an_image_whose_mpi_is_not_the_host_s_is_refused_in_one_line(tmp_path, capsys):
+    image = image_with_mpi(tmp_path / "image", OTHER_MPI)
+    code, out, err = launch_command(tmp_path, capsys, image, "python", "script.py")
+    other = containers.mpi_in(image)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert err.startswith(f"dptrain: error: --container charliecloud:{image} holds {other} and this host {HOST_MPI}: "
+                          "a program that calls MPI inside the container (the hybrid model"), err
+    assert "build the image with" in err and "--no-mpi-check" in err
+    assert not (tmp_path / "run").exists()
+    assert main(["launch", "--scheduler", "pbs", "--container", f"charliecloud:{image}", "--no-mpi-check", "--out",
+                 "run", "--", "python", "script.py"]) == 0
+    assert "MPI model" not in capsys.readouterr().out and (tmp_path / "run" / "job.pbs").is_file()
+
+
+@pytest.mark.skipif(HOST_MPI is None, reason="this machine has no MPI library (.ci/run installs openmpi-bin)")
+def test_the_mpi_model_is_said_before_the_job_is_written(tmp_path, capsys):
+    # dptrain train uses no MPI: an image's other MPI is named, not refused.
+    image = image_with_mpi(tmp_path / "image", OTHER_MPI)
+    code, out, err = launch_command(tmp_path, capsys, image, "--dataset", "digits")
+    assert code == 0, err
+    assert (f"dptrain: MPI model: Open MPI's mpirun starts one container per rank and the ranks of dptrain train "
+            f"meet over torch.distributed (gloo, NCCL); no MPI is used inside (the image has "
+            f"{containers.mpi_in(image)})\n") in out
+    same = image_with_mpi(tmp_path / "same", LIBRARY[HOST_MPI])
+    (tmp_path / "run2").mkdir()
+    os.chdir(tmp_path)
+    assert main(["launch", "--scheduler", "pbs", "--container", f"charliecloud:{same}", "--out", "run2", "--",
+                 "python", "script.py"]) == 0
+    assert (f"the hybrid model), for which the image's MPI ({HOST_MPI}) must be the host's ({HOST_MPI}): they "
+            "match\n") in capsys.readouterr().out
+
+
+def test_an_image_that_cannot_be_looked_into_is_said_so(tmp_path, capsys):
+    os.chdir(tmp_path)
+    assert main(["launch", "--scheduler", "slurm", "--container", "apptainer:img.sif", "--out", "run", "--",
+                 "--dataset", "digits"]) == 0
+    assert ("dptrain: MPI model: srun starts one container per rank and the ranks of dptrain train meet over "
+            "torch.distributed (gloo, NCCL); no MPI is used inside (the image has an MPI that cannot be looked into "
+            "from here)\n") in capsys.readouterr().out

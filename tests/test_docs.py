@@ -193,7 +193,8 @@ FOREIGN_FLAGS = {"--nproc-per-node": "torchrun", "--ntasks": "srun", "--nodes": 
                  "--fault-report": "pytest", "--save-faults": "pytest", "--logdir": "tensorboard",
                  "--index-url": "pip", "--strict": "mkdocs", "--site-dir": "mkdocs", "--kill-on-bad-exit": "srun",
                  "--overlap": "srun", "--enable-recovery": "mpirun", "--max-np": "horovodrun",
-                 "--mail-type": "sbatch", "--gres-flags": "sbatch", "--rdzv-endpoint": "torchrun"}
+                 "--mail-type": "sbatch", "--gres-flags": "sbatch", "--rdzv-endpoint": "torchrun", "--userns": "podman",
+                 "--ipc": "podman", "--cgroup-manager": "podman"}
 TEXT = {page: page.read_text() for page in PAGES}
 
 

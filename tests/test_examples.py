@@ -15,7 +15,7 @@ import torch
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 sys.path.insert(0, str(EXAMPLES))
 import downscaling  # noqa: E402 - the example, imported as a user's module
-from cluster_fixtures import slurm_cluster, udocker_container  # noqa: E402,F401 - pytest fixtures
+from cluster_fixtures import assert_run_written, slurm_cluster, udocker_container  # noqa: E402,F401 - pytest fixtures
 from cli_runner import run_dptrain
 
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(EXAMPLES), os.environ.get("PYTHONPATH")]))}
@@ -81,8 +81,8 @@ def test_downscaling_in_one_udocker_container_per_rank_on_two_slurm_nodes(slurm_
                             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output + slurm_cluster.logs()
-    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert summary["workers"] == 2 and summary["launcher"] == "srun" and summary["test_loss"] < 3
+    summary = assert_run_written(tmp_path / "run", workers=2, epochs=1, config=False)
+    assert summary["launcher"] == "srun" and summary["test_loss"] < 3
 
 
 BAD_LOSSES = '''

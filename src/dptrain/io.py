@@ -99,7 +99,7 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
             faults.point("save-fsync")
             os.fsync(handle.fileno())
         faults.point("save-rename")
-        _replace(tmp, path)
+        os.replace(tmp, path)
     except OSError as exc:
         # A half-written temporary file would hold the very space the user must free.
         try:
@@ -107,22 +107,6 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
         except OSError:
             pass
         raise disk_error(exc, f"cannot write '{path}'") from None
-
-
-def _replace(tmp: Path, path: Path, tries: int = 3) -> None:
-    """os.replace, tried again (up to `tries` times) where it says 'No such file' while the temporary file
-    and the target's directory are both still there. Seen once, in CI, inside a udocker (PRoot) container:
-    rank 0's rename of model.pt, just written and flushed, failed so; why was not found (PRoot rewrites the
-    paths of every system call), and the same test passed on every rerun. On a plain kernel the first try
-    is the only one."""
-    for attempt in range(tries):
-        try:
-            os.replace(tmp, path)
-            return
-        except FileNotFoundError:
-            if attempt == tries - 1 or not (tmp.exists() and path.parent.is_dir()):
-                raise
-            time.sleep(0.05 * (attempt + 1))
 
 
 def write_text(path: Path, text: str) -> None:

@@ -241,6 +241,25 @@ PROBLEMS: tuple[Problem, ...] = (
             "an MPI library in the image does not match the host's",
             "nothing in dptrain needs MPI inside the container; start ranks with the host's srun/mpirun and keep "
             "MPI out of the image", symptom=True, source=("started by the host's Open MPI",)),
+    Problem("container", "An image whose MPI is not the host's",
+            "dptrain: error: --container {container} holds {mpi} and this host {host}: a program that calls MPI "
+            "inside the container {rest}",
+            "your command runs in a container whose MPI library (read from `libmpi.so`'s name) is another vendor's "
+            "or major version than the host's, and the host's launcher starts it (the hybrid model)",
+            "build the image with the host's MPI, or add `--no-mpi-check` if the program uses no MPI; `dptrain "
+            "train` itself never uses MPI inside", source=("a program that calls MPI inside the container",)),
+    Problem("container", "A udocker execution mode that cannot run",
+            "dptrain: error: --execmode {mode} cannot run container {name} here: {rest}",
+            "Fakechroot (F1-F4) needs udocker's own libfakechroot, which an offline udocker never downloads; "
+            "udocker 1.3's runc mode (R1) exits 1 without a terminal",
+            "leave `--execmode` out: auto takes P1, else P2, whichever runs", source=("cannot run container",)),
+    Problem("container", "Files of the run vanish inside udocker containers",
+            "`No such file or directory` for a path under a bind (the run directory) inside a udocker container, "
+            "while the path is there on the host, after another rank's container ended",
+            "a udocker set up before dptrain's proot wrapper set PROOT_DONT_POLLUTE_ROOTFS: PRoot made the bind's "
+            "missing destinations in the image every rank shares and deleted them when its rank ended",
+            "run `dptrain container setup` again, which rewrites the wrapper", symptom=True,
+            source=("export PROOT_DONT_POLLUTE_ROOTFS=1",)),
     Problem("container", "No GPU driver in the container",
             "`CUDA driver ... insufficient` or `libcuda.so` not found in the container",
             "the host's driver libraries are not inside",

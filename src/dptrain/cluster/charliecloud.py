@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-from typing import Mapping, Sequence
+from pathlib import Path
+from typing import Mapping, Optional, Sequence
 
 from dptrain.cluster.spec import JobSpec, bind_paths, quote, train_command
 
@@ -42,6 +43,11 @@ def preamble(spec: JobSpec) -> list[str]:
 def wrap(spec: JobSpec) -> str:
     binds = [word for path in bind_paths(spec) for word in ("-b", path)]
     return quote(["ch-run", *binds, "-c", spec.workdir, spec.container.image, "--", *train_command(spec)])
+
+
+def image_root(image: str) -> Optional[Path]:
+    """A directory image is its root filesystem; a SquashFS file cannot be looked into without mounting it."""
+    return Path(image) if Path(image).is_dir() else None
 
 
 def check(name: str, command: Sequence[str], *, binds: Sequence[str] = ()) -> list[tuple[str, bool, str]]:

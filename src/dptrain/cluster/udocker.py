@@ -36,9 +36,12 @@ def running_inside(env: Mapping[str, str]) -> bool:
 # ---- rendering -------------------------------------------------------------------------------
 
 def preamble(spec: JobSpec) -> list[str]:
+    gpu = (["# GPUs: the container holds the host's NVIDIA libraries once 'dptrain container setup --nvidia' has run",
+            "# on a GPU node; udocker run has no flag for them."] if spec.gpus_per_node > 0 else [])
     return [
         "# udocker: the repository is $UDOCKER_DIR (default ~/.udocker); its configuration keeps it",
         "# offline. As root udocker needs --allow-root; a normal user needs nothing.",
+        *gpu,
         'udocker=(udocker "--config=${UDOCKER_DIR:-$HOME/.udocker}/' + CONFIG_NAME + '")',
         'if [ "$(id -u)" = 0 ]; then udocker+=(--allow-root); fi',
     ]
@@ -69,10 +72,22 @@ def config_text(proot: Optional[str]) -> str:
 
 
 def proot_wrapper(real_proot: str) -> str:
-    """A proot that ignores `-k RELEASE`: Debian's proot 5.1 fails with it on recent kernels."""
+    """The proot udocker runs: the system's, without `-k RELEASE` (Debian's proot 5.1 fails with it on recent
+    kernels), and with PROOT_DONT_POLLUTE_ROOTFS set.
+
+    Without that variable PRoot makes each bind's destination (and its missing parents, such as /tmp/x/run
+    for a run directory /tmp/x/run) inside the container's root filesystem, and deletes what it made when it
+    exits. Every rank on a node, and on a shared $HOME every rank of the job, runs the same container
+    directory: when the rank whose PRoot made them ends first, the others' paths under that bind vanish
+    (ENOENT), and rank 0 could not write summary.json or model.pt at the end of a finished run. With it, each
+    PRoot keeps those directories in a private one of its own under /tmp and the image is never changed.
+    """
     return f"""#!/bin/sh
 # Written by dptrain container setup: runs {real_proot} without udocker's -k (kernel release)
 # option, which makes this proot fail on recent kernels; the container sees the real release.
+# PROOT_DONT_POLLUTE_ROOTFS: each proot makes the binds' destinations in a private directory, not in the
+# container's root filesystem, which every rank shares and the first proot to exit would empty of them.
+export PROOT_DONT_POLLUTE_ROOTFS=1
 skip=0
 for arg in "$@"; do
     shift
@@ -173,7 +188,9 @@ def run_udocker(directory: Path, *args: str, timeout: float = 600, check: bool =
 
 
 def _last_error(text: str) -> str:
-    lines = [line.strip() for line in text.splitlines() if line.strip() and "autoinstall disabled" not in line]
+    # udocker's runc mode prints its Popen object as it ends ("<Popen: returncode: ...>"), not a message.
+    lines = [line.strip() for line in text.splitlines()
+             if line.strip() and "autoinstall disabled" not in line and not line.startswith("<Popen")]
     errors = [line for line in lines if line.lower().startswith("error")]
     return (errors or lines or ["no output"])[-1]
 
@@ -209,9 +226,47 @@ def container_exists(directory: Path, name: str) -> bool:
     return run_udocker(directory, "inspect", "-p", name, check=False, timeout=60).returncode == 0
 
 
+# udocker's execution modes that `dptrain container setup --execmode` takes: PRoot (P1 with seccomp, P2 tracing
+# every system call), Fakechroot (F1-F4) and runc/crun (R1).
+EXECMODES = ("P1", "P2", "F1", "F2", "F3", "F4", "R1")
+# What --execmode auto tries, fastest first as measured (benchmarks/README.md, section 24). R1 is left out:
+# udocker 1.3's runc mode exits 1 whatever the command's exit when its output is no terminal (a job's never
+# is), and writes the runc spec, the rank's environment in it, into the container's one directory at each
+# start, so two ranks starting together on one container can run with each other's RANK. F1-F4 need
+# udocker's own libfakechroot, which its offline set-up never downloads (Debian's has no path mapping).
+AUTO_MODES = ("P1", "P2")
+PROBE = ("true",)  # what a mode must run to be chosen
+
+
+def choose_mode(directory: Path, name: str, modes: Sequence[str], log=print) -> str:
+    """Set container NAME to the first of `modes` that sets up and runs PROBE; one line for each that cannot."""
+    reasons = []
+    for mode in modes:
+        # --force: a mode tried before (F1 sets up, then cannot run) leaves links that only a forced set-up undoes.
+        result = run_udocker(directory, "setup", f"--execmode={mode}", "--force", name, check=False, timeout=300)
+        if result.returncode != 0:
+            reasons.append(f"{mode}: {_last_error(result.stdout + result.stderr)}")
+        else:
+            result = run_udocker(directory, "run", "--nobanner", name, *PROBE, check=False, timeout=120)
+            if result.returncode == 0:
+                return mode
+            said = _last_error(result.stdout + result.stderr)
+            reasons.append(f"{mode}: '{' '.join(PROBE)}' inside it exited {result.returncode}"
+                           + ("" if said == "no output" else f": {said}"))
+        if mode != modes[-1]:
+            log(f"dptrain: udocker execution mode {mode} cannot run here ({reasons[-1].split(': ', 1)[1]}); "
+                f"trying {modes[modes.index(mode) + 1]}")
+    if len(modes) == 1:
+        raise UserError(f"--execmode {modes[0]} cannot run container {name} here: {reasons[0].split(': ', 1)[1]}; "
+                        f"--execmode auto tries {', '.join(AUTO_MODES)} in turn")
+    raise UserError(f"container {name} runs in none of the udocker execution modes {', '.join(modes)} here: "
+                    + "; ".join(reasons))
+
+
 def setup(tarball: Path, name: str, *, nvidia: bool = False, directory: Optional[Path] = None,
-          execmode: str = "P1", log=print) -> Path:
-    """Import the image, create container NAME and (with nvidia) copy the host's GPU libraries into it."""
+          execmode: str = "auto", log=print) -> Path:
+    """Import the image, create container NAME, set its execution mode (auto: the fastest of AUTO_MODES that
+    runs here) and (with nvidia) copy the host's GPU libraries into it."""
     directory = directory or udocker_dir()
     if not tarball.is_file():
         raise UserError(f"--image {tarball} does not exist; give a 'docker save' archive or a root-filesystem tarball")
@@ -230,11 +285,22 @@ def setup(tarball: Path, name: str, *, nvidia: bool = False, directory: Optional
             run_udocker(directory, "import", str(tarball), image)
         run_udocker(directory, "create", f"--name={name}", image)
         log(f"created container {name} from {image}")
-    run_udocker(directory, "setup", f"--execmode={execmode}", name)
+    mode = choose_mode(directory, name, AUTO_MODES if execmode == "auto" else (execmode,), log)
+    log(f"udocker execution mode {mode}" + (" (the fastest that runs here)" if execmode == "auto" else ""))
     if nvidia:
         run_udocker(directory, "setup", "--nvidia", "--force", name)
         log(f"copied the host's NVIDIA libraries into {name}")
     return directory
+
+
+def image_root(name: str) -> Optional[Path]:
+    """Container NAME's root filesystem (udocker inspect -p), None where udocker or the container is not here."""
+    try:
+        result = run_udocker(udocker_dir(), "inspect", "-p", name, check=False, timeout=60)
+    except UserError:
+        return None
+    lines = result.stdout.split()
+    return Path(lines[-1]) if result.returncode == 0 and lines and Path(lines[-1]).is_dir() else None
 
 
 def check(name: str, command: Sequence[str], *, directory: Optional[Path] = None,

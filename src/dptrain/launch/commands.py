@@ -30,7 +30,7 @@ from dptrain.data.kinds import check_spec
 from dptrain.errors import UserError
 from dptrain.user_code import check_spec_file, looks_like_spec, spec_file
 from dptrain.io import timestamped
-from dptrain.cluster.containers import files as container_files
+from dptrain.cluster.containers import files as container_files, say_mpi_model
 from dptrain.cluster.spec import ContainerSpec, JobSpec
 from dptrain.cluster.submit import follow
 
@@ -89,6 +89,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the absolute path of the Python that runs dptrain on every rank (default: this one, "
                              f"{sys.executable}; in a --container: dptrain in the image)")
     parser.add_argument("--container", metavar="RUNTIME:IMAGE", help=container_forms())
+    parser.add_argument("--no-mpi-check", action="store_true",
+                        help="with --container and a command of your own: do not refuse an image whose MPI is not the "
+                             "host's (a program that uses no MPI)")
     parser.add_argument("--image", help="Kubernetes: the container image every pod runs (with dptrain, or the "
                                             "command's program, installed)")
     parser.add_argument("--volume", action="append", default=[], metavar="CLAIM:PATH",
@@ -386,6 +389,8 @@ def main(args: argparse.Namespace) -> int:
     if args.dry_run:
         sys.stdout.write(text)
         return 0
+    if not args.no_mpi_check:
+        say_mpi_model(spec)
     program = scheduler.SUBMIT_COMMAND.split()[0]
     if args.submit and shutil.which(program) is None:
         raise UserError(f"{program} is not on the PATH; --submit needs it to submit the job: run this where {program} "

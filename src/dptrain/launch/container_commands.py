@@ -28,8 +28,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="a 'docker save' archive or a root-filesystem tarball")
     setup.add_argument("--name", required=True, help="container name, used as --container udocker:NAME")
     setup.add_argument("--nvidia", action="store_true", help="copy the host's NVIDIA driver libraries in (on a GPU node)")
-    setup.add_argument("--execmode", default="P1", choices=["P1", "P2"],
-                       help="udocker execution mode: P1 (PRoot with seccomp, default) or P2 (PRoot)")
+    setup.add_argument("--execmode", default="auto", choices=["auto", *udocker.EXECMODES],
+                       help="udocker execution mode: auto (default: the fastest that runs here of "
+                            f"{', '.join(udocker.AUTO_MODES)}, each tried in turn), P1 (PRoot with seccomp), P2 "
+                            "(PRoot), F1-F4 (Fakechroot), R1 (runc)")
 
     recipe = actions.add_parser("recipe", help="write a Dockerfile, its .dockerignore and an Apptainer definition for dptrain",
                                 allow_abbrev=False)

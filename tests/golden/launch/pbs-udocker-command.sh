@@ -29,6 +29,8 @@ export MASTER_PORT=$((20000 + 10#0${PBS_JOBID//[!0-9]/} % 20000)) WORLD_SIZE=4 L
 
 # udocker: the repository is $UDOCKER_DIR (default ~/.udocker); its configuration keeps it
 # offline. As root udocker needs --allow-root; a normal user needs nothing.
+# GPUs: the container holds the host's NVIDIA libraries once 'dptrain container setup --nvidia' has run
+# on a GPU node; udocker run has no flag for them.
 udocker=(udocker "--config=${UDOCKER_DIR:-$HOME/.udocker}/udocker.conf")
 if [ "$(id -u)" = 0 ]; then udocker+=(--allow-root); fi
 

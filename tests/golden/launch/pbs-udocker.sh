@@ -24,6 +24,8 @@ echo "dptrain: job $PBS_JOBID on $(sort -u "$PBS_NODEFILE" | paste -sd,), rendez
 
 # udocker: the repository is $UDOCKER_DIR (default ~/.udocker); its configuration keeps it
 # offline. As root udocker needs --allow-root; a normal user needs nothing.
+# GPUs: the container holds the host's NVIDIA libraries once 'dptrain container setup --nvidia' has run
+# on a GPU node; udocker run has no flag for them.
 udocker=(udocker "--config=${UDOCKER_DIR:-$HOME/.udocker}/udocker.conf")
 if [ "$(id -u)" = 0 ]; then udocker+=(--allow-root); fi
 

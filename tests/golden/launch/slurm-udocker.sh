@@ -27,6 +27,8 @@ echo "dptrain: job $SLURM_JOB_ID on $SLURM_JOB_NODELIST, rendezvous $MASTER_ADDR
 
 # udocker: the repository is $UDOCKER_DIR (default ~/.udocker); its configuration keeps it
 # offline. As root udocker needs --allow-root; a normal user needs nothing.
+# GPUs: the container holds the host's NVIDIA libraries once 'dptrain container setup --nvidia' has run
+# on a GPU node; udocker run has no flag for them.
 udocker=(udocker "--config=${UDOCKER_DIR:-$HOME/.udocker}/udocker.conf")
 if [ "$(id -u)" = 0 ]; then udocker+=(--allow-root); fi
 
