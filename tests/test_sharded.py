@@ -1,0 +1,151 @@
+"""Sharded replicas (--shard full|hybrid, FSDP2): the same weights as the unsharded runs they stand for, every row
+read once, FSDP's collectives counted at the seam, sharded checkpoints that resume bit for bit, one-line refusals."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from distributed import run_distributed, toy_data
+from dptrain.data import sharding
+from dptrain.data.sampler import PlanBatches, replica_plan, shard_plan
+from dptrain.errors import UserError
+from dptrain.runtime.sharded import units_of
+from dptrain.strategies import AllReduce, Sync
+from dptrain.train.trainer import Trainer
+from test_train_cli import dptrain
+
+N, BATCH, SEED = 64, 4, 0
+RELATIVE = 1e-6  # the float tolerance of the equalities (sums in another order)
+
+
+def _model():
+    torch.manual_seed(3)
+    return nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 3))
+
+
+def _parameters():
+    return sum(p.numel() for p in _model().parameters())
+
+
+def _padded_bytes(size):
+    """The bytes of the parameters with each one's rows padded to a multiple of `size` (as FSDP2 shards them)."""
+    return sum(-(-p.shape[0] // size) * size * p[0].numel() * 4 for p in _model().parameters())
+
+
+def _train(rank, world, strategy, batch, epochs, sharded, out=None, resume=False):
+    """Train with plain SGD (no momentum: local SGD every step is then allreduce); the full state on rank 0,
+    this rank's shard sizes, its bytes."""
+    from dptrain.runtime.sharded import full_state, local
+
+    x, y = toy_data(N)
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    trainer = Trainer(model, optimizer, "cross-entropy", strategy, batch_size=batch, seed=SEED, verbose=False,
+                      progress=False, out=out, resume=resume, checkpoint_every=1 if out else 0, **sharded)
+    trainer.fit((x, y), epochs=epochs)
+    final = strategy.finish()
+    shards = [local(p).numel() for p in final.parameters()]
+    return full_state(final), shards, strategy.comm_bytes
+
+
+def _relative(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).abs().max() / b[k].abs().max()) for k in a)
+
+
+def test_full_shard_allreduce_equals_unsharded_allreduce_on_the_same_rows():
+    # One replica group of 2 ranks reads what one unsharded worker with twice the batch reads.
+    unsharded = run_distributed(_train, 1, AllReduce(), 2 * BATCH, 2, {})[0][0]
+    ranks = run_distributed(_train, 2, AllReduce(), BATCH, 2, {"shard": "full"})
+    assert _relative(ranks[0][0], unsharded) < RELATIVE
+    assert ranks[1][0] == {}  # model.pt's whole state is gathered on rank 0 only
+    full = [p.numel() for p in _model().parameters()]
+    assert [a + b for a, b in zip(ranks[0][1], ranks[1][1])] == full and ranks[0][1] != full  # really sharded
+    # Every collective at the seam: the first broadcast, then each step an all-gather of each unit's shard
+    # before its forward and again before its backward, and a reduce-scatter of its whole gradient.
+    # (FSDP pads each parameter's rows to a multiple of the 2 ranks: the last layer's 3 rows travel as 4.)
+    steps = 2 * (N // (2 * BATCH))
+    padded = _padded_bytes(2)
+    assert ranks[0][2] == ranks[1][2] == _parameters() * 4 + steps * (2 * padded // 2 + padded)
+
+
+def test_hybrid_allreduce_and_sync_equal_the_unsharded_runs_of_as_many_replicas():
+    hybrid = {"shard": "hybrid", "shard_size": 2}
+    allreduce = run_distributed(_train, 2, AllReduce(), 2 * BATCH, 2, {})[0][0]
+    hsdp = run_distributed(_train, 4, AllReduce(), BATCH, 2, hybrid)
+    assert _relative(hsdp[0][0], allreduce) < RELATIVE
+    steps = 2 * (N // 2 // (2 * BATCH))
+    padded = _padded_bytes(2)  # and each step, each gradient shard all-reduced across the groups
+    assert hsdp[0][2] == _parameters() * 4 + steps * (padded + padded + padded // 2)
+    local_sgd = run_distributed(_train, 4, Sync(every_steps=1), BATCH, 2, hybrid)
+    assert _relative(local_sgd[0][0], hsdp[0][0]) < RELATIVE
+    sync = run_distributed(_train, 2, Sync(), 2 * BATCH, 2, {})[0][0]
+    hybrid_sync = run_distributed(_train, 4, Sync(), BATCH, 2, hybrid)
+    assert _relative(hybrid_sync[0][0], sync) < RELATIVE
+
+
+@pytest.mark.parametrize("world,size", [(2, 2), (4, 2), (6, 3), (8, 4), (6, 2)])
+def test_replica_groups_read_every_row_once_as_the_unsharded_workers_do(world, size):
+    n, batch, replicas = 203, 5, world // size
+    for epoch in (0, 3):
+        plans = [replica_plan(n, rank, world, size, batch, SEED, "global") for rank in range(world)]
+        rows = np.concatenate([plan.rows(epoch) for plan in plans])
+        assert sorted(rows.tolist()) == list(range(n))
+        assert len({plan.steps for plan in plans}) == 1
+        for group in range(replicas):
+            worker = shard_plan(n, group, replicas, size * batch, SEED, "global")
+            steps = sharding.batches(worker.rows(epoch), worker.steps)
+            ranks = [list(PlanBatches(plans[rank]).__iter__()) if plans[rank].batches is None else
+                     plans[rank].batches(epoch) for rank in range(group * size, (group + 1) * size)]
+            assert all(len(part) for each in ranks for part in each)
+            for step, rows_of_step in enumerate(steps):
+                assert np.concatenate([each[step] for each in ranks]).tolist() == rows_of_step.tolist()
+
+
+def test_the_units_are_the_named_class_or_the_children_holding_a_share():
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    model = nn.Sequential(nn.Linear(8, 1, bias=False), nn.ModuleList([Block(), Block()]), nn.Linear(8, 8))
+    assert [type(m).__name__ for m in units_of(model, None, 0.05)] == ["Block", "Block", "Linear"]
+    assert len(units_of(model, "Block", 0.05)) == 2
+    with pytest.raises(UserError, match="--shard-unit Layer names no module of the model; its module classes are: "
+                                        "Block, Linear, ModuleList"):
+        units_of(model, "Layer", 0.05)
+
+
+@pytest.mark.parametrize("args,line", [
+    (["--shard", "hybrid", "--shard-size", "3", "--workers", "4"],
+     "--shard-size 3 does not divide the 4 ranks into replica groups; valid sizes: 2, 4"),
+    (["--shard", "full", "--strategy", "async"], "--shard full is refused with --strategy async"),
+    (["--shard", "full", "--min-workers", "1"], "--shard full is refused with --min-workers"),
+    (["--shard", "full", "--strategy", "sync"], "--shard full is refused with --strategy sync with --shard full"),
+    (["--shard-size", "2"], "--shard-size applies to --shard hybrid, not --shard none"),
+])
+def test_what_sharding_refuses_is_one_line_before_anything_runs(tmp_path, args, line):
+    out = tmp_path / "run"
+    result = dptrain("train", "--dataset", "digits", "--epochs", "1", "--out", str(out), *args, cwd=tmp_path)
+    assert result.returncode == 2
+    assert line in result.stderr and "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert not out.exists()
+
+
+def test_a_sharded_checkpoint_resumes_bit_for_bit_and_model_pt_is_a_plain_state_dict(tmp_path):
+    hybrid = {"shard": "hybrid", "shard_size": 2}
+    whole = run_distributed(_train, 4, Sync(), BATCH, 2, hybrid, str(tmp_path / "whole"))[0][0]
+    run_distributed(_train, 4, Sync(), BATCH, 1, hybrid, str(tmp_path / "cut"))
+    files = sorted(p.name for p in (tmp_path / "cut" / "checkpoints" / "epoch-000001").glob("rank-*.pt"))
+    assert files == [f"rank-0000{rank}.pt" for rank in range(4)]  # every rank writes its own shards
+    rank_file = torch.load(tmp_path / "cut" / "checkpoints" / "epoch-000001" / "rank-00001.pt", weights_only=True)
+    assert rank_file["model"]["0.weight"].shape == (8, 6)  # rank 1's half of the 16 x 6 weight
+    resumed = run_distributed(_train, 4, Sync(), BATCH, 2, hybrid, str(tmp_path / "cut"), True)[0][0]
+    assert all(torch.equal(resumed[key], whole[key]) for key in whole)
+    saved = torch.load(tmp_path / "cut" / "model.pt", weights_only=True)
+    assert saved.keys() == _model().state_dict().keys()
+    assert all(torch.equal(saved[key], whole[key]) for key in whole)
