@@ -149,3 +149,46 @@ def test_a_sharded_checkpoint_resumes_bit_for_bit_and_model_pt_is_a_plain_state_
     saved = torch.load(tmp_path / "cut" / "model.pt", weights_only=True)
     assert saved.keys() == _model().state_dict().keys()
     assert all(torch.equal(saved[key], whole[key]) for key in whole)
+
+
+def test_a_sharded_checkpoint_within_an_epoch_resumes_bit_for_bit(tmp_path):
+    import shutil
+
+    full = {"shard": "full"}
+    steps = {"checkpoint_every_steps": 3, "keep_checkpoints": 10}
+    whole = run_distributed(_train_steps, 2, AllReduce(), BATCH, 2, full, str(tmp_path / "whole"), False, steps)[0]
+    checkpoints = tmp_path / "whole" / "checkpoints"
+    assert (checkpoints / "epoch-000001-step-000003").is_dir()
+    for later in [p for p in checkpoints.iterdir() if p.name > "epoch-000001-step-000003"]:
+        shutil.rmtree(later)  # as if killed just after that checkpoint
+    for name in ("model.pt", "summary.json"):
+        (tmp_path / "whole" / name).unlink()
+    resumed = run_distributed(_train_steps, 2, AllReduce(), BATCH, 2, full, str(tmp_path / "whole"), True, steps)[0]
+    assert all(torch.equal(resumed[key], whole[key]) for key in whole)
+
+
+def _train_steps(rank, world, strategy, batch, epochs, sharded, out, resume, steps):
+    from dptrain.runtime.sharded import full_state
+
+    x, y = toy_data(N)
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    trainer = Trainer(model, optimizer, "cross-entropy", strategy, batch_size=batch, seed=SEED, verbose=False,
+                      progress=False, out=out, resume=resume, **steps, **sharded)
+    trainer.fit((x, y), epochs=epochs)
+    return full_state(strategy.finish())
+
+
+def test_a_sharded_checkpoint_resumes_on_another_number_of_ranks_with_the_same_shard_size(tmp_path):
+    import shutil
+
+    hybrid = {"shard": "hybrid", "shard_size": 2}
+    run_distributed(_train, 4, AllReduce(), BATCH, 1, hybrid, str(tmp_path / "four"))  # written by 4 ranks
+    written = torch.load(tmp_path / "four" / "model.pt", weights_only=True)
+    for world in (2, 8):
+        copy = tmp_path / f"on-{world}"
+        shutil.copytree(tmp_path / "four", copy)
+        for name in ("model.pt", "summary.json"):
+            (copy / name).unlink()
+        loaded = run_distributed(_train, world, AllReduce(), BATCH, 1, hybrid, str(copy), True)[0][0]
+        assert all(torch.equal(loaded[key], written[key]) for key in written), world

@@ -73,9 +73,10 @@ class SeamReduceScatter(DefaultReduceScatter):
 
 
 def mesh_of(group: Group) -> DeviceMesh:
-    """A 1-D DeviceMesh over `group`'s own process group (the default group's when it is the job's)."""
+    """A 1-D DeviceMesh over `group`'s own process group (the default group's when it is the job's), on the rank's
+    device (where the model is: a GPU under NCCL, or gloo with CUDA tensors)."""
     handle = group.handle if group.handle is not None else dist.group.WORLD
-    return DeviceMesh.from_group(handle, group.device.type if group.backend == "nccl" else "cpu")
+    return DeviceMesh.from_group(handle, group.device.type)
 
 
 def units_of(model: nn.Module, unit: Optional[str], share: float) -> list[nn.Module]:
@@ -185,7 +186,8 @@ class LocalShards:
                 part = local(value)
                 if tuple(part.shape) != tuple(saved[key].shape):
                     raise RuntimeError(f"size mismatch for {key}: the checkpoint's shard has shape "
-                                       f"{tuple(saved[key].shape)}, this rank's {tuple(part.shape)}")
+                                       f"{tuple(saved[key].shape)}, this rank's {tuple(part.shape)} (written with "
+                                       f"another shard size? resharding onto another one is not built yet)")
                 part.copy_(saved[key])
 
 
