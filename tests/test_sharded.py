@@ -192,3 +192,39 @@ def test_a_sharded_checkpoint_resumes_on_another_number_of_ranks_with_the_same_s
             (copy / name).unlink()
         loaded = run_distributed(_train, world, AllReduce(), BATCH, 1, hybrid, str(copy), True)[0][0]
         assert all(torch.equal(loaded[key], written[key]) for key in written), world
+
+
+USER_MODELS = '''
+import torch
+from torch import nn
+
+
+class Block(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, x):
+        return torch.relu(self.linear(x))
+
+
+def make(input_shape, num_outputs):
+    inputs = int(torch.tensor(input_shape).prod())
+    return nn.Sequential(nn.Flatten(), nn.Linear(inputs, 16), Block(16), Block(16), nn.Linear(16, num_outputs))
+'''
+
+
+def test_a_model_of_your_own_file_shards_by_its_class_and_a_class_it_lacks_is_one_line(tmp_path):
+    (tmp_path / "mymodels.py").write_text(USER_MODELS)
+    common = ["train", "--dataset", "digits", "--model", "./mymodels.py:make", "--shard", "full", "--workers", "2",
+              "--epochs", "1", "--no-progress"]
+    done = dptrain(*common, "--shard-unit", "Block", "--out", str(tmp_path / "run"), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    saved = torch.load(tmp_path / "run" / "model.pt", weights_only=True)
+    assert sorted(saved) == ["1.bias", "1.weight", "2.linear.bias", "2.linear.weight", "3.linear.bias",
+                             "3.linear.weight", "4.bias", "4.weight"] and saved["1.weight"].shape == (16, 64)
+    refused = dptrain(*common, "--shard-unit", "Layer", "--out", str(tmp_path / "refused"), cwd=tmp_path)
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    assert refused.stderr.strip() == ("dptrain: error: --shard-unit Layer names no module of the model; its module "
+                                      "classes are: Block, Flatten, Linear")
+    assert not (tmp_path / "refused").exists()

@@ -24,7 +24,7 @@ from dptrain.data.sampler import EpochPlan, replica_plan
 from dptrain.errors import UserError
 from dptrain.runtime.distributed import DistContext
 from dptrain.runtime.env import detect
-from dptrain.runtime.sharded import LocalOptimizerShards, LocalShards, shard_model
+from dptrain.runtime.sharded import LocalOptimizerShards, LocalShards, shard_model, units_of
 from dptrain.strategies.collectives import broadcast_module
 from dptrain.strategies.rules.sharding import DEFAULT_UNIT_SHARE, REFUSED_LINE, ShardOptions
 
@@ -71,6 +71,13 @@ class Shardable:
 
     shard_options: Optional[ShardOptions] = None
     replicas: Optional[ShardedReplicas] = None
+
+    @classmethod
+    def check_before_spawn(cls, config, model: nn.Module) -> None:
+        """A --shard-unit the model has no module of, said before any worker starts (and nothing is written)."""
+        if getattr(config, "shard", "none") != "none":
+            units_of(model, config.shard_unit, DEFAULT_UNIT_SHARE)
+        super().check_before_spawn(config, model)
 
     def shard_as(self, options: Optional[ShardOptions]) -> None:
         self.shard_options = options if options is not None and options.sharded else None
