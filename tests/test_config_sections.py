@@ -93,6 +93,9 @@ EVERY_SETTING = {
     "shard": ([], "full", "full"),
     "shard_size": (["--shard", "hybrid"], "2", 2),
     "shard_unit": (["--shard", "full"], "Block", "Block"),
+    "shard_precision": (["--shard", "full"], "bf16", "bf16"),
+    "shard_offload": (["--shard", "full"], None, True),
+    "shard_checkpoint": (["--shard", "full"], None, True),
     # run
     "epochs": ([], "3", 3),
     "amp": ([], "bf16", "bf16"),

@@ -126,6 +126,9 @@ def test_the_units_are_the_named_class_or_the_children_holding_a_share():
     (["--shard", "full", "--min-workers", "1"], "--shard full is refused with --min-workers"),
     (["--shard", "full", "--strategy", "sync"], "--shard full is refused with --strategy sync with --shard full"),
     (["--shard-size", "2"], "--shard-size applies to --shard hybrid, not --shard none"),
+    (["--shard", "full", "--shard-offload", "--device", "cpu"],
+     "--shard full is refused with --shard-offload on --device cpu"),
+    (["--shard-checkpoint"], "--shard-checkpoint applies to --shard full or hybrid, not --shard none"),
 ])
 def test_what_sharding_refuses_is_one_line_before_anything_runs(tmp_path, args, line):
     out = tmp_path / "run"
@@ -228,3 +231,15 @@ def test_a_model_of_your_own_file_shards_by_its_class_and_a_class_it_lacks_is_on
     assert refused.stderr.strip() == ("dptrain: error: --shard-unit Layer names no module of the model; its module "
                                       "classes are: Block, Flatten, Linear")
     assert not (tmp_path / "refused").exists()
+
+
+def test_activation_checkpointing_and_bf16_parameters_train_as_they_should():
+    plain = run_distributed(_train, 2, AllReduce(), BATCH, 1, {"shard": "full"})[0]
+    recomputed = run_distributed(_train, 2, AllReduce(), BATCH, 1, {"shard": "full", "shard_checkpoint": True})[0]
+    assert _relative(recomputed[0], plain[0]) < RELATIVE and recomputed[2] == plain[2]  # the same computation
+    bf16 = run_distributed(_train, 2, AllReduce(), BATCH, 1, {"shard": "full", "shard_precision": "bf16"})[0]
+    assert all(value.dtype == torch.float32 for value in bf16[0].values())  # the shards stay fp32
+    assert 0 < _relative(bf16[0], plain[0]) < 0.05  # computed in bf16: close, not equal
+    # Parameters all-gathered in bf16 (half the bytes), gradients reduce-scattered in fp32.
+    steps, padded = N // (2 * BATCH), _padded_bytes(2)
+    assert bf16[2] == _parameters() * 4 + steps * (2 * padded // 2 // 2 + padded)

@@ -243,6 +243,14 @@ class ShardingSection(_Section):
     shard_unit: Optional[str] = Field(None, description="--shard full/hybrid: the module class each unit is "
                                       "(e.g. Block); default: each child module holding at least 5 % of the "
                                       "parameters")
+    shard_precision: Literal["fp32", "bf16"] = Field(
+        "fp32", description="--shard full/hybrid: bf16 all-gathers the parameters and computes in bf16, reduces the "
+                            "gradients in fp32 and keeps the shards and the optimizer in fp32 (FSDP2's "
+                            "MixedPrecisionPolicy)")
+    shard_offload: bool = Field(False, description="--shard full/hybrid on GPUs: the shards, their gradients and the "
+                                "optimizer state in CPU memory, the optimizer step on the CPU")
+    shard_checkpoint: bool = Field(False, description="--shard full/hybrid: recompute each unit's activations in "
+                                   "the backward pass instead of keeping them (activation checkpointing)")
 
 
 SECTIONS: dict[str, type[BaseModel]] = {"data": DataSection, "model": ModelSection, "optimizer": OptimizerSection,

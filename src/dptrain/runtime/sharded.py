@@ -104,19 +104,40 @@ def units_of(model: nn.Module, unit: Optional[str], share: float) -> list[nn.Mod
     return chosen
 
 
+def fsdp_settings(precision: str = "fp32", offload: bool = False) -> dict:
+    """fully_shard's keywords for --shard-precision (bf16: MixedPrecisionPolicy, parameters in bf16 in the
+    all-gathers and the compute, gradients reduced in fp32) and --shard-offload (CPUOffloadPolicy)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+
+    settings: dict = {}
+    if precision == "bf16":
+        settings["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if offload:
+        settings["offload_policy"] = CPUOffloadPolicy()
+    return settings
+
+
 def shard_model(model: nn.Module, optimizer: torch.optim.Optimizer, inside: Group, count: Callable[[int], None],
-                *, unit: Optional[str], share: float, across: Optional[Group] = None) -> nn.Module:
+                *, unit: Optional[str], share: float, across: Optional[Group] = None, settings: Optional[dict] = None,
+                recompute: bool = False) -> nn.Module:
     """Shard `model` in place over `inside` (each unit, then the root) and point `optimizer` at the sharded
     parameters; every collective FSDP makes goes through `inside` (and `across`: the gradients' all-reduce
     between replica groups, HSDP), counted by `count`. The model must be the same on every rank of `inside`
-    already (FSDP keeps each rank's own part of its own copy)."""
+    already (FSDP keeps each rank's own part of its own copy). `settings`: fully_shard's other keywords
+    (`fsdp_settings`); `recompute`: each unit's activations recomputed in the backward (activation
+    checkpointing, torch's composable `checkpoint`)."""
     if any(optimizer.state.values()):
         raise RuntimeError("the optimizer must be sharded before its first step")
     names = {id(parameter): name for name, parameter in model.named_parameters()}
     mesh = mesh_of(inside)
     wrapped = units_of(model, unit, share)
+    if recompute:
+        from torch.distributed._composable import checkpoint
+
+        for module in wrapped:
+            checkpoint(module)
     for module in wrapped + [model]:
-        fully_shard(module, mesh=mesh, reshard_after_forward=True)
+        fully_shard(module, mesh=mesh, reshard_after_forward=True, **(settings or {}))
     sharded = dict(model.named_parameters())
     for param_group in optimizer.param_groups:
         param_group["params"] = [sharded[names[id(parameter)]] for parameter in param_group["params"]]

@@ -24,7 +24,7 @@ from dptrain.data.sampler import EpochPlan, replica_plan
 from dptrain.errors import UserError
 from dptrain.runtime.distributed import DistContext
 from dptrain.runtime.env import detect
-from dptrain.runtime.sharded import LocalOptimizerShards, LocalShards, shard_model, units_of
+from dptrain.runtime.sharded import LocalOptimizerShards, LocalShards, fsdp_settings, shard_model, units_of
 from dptrain.strategies.collectives import broadcast_module
 from dptrain.strategies.rules.sharding import DEFAULT_UNIT_SHARE, REFUSED_LINE, ShardOptions
 
@@ -52,16 +52,24 @@ class ShardedReplicas:
         """Rank 0's model on every rank (counted, as DDP's constructor broadcast is), then sharded inside the
         group; with `average_gradients`, each step's gradient shards are all-reduced across the groups too."""
         count(broadcast_module(model, group=ctx.group))
-        return shard_model(model, optimizer, self.inside, count, unit=self.options.shard_unit,
-                           share=DEFAULT_UNIT_SHARE, across=self.across if average_gradients else None)
+        options = self.options
+        if options.shard_offload and ctx.device.type != "cuda":
+            raise UserError(f"--shard-offload moves the shards from a GPU to the CPU, and this rank trains on "
+                            f"{ctx.device}; drop --shard-offload or train on GPUs")
+        return shard_model(model, optimizer, self.inside, count, unit=options.shard_unit, share=DEFAULT_UNIT_SHARE,
+                           across=self.across if average_gradients else None,
+                           settings=fsdp_settings(options.shard_precision, options.shard_offload),
+                           recompute=options.shard_checkpoint)
 
     def plan(self, ctx: DistContext, n_samples: int, batch_size: int, seed: int, shuffle: str,
              block_size: Optional[int]) -> EpochPlan:
         return replica_plan(n_samples, ctx.rank, ctx.world_size, self.size, batch_size, seed, shuffle, block_size)
 
     def describe(self) -> dict:
-        return {"shard": self.options.shard, "shard_size": self.size, "replica_groups": self.replicas,
-                "shard_unit": self.options.shard_unit}
+        options = self.options
+        return {"shard": options.shard, "shard_size": self.size, "replica_groups": self.replicas,
+                "shard_unit": options.shard_unit, "shard_precision": options.shard_precision,
+                "shard_offload": options.shard_offload, "shard_checkpoint": options.shard_checkpoint}
 
 
 class Shardable:

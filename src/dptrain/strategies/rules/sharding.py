@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 SHARD_MODES = ("none", "full", "hybrid")
+SHARD_PRECISIONS = ("fp32", "bf16")  # bf16: parameters all-gathered and computed in bf16, gradients reduced in fp32
 SHARDED_STRATEGIES = ("allreduce", "sync")  # the others are refused with --shard (not built yet)
 DEFAULT_UNIT_SHARE = 0.05  # without --shard-unit: each child module holding at least this share of the parameters
 REFUSED_LINE = ("--shard full/hybrid runs with --strategy allreduce or sync (sync: --outer none, --compression "
@@ -25,14 +26,22 @@ class ShardOptions:
     """How the model is held: `shard` none (every rank a whole replica), full (one replica sharded over all
     ranks) or hybrid (replica groups of `shard_size` ranks, default the ranks of one node); the units
     `fully_shard` wraps are the modules of class `shard_unit` (default: each child holding at least
-    DEFAULT_UNIT_SHARE of the parameters)."""
+    DEFAULT_UNIT_SHARE of the parameters). `shard_precision` bf16: FSDP2's MixedPrecisionPolicy (bf16
+    parameters in the all-gathers and the forward and backward, gradients reduced in fp32, the sharded
+    parameters and the optimizer kept in fp32); `shard_offload`: the shards, their gradients and the optimizer
+    state in CPU memory, the step on the CPU (a GPU run); `shard_checkpoint`: each unit's activations recomputed
+    in the backward instead of kept."""
 
     shard: str = "none"
     shard_size: Optional[int] = None
     shard_unit: Optional[str] = None
+    shard_precision: str = "fp32"
+    shard_offload: bool = False
+    shard_checkpoint: bool = False
 
     def __post_init__(self) -> None:
-        problem = options_problem(self.shard, self.shard_size, self.shard_unit)
+        problem = options_problem(self.shard, self.shard_size, self.shard_unit) or extras_problem(
+            self.shard, self.shard_precision, self.shard_offload, self.shard_checkpoint)
         if problem is not None:
             from dptrain.errors import UserValueError
 
@@ -68,6 +77,17 @@ def options_problem(shard: str, size: Optional[int], unit: Optional[str]) -> Opt
     return None
 
 
+def extras_problem(shard: str, precision: str, offload: bool, checkpoint: bool) -> Optional[str]:
+    """Why the precision, offload and activation-checkpointing settings of sharding cannot be, or None."""
+    if precision not in SHARD_PRECISIONS:
+        return f"--shard-precision must be one of {', '.join(SHARD_PRECISIONS)}, not {precision!r}"
+    given = [flag for flag, on in (("--shard-precision bf16", precision != "fp32"), ("--shard-offload", offload),
+                                   ("--shard-checkpoint", checkpoint)) if on]
+    if given and shard == "none":
+        return f"{given[0]} applies to --shard full or hybrid, not --shard none"
+    return None
+
+
 def size_problem(shard: str, size: int, world: int, given: bool) -> Optional[str]:
     """Why replica groups of `size` ranks do not fit a world of `world` ranks, in one line, or None."""
     valid = [each for each in range(2, world + 1) if world % each == 0]
@@ -83,7 +103,8 @@ def size_problem(shard: str, size: int, world: int, given: bool) -> Optional[str
 def sharding_refused(config: Any) -> Optional[str]:
     """Why `config` (a TrainConfig) cannot shard as asked, in one line, or None."""
     shard = config.shard
-    problem = options_problem(shard, config.shard_size, config.shard_unit)
+    problem = options_problem(shard, config.shard_size, config.shard_unit) or extras_problem(
+        shard, config.shard_precision, config.shard_offload, config.shard_checkpoint)
     if problem is not None or shard == "none":
         return problem
     refused = []
@@ -106,6 +127,8 @@ def sharding_refused(config: Any) -> Optional[str]:
         refused.append("--amp fp16")
     if config.nnodes > 1:
         refused.append("--nnodes")
+    if config.shard_offload and config.device == "cpu":
+        refused.append("--shard-offload on --device cpu (it moves the shards from a GPU to the CPU)")
     if refused:
         return f"--shard {shard} is refused with {refused[0]}: {REFUSED_LINE}"
     # The ranks are known before spawning only when --workers is given (srun and torchrun set their own
