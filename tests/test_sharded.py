@@ -243,3 +243,13 @@ def test_activation_checkpointing_and_bf16_parameters_train_as_they_should():
     # Parameters all-gathered in bf16 (half the bytes), gradients reduce-scattered in fp32.
     steps, padded = N // (2 * BATCH), _padded_bytes(2)
     assert bf16[2] == _parameters() * 4 + steps * (2 * padded // 2 // 2 + padded)
+
+
+def test_the_lr_guard_keeps_a_sharded_average_as_this_ranks_shards():
+    # --lr-scaling auto's guard (a scaled LR) keeps the last good average to come back to: here, shards.
+    guarded = {"shard": "hybrid", "shard_size": 2, "lr_scale": 2.0}
+    ranks = run_distributed(_train, 4, Sync(), BATCH, 2, guarded)
+    assert all(torch.isfinite(value).all() for value in ranks[0][0].values())
+    # Rank 1's shard of the last layer (3 rows over 2 ranks) is a row of 8 and a bias shorter than rank 0's: each
+    # of the 2 averages (all-reduces of the unpadded shards) hands over 9 floats fewer.
+    assert ranks[0][2] - ranks[1][2] == 2 * 9 * 4

@@ -212,6 +212,11 @@ class LocalShards:
                 part.copy_(saved[key])
 
 
+def state_holder(model: nn.Module):
+    """What holds `model`'s state as plain tensors: the module itself, or its shards (`LocalShards`) when sharded."""
+    return LocalShards(model) if is_sharded(model) else model
+
+
 class LocalOptimizerShards:
     """A sharded model's optimizer state as this rank's shards, plain tensors; loaded back as DTensors
     placed as the parameters they belong to."""
