@@ -3,6 +3,8 @@ read once, FSDP's collectives counted at the seam, sharded checkpoints that resu
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -253,3 +255,34 @@ def test_the_lr_guard_keeps_a_sharded_average_as_this_ranks_shards():
     # Rank 1's shard of the last layer (3 rows over 2 ranks) is a row of 8 and a bias shorter than rank 0's: each
     # of the 2 averages (all-reduces of the unpadded shards) hands over 9 floats fewer.
     assert ranks[0][2] - ranks[1][2] == 2 * 9 * 4
+
+
+FSDP_SCRIPT = '''
+import json, os
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+dist.init_process_group("gloo")  # env://, as dptrain run sets it
+mesh = init_device_mesh("cpu", (int(os.environ["WORLD_SIZE"]),))  # from LOCAL_WORLD_SIZE, RANK, WORLD_SIZE
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+for layer in model:
+    fully_shard(layer, mesh=mesh)
+fully_shard(model, mesh=mesh)
+model(torch.ones(3, 4)).sum().backward()
+with open(f"rank{dist.get_rank()}.json", "w") as handle:
+    json.dump({"shard_rows": model[0].weight.to_local().shape[0], "local_world": os.environ["LOCAL_WORLD_SIZE"]},
+              handle)
+dist.destroy_process_group()
+os._exit(0)
+'''
+
+
+def test_dptrain_run_gives_a_script_that_shards_itself_the_mesh_environment_it_needs(tmp_path):
+    (tmp_path / "fsdp.py").write_text(FSDP_SCRIPT)
+    done = dptrain("run", "--workers", "2", "fsdp.py", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    seen = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+    assert seen == [{"shard_rows": 4, "local_world": "2"}] * 2  # 8 rows over 2 ranks
