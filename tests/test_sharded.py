@@ -286,3 +286,24 @@ def test_dptrain_run_gives_a_script_that_shards_itself_the_mesh_environment_it_n
     assert done.returncode == 0, done.stderr
     seen = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
     assert seen == [{"shard_rows": 4, "local_world": "2"}] * 2  # 8 rows over 2 ranks
+
+
+def _resume_refused(rank, world, out):
+    x, y = toy_data(N)
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    trainer = Trainer(model, optimizer, "cross-entropy", AllReduce(), batch_size=BATCH, seed=SEED, verbose=False,
+                      progress=False, out=out, resume=True, checkpoint_every=1, shard="full")
+    try:
+        trainer.fit((x, y), epochs=2)
+    except UserError as refused:
+        return str(refused)
+    return None
+
+
+def test_a_sharded_checkpoint_of_another_shard_size_is_refused_in_one_line(tmp_path):
+    run_distributed(_train, 4, AllReduce(), BATCH, 1, {"shard": "hybrid", "shard_size": 2}, str(tmp_path / "run"))
+    (tmp_path / "run" / "summary.json").unlink()
+    lines = run_distributed(_resume_refused, 4, str(tmp_path / "run"))
+    assert all(line is not None and "does not fit this model" in line and "written with another shard size" in line
+               and "\n" not in line for line in lines), lines
