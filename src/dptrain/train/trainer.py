@@ -65,8 +65,8 @@ class EpochDone:
 class Trainer:
     """Data-parallel training of `model` with `optimizer` (built by you, on the model's parameters).
 
-    `strategy` defaults to AllReduce (per-step gradient all-reduce). The options come in groups
-    (dptrain.train.state: `run`, `step`, `checkpoints`, `checks`, `membership`), or as the keywords they hold:
+    `strategy` defaults to AllReduce (per-step gradient all-reduce). The options come in groups (dptrain.train.state:
+    `run`, `step`, `checkpoints`, `checks`, `membership`), or as the keywords they hold (also `shard="full"`: --shard):
     `schedule(optimizer, steps_per_epoch, epochs)` may return an LR scheduler stepped once per step. With
     `out`, the run directory receives metrics.jsonl, summary.json, model.pt and, every `checkpoint_every` epochs
     (and every `checkpoint_every_steps` steps within an epoch), checkpoints (`resume=True` continues from the
