@@ -307,3 +307,22 @@ def test_a_sharded_checkpoint_of_another_shard_size_is_refused_in_one_line(tmp_p
     lines = run_distributed(_resume_refused, 4, str(tmp_path / "run"))
     assert all(line is not None and "does not fit this model" in line and "written with another shard size" in line
                and "\n" not in line for line in lines), lines
+
+
+@pytest.mark.parametrize("strategy,line", [
+    ("fedavg", "--shard full is refused with --strategy fedavg"),
+    ("allreduce", "--shard full needs at least 2 ranks to shard over, not 1"),
+])
+def test_from_python_a_sharding_that_cannot_be_is_one_line_too(strategy, line):
+    from dptrain.strategies import FedAvg
+
+    x, y = toy_data(N)
+    model = _model()
+    chosen = FedAvg() if strategy == "fedavg" else AllReduce()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "cross-entropy", chosen, batch_size=BATCH,
+                      verbose=False, progress=False, shard="full")
+    with pytest.raises(UserError) as refused:
+        trainer.fit((x, y), epochs=1)
+    assert str(refused.value).startswith(line) and "\n" not in str(refused.value)
+    with pytest.raises(ValueError, match="--shard-size applies to --shard hybrid, not --shard full"):
+        Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), shard="full", shard_size=2)
