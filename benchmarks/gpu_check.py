@@ -15,6 +15,9 @@ one step is recorded in the JSON as that step's error, and the other steps still
   --workers 2` through dptrain's own launcher, DDP built and every exchange crossing ranks. NCCL where the
   machine has a GPU per rank; on a machine with one GPU both ranks share it through gloo with CUDA tensors
   (DPTRAIN_BACKEND=gloo: NCCL refuses two ranks on one device), which the JSON says as `backend`;
+- shard:full, shard:hybrid, shard:offload: a sharded model (FSDP2, --shard): full on 2 ranks under allreduce,
+  hybrid with --shard-size 2 on 4 ranks under sync (through gloo with CUDA tensors where one GPU serves them
+  all), full with --shard-precision bf16, --shard-checkpoint and --shard-offload;
 - live:kill: sync on 3 workers with --min-workers 2, rank 1 killed halfway through epoch 2: the others go on
   (the rebuilt group's collectives, the object gathers, the abandoned communicator);
 - live:join: the same with --replace-workers: a new worker joins and is healed from a peer;
@@ -70,6 +73,7 @@ SIZES = {
 def all_steps() -> list[str]:
     """In the order they run: where the budget runs out, what crosses ranks has been checked first."""
     return (["nccl", "strategy:allreduce"] + [f"ranks:{s}" for s in EVERY_STRATEGY]
+            + ["shard:full", "shard:hybrid", "shard:offload"]
             + ["live:kill", "live:join", "memory:live", "resume:int8", "amp:clip", "torchrun"]
             + [f"amp:{a}" for a in AMPS] + [f"strategy:{s}" for s in STRATEGIES if s != "allreduce"]
             + [f"{kind}:{model}" for model in MODELS for kind in ("dptrain", "plain")])
@@ -277,6 +281,20 @@ def step_ranks(strategy: str, device: str, sizes: dict, workdir: Path) -> dict:
     return _ranks_result(_cli(_train_argv(strategy, sizes, out, device, 2, *extra), workdir, env), out, device, env, 2)
 
 
+def step_shard(kind: str, device: str, sizes: dict, workdir: Path) -> dict:
+    """A sharded model (FSDP2 on the run's own group, its mesh on the rank's device): `--shard full` on 2 ranks
+    under allreduce; `--shard hybrid --shard-size 2` on 4 under sync (2 replica groups averaging their shards);
+    offload: full on 2 ranks with bf16 parameters, activation checkpointing and the shards offloaded to the CPU."""
+    ranks = 4 if kind == "hybrid" else 2
+    env, out = _several_ranks_env(device, ranks), workdir / f"shard-{kind}"
+    extra = ["--shard", "hybrid", "--shard-size", "2"] if kind == "hybrid" else ["--shard", "full"]
+    if kind == "offload":  # (the CPU has nothing to offload to: the dry run leaves --shard-offload out)
+        extra += ["--shard-precision", "bf16", "--shard-checkpoint"] + (["--shard-offload"] if device == "cuda" else [])
+    strategy = "sync" if kind == "hybrid" else "allreduce"
+    done = _cli(_train_argv(strategy, sizes, out, device, ranks, *extra), workdir, env, timeout=140)
+    return _ranks_result(done, out, device, env, ranks)
+
+
 def step_live(kind: str, device: str, sizes: dict, workdir: Path) -> dict:
     env, out = _several_ranks_env(device, 3), workdir / f"live-{kind}"
     env.update(DPTRAIN_FAULT="train-middle@1:2", DPTRAIN_FAULT_ONCE=str(workdir / "fired"))
@@ -365,6 +383,8 @@ def run_step(name: str, device: str, sizes: dict, workdir: Path) -> dict:
         return step_ranks(arg, device, sizes, workdir)
     if kind == "live":
         return step_live(arg, device, sizes, workdir)
+    if kind == "shard":
+        return step_shard(arg, device, sizes, workdir)
     if name == "resume:int8":
         return step_resume_int8(device, sizes, workdir)
     if name == "amp:clip":

@@ -89,6 +89,13 @@ EVERY_SETTING = {
     "proximal_mu": (["--strategy", "fedavg"], "0.1", 0.1),
     "min_workers": ([], "1", 1),
     "commit_every_steps": (["--min-workers", "1"], "3", 3),
+    # sharding
+    "shard": ([], "full", "full"),
+    "shard_size": (["--shard", "hybrid"], "2", 2),
+    "shard_unit": (["--shard", "full"], "Block", "Block"),
+    "shard_precision": (["--shard", "full"], "bf16", "bf16"),
+    "shard_offload": (["--shard", "full"], None, True),
+    "shard_checkpoint": (["--shard", "full"], None, True),
     # run
     "epochs": ([], "3", 3),
     "amp": ([], "bf16", "bf16"),
@@ -157,7 +164,7 @@ def test_every_setting_of_train_is_in_the_table_and_in_one_section():
     assert set(EVERY_SETTING) == set(FIELDS)
     sections = [key for section in SECTIONS.values() for key in section.model_fields]
     assert sorted(sections) == sorted(FIELDS), "each TrainConfig field is in exactly one section"
-    assert list(SECTIONS) == ["data", "model", "optimizer", "strategy", "run", "membership"]
+    assert list(SECTIONS) == ["data", "model", "optimizer", "strategy", "sharding", "run", "membership"]
 
 
 @pytest.mark.parametrize("key", list(EVERY_SETTING))

@@ -97,7 +97,8 @@ OLD_KEYWORDS = {"batch_size": 7, "schedule": None, "amp": "bf16", "grad_clip": 1
                 "check_averages": False, "stop_on_collapse": True, "lr_scale": 2.0, "checkpoint_every_steps": 4,
                 "min_workers": 1, "max_workers": 3, "lr_rule": None, "commit_every_steps": 2,
                 "resume_with_changed_data": True, "tensorboard": True, "log_to": ("mlflow",), "accumulate": 3, "monitor": "test_accuracy",
-                "early_stop_patience": 2}
+                "early_stop_patience": 2, "shard": "hybrid", "shard_size": 2, "shard_unit": "Linear",
+                "shard_precision": "bf16", "shard_offload": True, "shard_checkpoint": True}
 
 
 def test_every_keyword_of_old_still_lands_where_it_did():

@@ -56,6 +56,7 @@ class Parser(argparse.ArgumentParser):
 SECTION_HELP = {"data": "what to train on and how it is read", "model": "what to train and its loss",
                 "optimizer": "each worker's steps and learning rate",
                 "strategy": "how workers synchronise, and the options of each strategy (its page under How-to guides)",
+                "sharding": "how each replica is held: whole, or sharded over a replica group's ranks",
                 "run": "length, precision, checkpoints, outputs",
                 "membership": "the workers, and what happens when one fails or joins"}
 

@@ -27,6 +27,7 @@ from dptrain.errors import UserError, did_you_mean
 from dptrain.user_code import FILE_SPEC, looks_like_spec
 from dptrain.lr_policy import DEFAULT_LR_SCALING, LR_DEFAULTS
 from dptrain.strategies.rules.outer import OUTER_LR_DEFAULTS
+from dptrain.strategies.rules.sharding import sharding_refused
 
 BUILTIN_LOSSES = ("auto", "cross-entropy", "mse")
 
@@ -229,13 +230,37 @@ class MembershipSection(_Section):
                                   "(torchrun's --rdzv-endpoint): node 0's name or address and a free port")
 
 
+class ShardingSection(_Section):
+    """How each replica is held: whole on every rank, or sharded over the ranks of a replica group (FSDP2),
+    the strategy running across the groups (dptrain.strategies.sharded; what is refused with it:
+    dptrain.strategies.rules.sharding)."""
+
+    shard: Literal["none", "full", "hybrid"] = Field(
+        "none", description="none: every rank holds the whole model; full: one replica sharded over all ranks "
+                            "(FSDP2); hybrid: replica groups of --shard-size ranks, each sharded, the strategy "
+                            "(allreduce or sync) across the groups")
+    shard_size: Optional[int] = Field(None, ge=2, description="--shard hybrid: ranks per replica group (default: "
+                                                              "the ranks of one node); must divide the ranks")
+    shard_unit: Optional[str] = Field(None, description="--shard full/hybrid: the module class each unit is "
+                                      "(e.g. Block); default: each child module holding at least 5 % of the "
+                                      "parameters")
+    shard_precision: Literal["fp32", "bf16"] = Field(
+        "fp32", description="--shard full/hybrid: bf16 all-gathers the parameters and computes in bf16, reduces the "
+                            "gradients in fp32 and keeps the shards and the optimizer in fp32 (FSDP2's "
+                            "MixedPrecisionPolicy)")
+    shard_offload: bool = Field(False, description="--shard full/hybrid on GPUs: the shards, their gradients and the "
+                                "optimizer state in CPU memory, the optimizer step on the CPU")
+    shard_checkpoint: bool = Field(False, description="--shard full/hybrid: recompute each unit's activations in "
+                                   "the backward pass instead of keeping them (activation checkpointing)")
+
+
 SECTIONS: dict[str, type[BaseModel]] = {"data": DataSection, "model": ModelSection, "optimizer": OptimizerSection,
-                                        "strategy": StrategySection, "run": RunSection,
+                                        "strategy": StrategySection, "sharding": ShardingSection, "run": RunSection,
                                         "membership": MembershipSection}
 
 
-class TrainConfig(MembershipSection, RunSection, StrategySection, OptimizerSection, ModelSection,  # type: ignore[misc,valid-type]
-                  DataSection):
+class TrainConfig(MembershipSection, RunSection, ShardingSection, StrategySection, OptimizerSection,  # type: ignore[misc,valid-type]
+                  ModelSection, DataSection):
     """All settings of one training run, flat: the sections of SECTIONS (fields in their order: data, model,
     optimizer, strategy, run, membership) in one model, with the checks across them. Field descriptions
     double as `--help` text."""
@@ -266,6 +291,8 @@ class TrainConfig(MembershipSection, RunSection, StrategySection, OptimizerSecti
             raise ValueError("give --dataset or --data")
         _refuse_what_does_not_apply(self)
         rules(self.strategy).check(self)
+        if (refused := sharding_refused(self)) is not None:
+            raise ValueError(refused)
         if self.scale_lr and self.lr_scaling != "linear":
             if "lr_scaling" in self.model_fields_set and self.lr_scaling != "auto":
                 raise ValueError(f"scale_lr is short for lr_scaling linear and contradicts lr_scaling "

@@ -110,6 +110,22 @@ PROBLEMS: tuple[Problem, ...] = (
             "save the labels as integers, or give `--task classify` (or `--task regress` to silence the line)",
             source=("treating this as regression (loss mse unless --loss names one)",)),
     # ---------------------------------------------------------------- models
+    Problem("config", "A shard size that does not divide the ranks",
+            "dptrain: error: invalid settings in the command line: --shard-size {size} does not divide the {world} ranks into replica groups; valid "
+            "sizes: {sizes}",
+            "--shard hybrid makes replica groups of --shard-size ranks each, and every rank must be in one",
+            "give one of the sizes named (or --shard full: all ranks one group)",
+            source=("does not divide the", "ranks into replica groups; valid")),
+    Problem("config", "A setting sharding does not run with",
+            "dptrain: error: invalid settings in the command line: --shard {mode} is refused with {setting}: {what runs}",
+            "sharding (--shard full or hybrid) runs with allreduce and sync only, without live membership "
+            "(a lost rank loses its group's shard), --monitor, --amp fp16 or --nnodes",
+            "drop the setting named, or --shard none", source=("is refused with", "--shard full/hybrid runs with")),
+    Problem("model", "A shard unit the model has no module of",
+            "dptrain: error: --shard-unit {class} names no module of the model; its module classes are: {classes}",
+            "--shard-unit names the class of the modules sharded one by one (a transformer's layer class, say)",
+            "give one of the classes named, or leave --shard-unit out (each child holding 5 % of the parameters)",
+            source=("names no module of the model; its module classes are",)),
     Problem("model", "A model module that cannot be imported",
             "dptrain: error: cannot import module '{module}'{rest}",
             "the module of `--model package.module:factory` is not on the Python path",

@@ -37,6 +37,7 @@ class EpochPlan:
     rows: Callable[[int], np.ndarray]
     rest: Optional["Rest"] = None
     rank: int = 0  # this rank's place among the members of `rest`
+    batches: Optional[Callable[[int], list]] = None  # the rows of each step of an epoch, when not rows cut in steps
 
 
 @dataclass(frozen=True)
@@ -88,6 +89,25 @@ def shard_plan(n_samples: int, rank: int, world: int, batch_size: int, seed: int
         return sharding.epoch_indices(n_samples, rank, world, epoch, seed, shuffle, block_size)
 
     return EpochPlan(sharding.steps_per_epoch(n_samples, world, batch_size), rows)
+
+
+def replica_plan(n_samples: int, rank: int, world: int, size: int, batch_size: int, seed: int, shuffle: str,
+                 block_size: Optional[int] = None) -> EpochPlan:
+    """A rank's plan in replica groups of `size` ranks (a sharded model, dptrain.strategies.sharded): replica
+    group g reads what worker g of world/size unsharded workers reads with `size` x `batch_size` rows a step,
+    and each step's rows are split over the group's ranks, rank j of the group taking the j-th part. So a
+    replica group computes what one unsharded worker does with `size` times the batch, and every row is read
+    once an epoch. At least `size` rows a step, so that no rank of a group goes without."""
+    replicas, group, place = world // size, rank // size, rank % size
+    sharding.check_workers(n_samples, world)
+    steps = max(1, min(sharding.steps_per_epoch(n_samples, replicas, size * batch_size),
+                       n_samples // replicas // size))
+
+    def batches(epoch: int) -> list[np.ndarray]:
+        rows = sharding.epoch_indices(n_samples, group, replicas, epoch, seed, shuffle, block_size)
+        return [np.array_split(step, size)[place] for step in sharding.batches(rows, steps)]
+
+    return EpochPlan(steps, lambda epoch: np.concatenate(batches(epoch)), batches=batches)
 
 
 def partition_plan(partition: np.ndarray, rank: int, batch_size: int, seed: int) -> EpochPlan:
@@ -251,7 +271,9 @@ class PlanBatches(Sampler):
             steps = sharding.batches(rest.parts[self.plan.rank], rest.steps) if rest.steps else []
             first = rest.done
         else:
-            steps, first = sharding.batches(self.plan.rows(self.epoch), self.plan.steps), 0
+            plan = self.plan
+            steps = plan.batches(self.epoch) if plan.batches else sharding.batches(plan.rows(self.epoch), plan.steps)
+            first = 0
         for index, batch in enumerate(steps, start=first):
             if index >= self.start:
                 yield batch.tolist()

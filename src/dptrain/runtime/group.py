@@ -248,6 +248,20 @@ class Group:
                      "an all-gather")
         return gathered, self._count(tensor)
 
+    def all_gather_into(self, output: torch.Tensor, tensor: torch.Tensor, async_op: bool = False) -> tuple[Any, int]:
+        """Every rank's `tensor` side by side in `output` (a sharded model's all-gather: dptrain.runtime.sharded).
+        Returns (its work, or None when done; bytes handed over: this rank's `tensor`)."""
+        work = dist.all_gather_single(output, tensor, group=self.handle, async_op=async_op)
+        return work, self._count(tensor)
+
+    def reduce_scatter_into(self, output: torch.Tensor, tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM,
+                            async_op: bool = False) -> tuple[Any, int]:
+        """`tensor` reduced over the group, this rank's 1/N part of it in `output` (a sharded model's gradient
+        reduce-scatter). Returns (its work or None; bytes handed over: the whole `tensor`, as an all-reduce's)."""
+        work = dist.reduce_scatter_single(output, tensor, op=OPS[op] if isinstance(op, str) else op,
+                                         group=self.handle, async_op=async_op)
+        return work, self._count(tensor)
+
     def all_to_all(self, tensor: torch.Tensor, input_splits: Sequence[int],
                    output_splits: Sequence[int]) -> tuple[torch.Tensor, int]:
         """Exchange parts of a flat `tensor`: its i-th part (`input_splits[i]` elements, in order) goes to rank i,

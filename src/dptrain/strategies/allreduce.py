@@ -14,15 +14,17 @@ from dptrain.runtime.distributed import DistContext
 from dptrain.strategies.base import Meeting, Strategy
 from dptrain.strategies.collectives import module_state, tensor_bytes
 from dptrain.strategies.rules.allreduce import AllReduceRules
+from dptrain.strategies.sharded import Shardable
 
 # What the gradients travel as: float32 as they are, or cast to half precision (divided first, as
 # torch's fp16/bf16_compress_hook do).
 GRADIENT_DTYPES = {"none": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-class AllReduce(AllReduceRules, Strategy):
+class AllReduce(Shardable, AllReduceRules, Strategy):
     """Per-step gradient all-reduce (the Horovod/DDP way): after k steps every replica equals
-    single-process training on the union of the workers' batches."""
+    single-process training on the union of the workers' batches. With a sharded model (`shard_as`), FSDP2
+    inside each replica group and each gradient shard all-reduced across the groups (HSDP)."""
 
     name = "allreduce"
     meeting = Meeting("every step")  # live membership can go on from a commit within an epoch (--commit-every-steps)
@@ -37,6 +39,8 @@ class AllReduce(AllReduceRules, Strategy):
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, ctx: DistContext) -> nn.Module:
         super().setup(model, optimizer, ctx)
+        if self.shard_options is not None:
+            return self._shard_setup(model, optimizer, ctx, average_gradients=True)
         if ctx.world_size == 1:
             return model
         floating, integer = module_state(model)
@@ -76,4 +80,4 @@ class AllReduce(AllReduceRules, Strategy):
         return True
 
     def describe(self) -> dict:
-        return {"name": self.name, "compression": self.compression}
+        return {"name": self.name, "compression": self.compression, **self.sharding()}

@@ -122,6 +122,20 @@ class Strategy(StrategyRules):
         self.model, self.optimizer, self.ctx = model, optimizer, ctx
         return model
 
+    def shard_as(self, options) -> None:
+        """Shard the model inside replica groups (dptrain.strategies.sharded; `options`: a ShardOptions, or None):
+        before setup. Only the strategies built for it (Shardable) can; the others refuse anything but none."""
+        if options is not None and options.sharded:
+            from dptrain.errors import UserError
+            from dptrain.strategies.rules.sharding import REFUSED_LINE
+
+            raise UserError(f"--shard {options.shard} is refused with --strategy {self.name}: {REFUSED_LINE}")
+
+    def checkpoint_parts(self, parts: dict) -> dict:
+        """What a checkpoint holds of the run's parts (dptrain.train.state.TrainState.parts): themselves; a sharded
+        model's strategy, this rank's shards of the model and optimizer."""
+        return parts
+
     def enable_live(self, min_workers: int) -> None:
         """The run has live membership (dptrain.train.live), down to `min_workers` workers: called before setup."""
         self.live, self.min_workers = True, min_workers

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from dptrain.runtime.group import Group
+from dptrain.runtime.sharded import local
 
 
 def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
@@ -23,8 +24,10 @@ def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
 def module_state(module: nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """(floating tensors to average, integer and bool tensors to max): all parameters and buffers.
 
-    The max of bool buffers (masks, flags) is their logical OR across replicas."""
-    floating: list[torch.Tensor] = list(module.parameters())
+    The max of bool buffers (masks, flags) is their logical OR across replicas. A sharded model's parameters
+    are this rank's shards (dptrain.runtime.sharded.local): an average over the ranks holding the same shard
+    averages the model shard by shard."""
+    floating: list[torch.Tensor] = [local(parameter) for parameter in module.parameters()]
     integer: list[torch.Tensor] = []
     for buffer in module.buffers():
         if buffer.is_floating_point() or buffer.is_complex():

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from dptrain.errors import UserError
 from dptrain.runtime.distributed import DistContext
 from dptrain.strategies.base import Meeting, Strategy, check_period
 from dptrain.strategies.collectives import broadcast_module, broadcast_tensors, module_state, tensor_bytes
@@ -33,14 +34,17 @@ from dptrain.strategies.compression import COMPRESSIONS
 from dptrain.strategies.outer import OPTIMIZER_STATES, OUTERS, Averager, OuterOptimizer, settle_optimizer_state
 from dptrain.strategies.rules.outer import outer_settings
 from dptrain.strategies.rules.sync import SyncRules
+from dptrain.strategies.rules.sharding import REFUSED_LINE
+from dptrain.strategies.sharded import Shardable
 
 __all__ = ["OPTIMIZER_STATES", "OUTERS", "Sync"]
 
 
-class Sync(SyncRules, Strategy):
+class Sync(Shardable, SyncRules, Strategy):
     """Synchronous weight averaging at epoch ends (every `every` epochs) or local SGD
     (every `every_steps` steps), optionally after `allreduce_epochs` epochs of per-step
-    gradient all-reduce (post-local SGD)."""
+    gradient all-reduce (post-local SGD). With a sharded model (`shard_as`), the replica groups average their
+    parameter shards, each rank over the ranks holding its shard (dptrain.strategies.sharded)."""
 
     name = "sync"
     meeting = Meeting("epoch ends", averages_checked=True)
@@ -85,7 +89,10 @@ class Sync(SyncRules, Strategy):
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, ctx: DistContext) -> nn.Module:
         super().setup(model, optimizer, ctx)
         train_model = model
-        if ctx.world_size > 1 and self.allreduce_epochs > 0:
+        if self.shard_options is not None:
+            self._check_sharded()
+            train_model = self._shard_setup(model, optimizer, ctx, average_gradients=False)
+        elif ctx.world_size > 1 and self.allreduce_epochs > 0:
             train_model = self._wrap(model, ctx)
         elif ctx.world_size > 1:
             self.comm_bytes += broadcast_module(model, group=self.ctx.group)
@@ -170,8 +177,16 @@ class Sync(SyncRules, Strategy):
         assert self.model is not None and self.ctx is not None and self.optimizer is not None
         self._diverged = False
         self.averages += 1
-        self.comm_bytes += self.averager.average(self.model, self.ctx.group)
-        self.comm_bytes += settle_optimizer_state(self.optimizer, self.optimizer_state, self.ctx.group)
+        group = self.replicas.across if self.replicas is not None else self.ctx.group  # sharded: shard by shard
+        self.comm_bytes += self.averager.average(self.model, group)
+        self.comm_bytes += settle_optimizer_state(self.optimizer, self.optimizer_state, group)
+
+    def _check_sharded(self) -> None:
+        """The settings a sharded sync refuses (dptrain.strategies.rules.sharding), given from Python."""
+        plain = {"outer": "none", "compression": "none", "optimizer_state": "keep", "allreduce_epochs": 0}
+        for key, value in plain.items():
+            if getattr(self, key) != value:
+                raise UserError(f"--shard is refused with {key} {getattr(self, key)}: {REFUSED_LINE}")
 
     def state_dict(self) -> dict:
         state = super().state_dict()
@@ -192,4 +207,4 @@ class Sync(SyncRules, Strategy):
                 "optimizer_state": self.optimizer_state, "outer": self.outer,
                 "outer_lr": self.outer_lr, "outer_momentum": self.outer_momentum,
                 "outer_betas": list(self.outer_betas), "outer_eps": self.outer_eps,
-                "compression": self.compression, "allreduce_epochs": self.allreduce_epochs}
+                "compression": self.compression, "allreduce_epochs": self.allreduce_epochs, **self.sharding()}

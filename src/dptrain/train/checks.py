@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from dptrain.errors import Diverged
+from dptrain.runtime.sharded import local
 from dptrain.train.health import AverageHealth, LRGuard
 
 LOSS_GROWTH_LIMIT = 10.0  # a training loss this many times the first epoch's is divergence
@@ -26,7 +27,7 @@ def grew(loss: float, first: float) -> bool:
 
 
 def finite(model: nn.Module) -> bool:
-    values = [torch.isfinite(p).all() for p in model.parameters()]
+    values = [torch.isfinite(local(p)).all() for p in model.parameters()]  # a sharded model: this rank's shards
     return not values or bool(torch.stack(values).all())  # one device sync, not one a tensor
 
 

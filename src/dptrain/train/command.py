@@ -425,7 +425,10 @@ def train_in_group(config: TrainConfig, env: DistEnv, ctx, held: ExitStack) -> S
                       min_workers=config.min_workers, max_workers=config.max_workers,
                       commit_every_steps=config.commit_every_steps or 0,
                       resume_with_changed_data=config.resume_with_changed_data, monitor=config.monitor,
-                      early_stop_patience=config.early_stop_patience,
+                      early_stop_patience=config.early_stop_patience, shard=config.shard,
+                      shard_size=config.shard_size, shard_unit=config.shard_unit,
+                      shard_precision=config.shard_precision, shard_offload=config.shard_offload,
+                      shard_checkpoint=config.shard_checkpoint,
                       lr_rule=lambda world: lr_policy.lr_scale(config, world)[0])
     trainer.emulate_straggler(config.slow_workers().get(ctx.rank if ctx.joining is None else ctx.joining, 1.0))
     trainer.data_record = data_record(config, data)

@@ -9,6 +9,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from dptrain.data.sampler import TrainData, as_dataset, evaluation_loader
+from dptrain.runtime.sharded import gathered
 from dptrain.train.recorder import Summary
 from dptrain.train.step import AMP_DTYPES
 
@@ -42,6 +43,17 @@ class Evaluator:
         rank, world = (self.ctx.rank, self.ctx.world_size) if collective else (0, 1)
         was_training = model.training
         model.eval()
+        with gathered(model):  # a sharded model whole: the ranks' slices may differ in batches
+            totals, classify = self._totals(model, test, rank, world)
+        model.train(was_training)
+        if world > 1:
+            totals = self.ctx.group.sum_tensor("evaluate", totals)
+        count = max(totals[2].item(), 1.0)
+        return {"test_loss": totals[0].item() / count,
+                "test_accuracy": totals[1].item() / count if classify else None}
+
+    def _totals(self, model: nn.Module, test: TrainData, rank: int, world: int) -> tuple[torch.Tensor, bool]:
+        """(loss sum, correct, count) of `model` on this rank's part of `test`; whether it classifies."""
         totals = torch.zeros(3, dtype=torch.float64)  # loss sum, correct, count
         classify = True
         for x, y in self._batches(test, rank, world):
@@ -53,12 +65,7 @@ class Evaluator:
             if classify:
                 totals[1] += (output.argmax(dim=1) == y.long()).sum().item()
             totals[2] += len(y)
-        model.train(was_training)
-        if world > 1:
-            totals = self.ctx.group.sum_tensor("evaluate", totals)
-        count = max(totals[2].item(), 1.0)
-        return {"test_loss": totals[0].item() / count,
-                "test_accuracy": totals[1].item() / count if classify else None}
+        return totals, classify
 
     def _batches(self, test: TrainData, rank: int, world: int) -> DataLoader:
         """The DataLoader of this rank's part of `test`, made once (its worker processes persist)."""

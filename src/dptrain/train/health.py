@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from dptrain.data.sampler import loader
+from dptrain.runtime.sharded import state_holder
 from dptrain.train.host_copy import host_copy
 
 PROBE_ROWS = 256  # training rows per worker the check evaluates, twice per average (forward passes only)
@@ -202,7 +203,8 @@ class LRGuard:
     def keep(self, model: nn.Module) -> None:
         """Remember `model` (an average judged good) to come back to."""
         if self.restore and self.active:
-            self._good = host_copy(model.state_dict(), into=self._good)  # in host memory, its buffers reused
+            # in host memory, its buffers reused (a sharded model's: this rank's shards)
+            self._good = host_copy(state_holder(model).state_dict(), into=self._good)
 
     @property
     def can_recover(self) -> bool:
@@ -239,7 +241,7 @@ class LRGuard:
             scheduler.base_lrs = [lr * ratio for lr in scheduler.base_lrs]
         restored = self.restore and self._good is not None
         if restored:
-            model.load_state_dict(self._good)
+            state_holder(model).load_state_dict(self._good)
             optimizer.state.clear()  # momentum and moments belonged to the run that went wrong
         event = {"epoch": epoch, "from_scale": self.scale, "to_scale": new_scale, "restored": restored,
                  "reason": reason}

@@ -18,6 +18,7 @@ from typing import Optional
 import torch
 from tqdm import tqdm
 
+from dptrain.runtime.sharded import full_state
 from dptrain.io import append_jsonl, make_dirs, save_torch, write_json, write_jsonl
 from dptrain.train.loggers import Loggers
 
@@ -226,8 +227,10 @@ class Recorder:
     def write_final(self, summary: Summary, model: torch.nn.Module) -> None:
         """model.pt (the final global state_dict, on the CPU) and summary.json; then the run's last line
         (dptrain's own launcher prints that line itself, from summary.json, once its workers are done)."""
-        if path := self._file("model.pt"):
-            save_torch(path, {k: v.detach().cpu() for k, v in model.state_dict().items()})
+        path = self._file("model.pt")
+        state = full_state(model, wanted=path is not None)  # a sharded model's, gathered: every rank calls it
+        if path:
+            save_torch(path, state)
             write_json(self.out / "summary.json", summary.to_dict())
             self.loggers.close(summary.to_dict())
         if os.environ.get("DPTRAIN_LAUNCHER") != "local":

@@ -18,6 +18,7 @@ from torch import nn
 
 from dptrain.data.sampler import Rest
 from dptrain.errors import UserValueError
+from dptrain.strategies.rules.sharding import ShardOptions
 from dptrain.train import checkpoint_files
 from dptrain.train.host_copy import host_copy
 
@@ -69,7 +70,7 @@ class TrainState:
                  "scaler": self.scaler, "strategy": self.strategy}
         if self.checks.lr_guard is not None:
             parts["lr_guard"] = self.checks.lr_guard
-        return parts
+        return self.strategy.checkpoint_parts(parts)
 
     def snapshot(self, history: list[dict], position: Optional[Position] = None, into: Optional[dict] = None,
                  host: bool = True) -> dict:
@@ -172,7 +173,7 @@ class MembershipOptions:
 
 # The Trainer's keyword arguments of old: keyword -> (option group, its field).
 GROUPS = {"run": RunOptions, "step": StepOptions, "checkpoints": CheckpointOptions, "checks": CheckOptions,
-          "membership": MembershipOptions}
+          "membership": MembershipOptions, "sharding": ShardOptions}
 _RENAMED = {("checkpoints", "every"): "checkpoint_every", ("checkpoints", "every_steps"): "checkpoint_every_steps",
             ("checkpoints", "keep"): "keep_checkpoints"}
 KEYWORDS = {_RENAMED.get((group, each.name), each.name): (group, each.name)

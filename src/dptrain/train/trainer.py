@@ -65,8 +65,8 @@ class EpochDone:
 class Trainer:
     """Data-parallel training of `model` with `optimizer` (built by you, on the model's parameters).
 
-    `strategy` defaults to AllReduce (per-step gradient all-reduce). The options come in groups
-    (dptrain.train.state: `run`, `step`, `checkpoints`, `checks`, `membership`), or as the keywords they hold:
+    `strategy` defaults to AllReduce (per-step gradient all-reduce). The options come in groups (dptrain.train.state:
+    `run`, `step`, `checkpoints`, `checks`, `membership`), or as the keywords they hold (also `shard="full"`: --shard):
     `schedule(optimizer, steps_per_epoch, epochs)` may return an LR scheduler stepped once per step. With
     `out`, the run directory receives metrics.jsonl, summary.json, model.pt and, every `checkpoint_every` epochs
     (and every `checkpoint_every_steps` steps within an epoch), checkpoints (`resume=True` continues from the
@@ -86,7 +86,7 @@ class Trainer:
         given = options_from({"run": run, "step": step, "checkpoints": checkpoints, "checks": checks,
                               "membership": membership}, keywords)
         self.run, self.steps, self.checkpoints = given["run"], given["step"], given["checkpoints"]
-        self.check_options, self.membership = given["checks"], given["membership"]
+        self.check_options, self.membership, self.sharding = given["checks"], given["membership"], given["sharding"]
         check_trainer_arguments(model, optimizer, loss, strategy, self.steps.amp)  # a mistake: one line
         if strategy is None:
             from dptrain.strategies.allreduce import AllReduce
@@ -158,8 +158,7 @@ class Trainer:
                 self.out, ctx.world_size, len(self.history), epochs)) from None
 
     def _fit(self, train: TrainData, test: Optional[TrainData], epochs: int) -> Summary:
-        self._connect()
-        train, test = as_dataset(train), (as_dataset(test, "test") if test is not None else None)
+        self._connect()  # (fit made train and test Datasets already)
         state = self._prepare(train, epochs)
         wall_before = self._begin(state, epochs)
         self.stop_signals.watch()
@@ -186,6 +185,7 @@ class Trainer:
         ctx = self.ctx
         strategy, self.strategy_choice = self.strategy.resolve(self, train)
         self.strategy = self.stepper.strategy = strategy
+        strategy.shard_as(self.sharding)  # before the plan: a sharded model's replica groups read as one worker
         if self._slowdown > 1:  # before the strategy wraps the model: timed without any communication
             self.step_delay = measure_delay(self._slowdown, self.timing_step, self.model, self.optimizer, ctx,
                                             self.batch_size, train)

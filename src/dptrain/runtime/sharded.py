@@ -1,0 +1,249 @@
+"""A model sharded with FSDP2 (`fully_shard`) over one of the run's groups, its collectives made at the seam.
+
+Inside a replica group each rank keeps 1/S of every unit's parameters, gradients and optimizer state as
+DTensor shards. FSDP's all-gathers (before a unit's forward and backward) and reduce-scatters (of its
+gradients) are handed to the run's Group (`SeamAllGather`, `SeamReduceScatter`: FSDP2's custom
+collectives), so they are counted there like every other collective. The mesh FSDP shards over is made
+from the Group's own process group, so a group made over the store works too.
+
+Across replica groups the strategy communicates on another Group (dptrain.strategies.sharded); a
+gradient all-reduce across them (HSDP) is FSDP's all-reduce hook, handed the reduce-scatter's output
+(`shard_model`'s `across`). Reductions are sums, divided once after all of them (FSDP's
+`set_force_sum_reduction_for_comms`, a divide factor of all ranks that averaged): gloo has no average op.
+
+What a checkpoint holds of a sharded model or optimizer is this rank's shards as plain tensors
+(`LocalShards`, `LocalOptimizerShards`), so it is written and read as every dptrain checkpoint is
+(torch.load with weights_only, checksums, a temporary name renamed); model.pt is the full state dict
+gathered on rank 0 (`full_state`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
+from torch.distributed.tensor import DTensor
+
+from dptrain.errors import UserError
+from dptrain.runtime.group import Group
+
+CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of `tensor`: its local shard when it is a DTensor, else the tensor itself (sharing
+    storage: writing into it writes into the parameter)."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def is_sharded(model: nn.Module) -> bool:
+    return any(isinstance(module, FSDPModule) for module in model.modules())
+
+
+class SeamAllGather(DefaultAllGather):
+    """FSDP's all-gather of a unit's shards, through the Group (which counts this rank's shard)."""
+
+    def __init__(self, group: Group, count: Callable[[int], None]) -> None:
+        self.group, self.count = group, count
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any,
+                 async_op: bool = False) -> Any:
+        work, sent = self.group.all_gather_into(output_tensor, input_tensor, async_op=async_op)
+        self.count(sent)
+        return work
+
+
+class SeamReduceScatter(DefaultReduceScatter):
+    """FSDP's reduce-scatter of a unit's gradients, through the Group (which counts the unsharded gradients)."""
+
+    def __init__(self, group: Group, count: Callable[[int], None]) -> None:
+        self.group, self.count = group, count
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any,
+                 async_op: bool = False) -> Any:
+        work, sent = self.group.reduce_scatter_into(output_tensor, input_tensor, op, async_op=async_op)
+        self.count(sent)
+        return work
+
+
+def mesh_of(group: Group) -> DeviceMesh:
+    """A 1-D DeviceMesh over `group`'s own process group (the default group's when it is the job's), on the rank's
+    device (where the model is: a GPU under NCCL, or gloo with CUDA tensors)."""
+    handle = group.handle if group.handle is not None else dist.group.WORLD
+    return DeviceMesh.from_group(handle, group.device.type)
+
+
+def units_of(model: nn.Module, unit: Optional[str], share: float) -> list[nn.Module]:
+    """The modules `fully_shard` wraps before the root: those of class `unit`, or else each child of the root
+    (and each item of a child ModuleList, Sequential or ModuleDict, in turn) that holds at least `share` of
+    the parameters. A class no module has is a UserError naming the classes there are."""
+    if unit is not None:
+        found = [module for module in model.modules() if type(module).__name__ == unit and module is not model]
+        if not found:
+            classes = sorted({type(module).__name__ for module in model.modules() if module is not model})
+            raise UserError(f"--shard-unit {unit} names no module of the model; its module classes are: "
+                            f"{', '.join(classes) or 'none (the model has no child modules)'}")
+        return found
+    total = sum(p.numel() for p in model.parameters())
+    chosen: list[nn.Module] = []
+
+    def visit(module: nn.Module) -> None:
+        for child in module.children():
+            if isinstance(child, CONTAINERS):
+                visit(child)
+            elif total and sum(p.numel() for p in child.parameters()) >= share * total:
+                chosen.append(child)
+
+    visit(model)
+    return chosen
+
+
+def fsdp_settings(precision: str = "fp32", offload: bool = False) -> dict:
+    """fully_shard's keywords for --shard-precision (bf16: MixedPrecisionPolicy, parameters in bf16 in the
+    all-gathers and the compute, gradients reduced in fp32) and --shard-offload (CPUOffloadPolicy)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+
+    settings: dict = {}
+    if precision == "bf16":
+        settings["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if offload:
+        settings["offload_policy"] = CPUOffloadPolicy()
+    return settings
+
+
+def shard_model(model: nn.Module, optimizer: torch.optim.Optimizer, inside: Group, count: Callable[[int], None],
+                *, unit: Optional[str], share: float, across: Optional[Group] = None, settings: Optional[dict] = None,
+                recompute: bool = False) -> nn.Module:
+    """Shard `model` in place over `inside` (each unit, then the root) and point `optimizer` at the sharded
+    parameters; every collective FSDP makes goes through `inside` (and `across`: the gradients' all-reduce
+    between replica groups, HSDP), counted by `count`. The model must be the same on every rank of `inside`
+    already (FSDP keeps each rank's own part of its own copy). `settings`: fully_shard's other keywords
+    (`fsdp_settings`); `recompute`: each unit's activations recomputed in the backward (activation
+    checkpointing, torch's composable `checkpoint`)."""
+    if any(optimizer.state.values()):
+        raise RuntimeError("the optimizer must be sharded before its first step")
+    names = {id(parameter): name for name, parameter in model.named_parameters()}
+    mesh = mesh_of(inside)
+    wrapped = units_of(model, unit, share)
+    if recompute:
+        from torch.distributed._composable import checkpoint
+
+        for module in wrapped:
+            checkpoint(module)
+    for module in wrapped + [model]:
+        fully_shard(module, mesh=mesh, reshard_after_forward=True, **(settings or {}))
+    sharded = dict(model.named_parameters())
+    for param_group in optimizer.param_groups:
+        param_group["params"] = [sharded[names[id(parameter)]] for parameter in param_group["params"]]
+    ranks = inside.world_size * (across.world_size if across is not None else 1)
+    for module in model.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        module.set_custom_all_gather(SeamAllGather(inside, count))
+        module.set_custom_reduce_scatter(SeamReduceScatter(inside, count))
+        module.set_force_sum_reduction_for_comms(True)
+        module.set_gradient_divide_factor(float(ranks))
+        if across is not None:
+            module.set_all_reduce_hook(lambda reduced: count(across.all_reduce(reduced)))
+    return model
+
+
+@contextlib.contextmanager
+def gathered(model: nn.Module) -> Iterator[None]:
+    """Within it, a sharded `model` is whole on every rank (all-gathered once, kept through its forwards), so
+    that ranks may run different numbers of forwards (an evaluation's slices); a plain model is left as it is."""
+    sharded = [module for module in model.modules() if isinstance(module, FSDPModule)]
+    for module in sharded:
+        module.set_reshard_after_forward(False, recurse=False)
+        module.unshard()
+    try:
+        yield
+    finally:
+        for module in sharded:
+            module.reshard()
+            module.set_reshard_after_forward(True, recurse=False)
+
+
+def full_state(model: nn.Module, wanted: bool = True) -> dict:
+    """`model`'s whole state_dict on the CPU, on rank 0 of the job when the model is sharded (every rank must
+    call it then: the shards are gathered; the other ranks get {}); a plain model's where `wanted`, else {}."""
+    if not is_sharded(model):
+        return {key: value.detach().cpu() for key, value in model.state_dict().items()} if wanted else {}
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def shard_bytes(model: nn.Module) -> int:
+    """The bytes of this rank's shards of `model`'s parameters."""
+    return sum(local(p).numel() * p.element_size() for p in model.parameters())
+
+
+class LocalShards:
+    """A sharded module's state as this rank's shards, plain tensors (what its checkpoint file holds)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    def state_dict(self) -> dict:
+        return {key: local(value).detach().clone() for key, value in self.module.state_dict().items()}
+
+    def load_state_dict(self, saved: dict) -> None:
+        """This rank's shards back (the same world and units wrote them); a key or shape that does not fit
+        is a RuntimeError naming it (as load_state_dict's)."""
+        current = self.module.state_dict()
+        missing = sorted(set(current) - set(saved))
+        unexpected = sorted(set(saved) - set(current))
+        if missing or unexpected:
+            raise RuntimeError(f"Missing key(s) in state_dict: {missing[:3]}; Unexpected key(s): {unexpected[:3]}")
+        with torch.no_grad():
+            for key, value in current.items():
+                part = local(value)
+                if tuple(part.shape) != tuple(saved[key].shape):
+                    raise RuntimeError(f"size mismatch for {key}: the checkpoint's shard has shape "
+                                       f"{tuple(saved[key].shape)}, this rank's {tuple(part.shape)} (written with "
+                                       f"another shard size? resharding onto another one is not built yet)")
+                part.copy_(saved[key])
+
+
+def state_holder(model: nn.Module):
+    """What holds `model`'s state as plain tensors: the module itself, or its shards (`LocalShards`) when sharded."""
+    return LocalShards(model) if is_sharded(model) else model
+
+
+class LocalOptimizerShards:
+    """A sharded model's optimizer state as this rank's shards, plain tensors; loaded back as DTensors
+    placed as the parameters they belong to."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+
+    def state_dict(self) -> dict:
+        saved = self.optimizer.state_dict()
+        state = {index: {key: (local(value).detach().clone() if isinstance(value, torch.Tensor) else value)
+                         for key, value in entry.items()} for index, entry in saved["state"].items()}
+        return {"state": state, "param_groups": saved["param_groups"]}
+
+    def load_state_dict(self, saved: dict) -> None:
+        parameters = [p for group in self.optimizer.param_groups for p in group["params"]]
+        state = {}
+        for index, entry in saved["state"].items():
+            parameter = parameters[int(index)]
+            state[index] = {key: self._placed(value, parameter) for key, value in entry.items()}
+        self.optimizer.load_state_dict({"state": state, "param_groups": saved["param_groups"]})
+
+    @staticmethod
+    def _placed(value: Any, parameter: torch.Tensor) -> Any:
+        """A saved shard as the DTensor it was, where it is a shard of `parameter` (a momentum, Adam's moments);
+        a number or a step count as it is."""
+        if not isinstance(parameter, DTensor) or not isinstance(value, torch.Tensor) \
+                or tuple(value.shape) != tuple(parameter.to_local().shape) or value.dim() == 0:
+            return value
+        return DTensor.from_local(value.to(parameter.device), parameter.device_mesh, parameter.placements,
+                                  shape=parameter.shape, stride=parameter.stride(), run_check=False)

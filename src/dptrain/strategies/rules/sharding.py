@@ -1,0 +1,138 @@
+"""Sharding's options and rules, without torch: how many ranks hold one replica, and what is refused with it.
+
+Sharding is an axis, not a strategy: `--shard full` makes all ranks one replica group whose model is
+sharded over them (FSDP2), `--shard hybrid` makes replica groups of `--shard-size` ranks each (the ranks of
+one node by default), and the strategy runs across the groups (dptrain.strategies.sharded). The strategies
+that can run across sharded replica groups, and the settings refused with sharding, are named here once,
+for the command line (dptrain.config) and the Python API (dptrain.Trainer's `shard`) alike.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+SHARD_MODES = ("none", "full", "hybrid")
+SHARD_PRECISIONS = ("fp32", "bf16")  # bf16: parameters all-gathered and computed in bf16, gradients reduced in fp32
+SHARDED_STRATEGIES = ("allreduce", "sync")  # the others are refused with --shard (not built yet)
+DEFAULT_UNIT_SHARE = 0.05  # without --shard-unit: each child module holding at least this share of the parameters
+REFUSED_LINE = ("--shard full/hybrid runs with --strategy allreduce or sync (sync: --outer none, --compression "
+                "none, --optimizer-state keep, no --allreduce-epochs; hybrid only); not with --min-workers, "
+                "--monitor, --amp fp16 or --nnodes (a lost rank loses its group's shard, no second copy is kept)")
+
+
+@dataclass
+class ShardOptions:
+    """How the model is held: `shard` none (every rank a whole replica), full (one replica sharded over all
+    ranks) or hybrid (replica groups of `shard_size` ranks, default the ranks of one node); the units
+    `fully_shard` wraps are the modules of class `shard_unit` (default: each child holding at least
+    DEFAULT_UNIT_SHARE of the parameters). `shard_precision` bf16: FSDP2's MixedPrecisionPolicy (bf16
+    parameters in the all-gathers and the forward and backward, gradients reduced in fp32, the sharded
+    parameters and the optimizer kept in fp32); `shard_offload`: the shards, their gradients and the optimizer
+    state in CPU memory, the step on the CPU (a GPU run); `shard_checkpoint`: each unit's activations recomputed
+    in the backward instead of kept."""
+
+    shard: str = "none"
+    shard_size: Optional[int] = None
+    shard_unit: Optional[str] = None
+    shard_precision: str = "fp32"
+    shard_offload: bool = False
+    shard_checkpoint: bool = False
+
+    def __post_init__(self) -> None:
+        problem = options_problem(self.shard, self.shard_size, self.shard_unit) or extras_problem(
+            self.shard, self.shard_precision, self.shard_offload, self.shard_checkpoint)
+        if problem is not None:
+            from dptrain.errors import UserValueError
+
+            raise UserValueError(problem)
+
+    @property
+    def sharded(self) -> bool:
+        return self.shard != "none"
+
+    def size(self, world: int, ranks_per_node: int) -> int:
+        """S, the ranks of one replica group, in a world of `world` ranks (UserError when it does not fit)."""
+        size = world if self.shard == "full" else (self.shard_size or ranks_per_node)
+        problem = size_problem(self.shard, size, world, given=self.shard_size is not None)
+        if problem is not None:
+            from dptrain.errors import UserError
+
+            raise UserError(problem)
+        return size
+
+
+def options_problem(shard: str, size: Optional[int], unit: Optional[str]) -> Optional[str]:
+    """Why these sharding settings cannot be, in one line, or None."""
+    if shard not in SHARD_MODES:
+        return f"--shard must be one of {', '.join(SHARD_MODES)}, not {shard!r}"
+    if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 2):
+        return f"--shard-size must be a whole number of at least 2 (ranks per replica group), not {size!r}"
+    if size is not None and shard != "hybrid":
+        return f"--shard-size applies to --shard hybrid, not --shard {shard}"
+    if unit is not None and shard == "none":
+        return "--shard-unit applies to --shard full or hybrid, not --shard none"
+    if unit is not None and (not isinstance(unit, str) or not unit.isidentifier()):
+        return f"--shard-unit must name a module class such as Block, not {unit!r}"
+    return None
+
+
+def extras_problem(shard: str, precision: str, offload: bool, checkpoint: bool) -> Optional[str]:
+    """Why the precision, offload and activation-checkpointing settings of sharding cannot be, or None."""
+    if precision not in SHARD_PRECISIONS:
+        return f"--shard-precision must be one of {', '.join(SHARD_PRECISIONS)}, not {precision!r}"
+    given = [flag for flag, on in (("--shard-precision bf16", precision != "fp32"), ("--shard-offload", offload),
+                                   ("--shard-checkpoint", checkpoint)) if on]
+    if given and shard == "none":
+        return f"{given[0]} applies to --shard full or hybrid, not --shard none"
+    return None
+
+
+def size_problem(shard: str, size: int, world: int, given: bool) -> Optional[str]:
+    """Why replica groups of `size` ranks do not fit a world of `world` ranks, in one line, or None."""
+    valid = [each for each in range(2, world + 1) if world % each == 0]
+    what = f"--shard-size {size}" if given else f"--shard {shard} ({size} ranks per node)"
+    if world < 2:
+        return f"--shard {shard} needs at least 2 ranks to shard over, not {world}"
+    if size < 2 or world % size:
+        return (f"{what} does not divide the {world} ranks into replica groups; valid sizes: "
+                f"{', '.join(map(str, valid))}")
+    return None
+
+
+def sharding_refused(config: Any) -> Optional[str]:
+    """Why `config` (a TrainConfig) cannot shard as asked, in one line, or None."""
+    shard = config.shard
+    problem = options_problem(shard, config.shard_size, config.shard_unit) or extras_problem(
+        shard, config.shard_precision, config.shard_offload, config.shard_checkpoint)
+    if problem is not None or shard == "none":
+        return problem
+    refused = []
+    if config.strategy not in SHARDED_STRATEGIES:
+        refused.append(f"--strategy {config.strategy}")
+    if config.strategy == "sync":
+        if shard == "full":
+            refused.append("--strategy sync with --shard full (one replica group: nothing to average)")
+        for key, plain in (("outer", "none"), ("compression", "none"), ("optimizer_state", "keep"),
+                           ("allreduce_epochs", 0)):
+            if getattr(config, key, plain) != plain:
+                refused.append(f"--{key.replace('_', '-')} {getattr(config, key)}")
+    elif getattr(config, "compression", "none") != "none":
+        refused.append(f"--compression {config.compression}")
+    if config.min_workers is not None:
+        refused.append("--min-workers")
+    if config.monitor is not None:
+        refused.append("--monitor")
+    if config.amp == "fp16":
+        refused.append("--amp fp16")
+    if config.nnodes > 1:
+        refused.append("--nnodes")
+    if config.shard_offload and config.device == "cpu":
+        refused.append("--shard-offload on --device cpu (it moves the shards from a GPU to the CPU)")
+    if refused:
+        return f"--shard {shard} is refused with {refused[0]}: {REFUSED_LINE}"
+    # The ranks are known before spawning only when --workers is given (srun and torchrun set their own
+    # world): then a size that does not fit is said before anything starts; otherwise at setup, on every rank.
+    if "workers" in config.model_fields_set and config.shard_size is not None:
+        return size_problem(shard, config.shard_size, config.workers, True)
+    return None

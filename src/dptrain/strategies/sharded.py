@@ -1,0 +1,130 @@
+"""Sharded replica groups: the ranks as groups of S, the model sharded inside each, the strategy across them.
+
+With `--shard full` all W ranks are one replica group; with `--shard hybrid` ranks [gS, (g+1)S) form replica
+group g (S = --shard-size, default the ranks of one node). Inside a group the model is sharded with FSDP2
+(dptrain.runtime.sharded): each rank holds 1/S of the parameters, gradients and optimizer state. Across the
+groups, rank j of each group holds the same shard, and the strategy communicates among those ranks
+(`across`, a Group): allreduce all-reduces each step's reduce-scattered gradient shard over it (HSDP),
+sync averages the parameter shards over it every period, shard by shard, never gathering a whole model.
+
+Which rows a rank reads: replica group g reads what unsharded worker g of W/S would read with S times the
+batch, each step's rows split over the group's ranks (dptrain.data.sampler.replica_plan). So a sharded run
+of R replica groups computes what an unsharded run of R workers with S x --batch-size does (in float
+rounding), and every row is read once an epoch.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+from dptrain.data.sampler import EpochPlan, replica_plan
+from dptrain.errors import UserError
+from dptrain.runtime.distributed import DistContext
+from dptrain.runtime.env import detect
+from dptrain.runtime.sharded import LocalOptimizerShards, LocalShards, fsdp_settings, shard_model, units_of
+from dptrain.strategies.collectives import broadcast_module
+from dptrain.strategies.rules.sharding import DEFAULT_UNIT_SHARE, REFUSED_LINE, ShardOptions
+
+
+class ShardedReplicas:
+    """This rank's replica group (`inside`, S ranks) and its peers in the other groups (`across`, None with one
+    group); `shard` shards the model inside the group."""
+
+    def __init__(self, options: ShardOptions, ctx: DistContext) -> None:
+        world = ctx.world_size
+        self.options = options
+        self.size = options.size(world, detect().local_world_size)
+        self.replicas = world // self.size
+        size = self.size
+        if self.replicas == 1:
+            self.inside = ctx.group
+        else:
+            blocks = [list(range(first, first + size)) for first in range(0, world, size)]
+            self.inside = ctx.group.split(blocks, name="this rank's replica group")
+        stripes = [list(range(place, world, size)) for place in range(size)]
+        self.across = ctx.group.split(stripes, name="the replica groups") if self.replicas > 1 else None
+
+    def shard(self, model: nn.Module, optimizer: torch.optim.Optimizer, ctx: DistContext,
+              count: Callable[[int], None], average_gradients: bool) -> nn.Module:
+        """Rank 0's model on every rank (counted, as DDP's constructor broadcast is), then sharded inside the
+        group; with `average_gradients`, each step's gradient shards are all-reduced across the groups too."""
+        count(broadcast_module(model, group=ctx.group))
+        options = self.options
+        if options.shard_offload and ctx.device.type != "cuda":
+            raise UserError(f"--shard-offload moves the shards from a GPU to the CPU, and this rank trains on "
+                            f"{ctx.device}; drop --shard-offload or train on GPUs")
+        return shard_model(model, optimizer, self.inside, count, unit=options.shard_unit, share=DEFAULT_UNIT_SHARE,
+                           across=self.across if average_gradients else None,
+                           settings=fsdp_settings(options.shard_precision, options.shard_offload),
+                           recompute=options.shard_checkpoint)
+
+    def plan(self, ctx: DistContext, n_samples: int, batch_size: int, seed: int, shuffle: str,
+             block_size: Optional[int]) -> EpochPlan:
+        return replica_plan(n_samples, ctx.rank, ctx.world_size, self.size, batch_size, seed, shuffle, block_size)
+
+    def describe(self) -> dict:
+        options = self.options
+        return {"shard": options.shard, "shard_size": self.size, "replica_groups": self.replicas,
+                "shard_unit": options.shard_unit, "shard_precision": options.shard_precision,
+                "shard_offload": options.shard_offload, "shard_checkpoint": options.shard_checkpoint}
+
+
+class Shardable:
+    """A strategy that runs across sharded replica groups (a mixin before Strategy): `shard_as` before setup;
+    then `replicas` is set at setup, the epoch plan is the replica groups', and a checkpoint holds this rank's
+    shards."""
+
+    shard_options: Optional[ShardOptions] = None
+    replicas: Optional[ShardedReplicas] = None
+
+    @classmethod
+    def check_before_spawn(cls, config, model: nn.Module) -> None:
+        """A --shard-unit the model has no module of, said before any worker starts (and nothing is written)."""
+        if getattr(config, "shard", "none") != "none":
+            units_of(model, config.shard_unit, DEFAULT_UNIT_SHARE)
+        super().check_before_spawn(config, model)
+
+    def shard_as(self, options: Optional[ShardOptions]) -> None:
+        self.shard_options = options if options is not None and options.sharded else None
+
+    def _shard_setup(self, model: nn.Module, optimizer, ctx: DistContext, average_gradients: bool) -> nn.Module:
+        """Set up sharded replica groups and shard `model` (every rank of the job calls it)."""
+        if self.replicas is None:  # (epoch_plan made them already, on every rank)
+            self.replicas = ShardedReplicas(self.shard_options, ctx)
+        if self.replicas.replicas == 1 and not average_gradients:
+            raise UserError(f"--shard {self.shard_options.shard} makes one replica group of all {ctx.world_size} "
+                            f"ranks: {self.name} has nothing to average across groups; give --shard hybrid with a "
+                            f"--shard-size below {ctx.world_size}")
+        return self.replicas.shard(model, optimizer, ctx, self._add_bytes, average_gradients)
+
+    def epoch_plan(self, ctx, n_samples, labels, batch_size, seed, shuffle, block_size=None) -> EpochPlan:
+        if self.replicas is None and self.shard_options is not None:  # planned before setup: the groups first
+            self.replicas = ShardedReplicas(self.shard_options, ctx)
+        if self.replicas is None:
+            return super().epoch_plan(ctx, n_samples, labels, batch_size, seed, shuffle, block_size)
+        return self.replicas.plan(ctx, n_samples, batch_size, seed, shuffle, block_size)
+
+    def checkpoint_parts(self, parts: dict) -> dict:
+        if self.shard_options is None:
+            return parts
+        return {**parts, "model": LocalShards(parts["model"]), "optimizer": LocalOptimizerShards(parts["optimizer"])}
+
+    def refuses_other_world(self, within_epoch: bool) -> Optional[str]:
+        """A sharded run resumes on another number of ranks at an epoch end, with the same shard size: rank j of
+        each new replica group continues from the files of rank j of a writing group (dptrain.train.checkpointer's
+        `source_of`); not within an epoch (its rest is not re-planned over replica groups yet)."""
+        if self.shard_options is not None and within_epoch:
+            return "the rest of a sharded run's epoch is not re-planned over other replica groups yet"
+        return super().refuses_other_world(within_epoch)
+
+    def enable_live(self, min_workers: int) -> None:
+        if self.shard_options is not None:
+            raise UserError(f"--min-workers is refused with --shard: {REFUSED_LINE}")
+        super().enable_live(min_workers)
+
+    def sharding(self) -> dict:
+        """The sharding for describe() (nothing when the model is not sharded)."""
+        return self.replicas.describe() if self.replicas is not None else {}
