@@ -171,8 +171,12 @@ class CheckedItems(Dataset):
 
 def as_dataset(data: TrainData, role: str = "training") -> Dataset:
     """A (x, y) pair of arrays, tensors or DSTensors, or any map-style Dataset of (x, y) items."""
-    if isinstance(data, (ArrayPairs, CheckedItems)):
+    if isinstance(data, (ArrayPairs, CheckedItems)) or getattr(data, "is_stream", False):
         return data
+    from dptrain.data.stream_splits import as_stream
+    stream = as_stream(data)
+    if stream is not None:  # iterable data given to fit: a stream, read in shards (dptrain.data.streams)
+        return stream
     if isinstance(data, Dataset):
         return CheckedItems(data, role)
     if isinstance(data, (tuple, list)) and len(data) == 2:
@@ -270,7 +274,7 @@ class _Rows(Sampler):
         return iter(self.batches)
 
 
-def _collate(batch) -> tuple[torch.Tensor, torch.Tensor]:
+def collate_items(batch) -> tuple[torch.Tensor, torch.Tensor]:
     """ArrayPairs hands over a ready (x, y); a user Dataset a list of (x, y) items."""
     if isinstance(batch, tuple):
         x, y = batch
@@ -285,7 +289,7 @@ def _collate(batch) -> tuple[torch.Tensor, torch.Tensor]:
 
 def loader(dataset: Dataset, batch_sampler: Sampler, workers: int = 0, pin_memory: bool = False) -> DataLoader:
     """A DataLoader over `dataset` whose batches are exactly the sampler's rows, in its order."""
-    return DataLoader(dataset, batch_sampler=batch_sampler, collate_fn=_collate, num_workers=workers,
+    return DataLoader(dataset, batch_sampler=batch_sampler, collate_fn=collate_items, num_workers=workers,
                       pin_memory=pin_memory, persistent_workers=workers > 0)
 
 

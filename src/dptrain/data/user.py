@@ -1,5 +1,9 @@
 """A user's own data: `--data package.module:factory`, a function returning torch Datasets.
 
+It may also return iterable data (a torch IterableDataset, a WebDataset pipeline, a Hugging Face
+`datasets.IterableDataset`: read as a stream, dptrain.data.streams) or a Hugging Face `datasets.Dataset`
+(map-style, two of its columns as x and y: dptrain.data.shard_files).
+
 The factory returns `(train, test)`, or `train` alone (or `(train, None)`): then 20 % of it,
 chosen by the seed, is held out for testing (dptrain.data.holdout), and that is said. Items are
 `(x, y)` pairs; integer labels make a classification task (classes = the largest label + 1), float
@@ -21,6 +25,7 @@ from dptrain.data.splits import DataSplits
 from dptrain.data.sampler import CheckedItems, known_labels, labels_of
 from dptrain.data.labels import check_class_labels
 from dptrain.data.sources import decide_task, first_fraction
+from dptrain.data.stream_splits import as_stream, stream_splits
 from dptrain.errors import UserError
 from dptrain.user_code import load_callable
 
@@ -33,6 +38,12 @@ def _item(dataset: Dataset, spec: str, which: str) -> tuple[torch.Tensor, torch.
     except (TypeError, ValueError, RuntimeError) as error:
         raise UserError(f"--data {spec}: item 0 of the {which} Dataset holds a {type(item[0]).__name__} and a "
                         f"{type(item[1]).__name__}, which are not arrays or numbers: {error}") from None
+
+
+def as_pairs(value: Any, spec: str) -> Any:
+    """A map-style Hugging Face `datasets.Dataset` as a Dataset of (x, y) items (anything else as it is)."""
+    from dptrain.data.shard_files import HuggingFacePairs, is_hugging_face
+    return HuggingFacePairs(value, spec) if is_hugging_face(value) and not hasattr(value, "n_shards") else value
 
 
 def _is_dataset(value: Any) -> bool:
@@ -49,6 +60,10 @@ def load_user_data(spec: str, seed: int, test_fraction: float = HOLD_OUT,
     except Exception as error:
         raise UserError(f"data factory {spec} raised {type(error).__name__}: {error}") from error
     train, test = (returned if isinstance(returned, (tuple, list)) and len(returned) == 2 else (returned, None))
+    train, test = (as_pairs(value, spec) for value in (train, test))
+    stream = as_stream(train, spec)
+    if stream is not None:
+        return stream_splits(stream, as_stream(test, spec) or test, spec, log, task)
     for which, value in (("train", train), ("test", test)):
         if (value is not None or which == "train") and not _is_dataset(value):
             got = "None" if value is None else f"a value of type {type(value).__name__}"

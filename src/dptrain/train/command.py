@@ -137,6 +137,9 @@ def _validate(config: TrainConfig) -> tuple[torch.nn.Module, DataSplits]:
     check_loss(build_loss(config, data), config.loss, model, data)
     samples = len(data.train_set())
     sharding.check_workers(samples, config.workers)
+    if getattr(data.train_set(), "is_stream", False):
+        from dptrain.data.streams import refuse_stream_run
+        refuse_stream_run(config.strategy, config.strategy == "fedavg", False, config.min_workers)
     registry.load("strategy", config.strategy).check_before_spawn(config, model)
     if config.batch_size > samples // config.workers:
         raise UserError(f"--batch-size {config.batch_size} is larger than a worker's shard of "
@@ -447,7 +450,8 @@ def data_record(config: TrainConfig, data: DataSplits) -> dict:
     source = with_absolute_paths({"data": config.data})["data"] if config.data is not None else config.dataset
     return {"source": source, "task": data.task,
             "input_shape": list(data.input_shape), "classes": data.num_classes,
-            "train_samples": len(data.train_set()), "test_samples": len(data.test_set())}
+            "train_samples": len(data.train_set()),
+            "test_samples": len(data.test_set()) if data.test_set() is not None else 0}
 
 
 def loader_workers(asked: Optional[int], ctx) -> int:
