@@ -220,3 +220,24 @@ def test_a_hugging_face_dataset_without_the_columns_is_refused(tmp_path):
     stderr = _refused(tmp_path, f"{HERE / 'stream_data.py'}:hugging_face_other_columns")
     assert ("the Hugging Face dataset has the columns pixels, target; dptrain reads an input and a label column: "
             "x and y, image and label") in stderr
+
+
+# -- exact resume of a stream ------------------------------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_stream_killed_mid_epoch_and_resumed_ends_bitwise_equal_to_an_uninterrupted_run(tmp_path, workers):
+    from test_train_cli import same_model
+
+    data = write_tars(tmp_path / "shards")
+    args = ["train", "--data", data, "--workers", 2, "--loader-workers", workers, "--epochs", 2, "--batch-size", 8,
+            "--model", "mlp", "--lr", "0.05", "--no-progress", "--device", "cpu"]
+    clean = run_dptrain([*args, "--out", "clean"], cwd=tmp_path)
+    assert clean.returncode == 0, clean.stderr
+    # 5 steps an epoch: rank 1 dies after step 9 (the 4th of epoch 2), before that step's checkpoint
+    killed = run_dptrain([*args, "--checkpoint-every-steps", 2, "--max-restarts", 1, "--out", "killed"],
+                         cwd=tmp_path, env={**os.environ, "DPTRAIN_FAULT": "step@1:9",
+                                            "DPTRAIN_FAULT_ONCE": str(tmp_path / "fired")})
+    assert killed.returncode == 0, killed.stderr
+    assert "worker rank 1 was killed by SIGKILL" in killed.stderr
+    assert "resuming at step 2 of epoch 2 from" in killed.stdout
+    assert same_model(tmp_path / "clean", tmp_path / "killed")
