@@ -109,7 +109,8 @@ class Factory(Source):
 
     def load(self, settings: DataSettings, check_values: bool, log: Callable[[str], None]) -> DataSplits:
         from dptrain.data.user import load_user_data
-        return load_user_data(settings.data, settings.seed, log=log, task=settings.task, check_values=check_values)
+        return load_user_data(settings.data, settings.seed, log=log, task=settings.task, check_values=check_values,
+                              workers=getattr(settings, "workers", 1))
 
     def absolute(self, data: str, base: str) -> str:
         match = FILE_SPEC.match(data)

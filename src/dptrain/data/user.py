@@ -25,6 +25,7 @@ from dptrain.data.splits import DataSplits
 from dptrain.data.sampler import CheckedItems, known_labels, labels_of
 from dptrain.data.labels import check_class_labels
 from dptrain.data.sources import decide_task, first_fraction
+from dptrain.data.private import arguments, private_splits, rank_and_world, takes_rank
 from dptrain.data.stream_splits import as_stream, stream_splits
 from dptrain.errors import UserError
 from dptrain.user_code import load_callable
@@ -51,12 +52,30 @@ def _is_dataset(value: Any) -> bool:
 
 
 def load_user_data(spec: str, seed: int, test_fraction: float = HOLD_OUT,
-                   log: Callable[[str], None] = print, task: str = "auto", check_values: bool = False) -> DataSplits:
+                   log: Callable[[str], None] = print, task: str = "auto", check_values: bool = False,
+                   workers: int = 1) -> DataSplits:
     """Call the factory `spec` names and describe what it returned; `check_values`: also read every item once,
-    refusing NaN and infinite values (the validating process does, as for an array file)."""
+    refusing NaN and infinite values (the validating process does, as for an array file). A factory taking `rank`
+    (or `client`) returns this rank's own data (dptrain.data.private; `workers`: the world the launching
+    process starts)."""
     factory = load_callable(spec, "--data", "data", "returns (train, test) Datasets")
+    rank_name = takes_rank(factory)
+    if rank_name is not None:
+        rank, world, in_rank = rank_and_world(workers)
+        if not in_rank:
+            log(f"dptrain: --data {spec} takes {rank_name}: each of the {world} clients loads its own data on its "
+                "own rank; checked here: client 0's only (this machine need not hold the others')")
+        given = arguments(factory, rank_name, rank, world, seed)
+        return private_splits(_load_returned(factory, given, spec, seed, test_fraction, log, task, True))
+    given = {"seed": seed} if "seed" in inspect.signature(factory).parameters else {}
+    return _load_returned(factory, given, spec, seed, test_fraction, log, task, check_values)
+
+
+def _load_returned(factory: Callable, given: dict, spec: str, seed: int, test_fraction: float,
+                   log: Callable[[str], None], task: str, check_values: bool) -> DataSplits:
+    """The DataSplits of what `factory(**given)` returns."""
     try:
-        returned = factory(seed=seed) if "seed" in inspect.signature(factory).parameters else factory()
+        returned = factory(**given)
     except Exception as error:
         raise UserError(f"data factory {spec} raised {type(error).__name__}: {error}") from error
     train, test = (returned if isinstance(returned, (tuple, list)) and len(returned) == 2 else (returned, None))

@@ -136,6 +136,9 @@ def _validate(config: TrainConfig) -> tuple[torch.nn.Module, DataSplits]:
     model = make_model(config, data)
     check_loss(build_loss(config, data), config.loss, model, data)
     samples = len(data.train_set())
+    if getattr(data.train_set(), "private", False):  # client 0's own data: no shard of a shared set to check
+        registry.load("strategy", config.strategy).check_before_spawn(config, model)
+        return model, data
     sharding.check_workers(samples, config.workers)
     if getattr(data.train_set(), "is_stream", False):
         from dptrain.data.streams import refuse_stream_run
@@ -401,6 +404,9 @@ def train_in_group(config: TrainConfig, env: DistEnv, ctx, held: ExitStack) -> S
     said_by_launcher = not env.launched or env.launcher == "local"
     data = load_data(config, check_values=not said_by_launcher and ctx.is_main,
                      log=print if ctx.is_main and not said_by_launcher else (lambda message: None))
+    if getattr(data.train, "private", False):  # each client's own data: the model all of them need
+        from dptrain.data.private import agree
+        data = agree(ctx.group, data)
     model = make_model(config, data)
     # A worker joining a running job is alone until it is admitted; it takes the LR of the peer it heals from,
     # and its LR guard is made for the job's world, as every worker's was.

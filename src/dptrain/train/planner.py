@@ -49,8 +49,11 @@ class Planner:
         ctx, train = self.ctx, self.train
         if getattr(train, "is_stream", False):  # shards read as a stream: the plan is the stream's own
             return self._plan_stream(train, rest)
-        plan = self.strategy.epoch_plan(ctx, len(train), self.labels, self.batch_size, self.seed, self.shuffle,
-                                        getattr(train, "block_size", None))
+        if getattr(train, "private", False):  # this rank's own data (dptrain.data.private): all of it, its own way
+            plan = self.strategy.private_plan(ctx, len(train), self.batch_size, self.seed)
+        else:
+            plan = self.strategy.epoch_plan(ctx, len(train), self.labels, self.batch_size, self.seed, self.shuffle,
+                                            getattr(train, "block_size", None))
         if rest is not None and rest.members == tuple(ctx.group.members):
             plan = replace(plan, rest=rest, rank=ctx.rank)
         # Checkpoints within an epoch are taken at the same step on every rank: below the fewest steps any
