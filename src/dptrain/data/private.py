@@ -24,6 +24,14 @@ from dptrain.data.splits import DataSplits
 from dptrain.errors import UserError
 
 RANK_NAMES = ("rank", "client")
+_THIS_RANK: Optional[tuple[int, int]] = None  # (rank, world) of this process, once it is a rank of a run
+
+
+def set_rank(rank: int, world: int) -> None:
+    """Make this process rank `rank` of `world` for the factories it calls (dptrain train's ranks do, under any
+    launcher, before they load their data)."""
+    global _THIS_RANK
+    _THIS_RANK = (rank, world)
 
 
 def takes_rank(factory: Callable) -> Optional[str]:
@@ -36,8 +44,10 @@ def takes_rank(factory: Callable) -> Optional[str]:
 
 
 def rank_and_world(settings_world: int) -> tuple[int, int, bool]:
-    """(rank, world, whether this process is a rank of a run): from the launcher's RANK and WORLD_SIZE, else the
-    launching process's view (client 0 of --workers)."""
+    """(rank, world, whether this process is a rank of a run): as set_rank made it, else from RANK and WORLD_SIZE
+    (the Python API under a launcher), else the launching process's view (client 0 of --workers)."""
+    if _THIS_RANK is not None:
+        return (*_THIS_RANK, True)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), True
     return 0, settings_world, False

@@ -25,6 +25,7 @@ from dptrain.config import BUILTIN_LOSSES, TrainConfig, build_config, recorded, 
 from dptrain.data import sharding
 from dptrain.data.fingerprint import fingerprint
 from dptrain.data.kinds import DataSplits, load_data
+from dptrain.data.private import set_rank
 from dptrain.data.sampler import as_dataset, loader
 from dptrain.user_code import check_spec_file, load_callable
 from dptrain.errors import Interrupted, Preempted, UserError
@@ -396,6 +397,7 @@ def train_in_group(config: TrainConfig, env: DistEnv, ctx, held: ExitStack) -> S
     """One run on a process group already joined (`ctx`), which stays up afterwards: a process may train
     several runs in turn (benchmarks/robustness.py). `held` keeps rank 0's lock on the run directory."""
     _check_live_launcher(config, env)
+    set_rank(ctx.rank, ctx.world_size)  # a factory of each client's own data loads this rank's (dptrain.data.private)
     if config.replace_workers and env.launched and env.launcher != "local":
         _check_replacing(ctx, env.launcher)
     if env.launcher != "local":
