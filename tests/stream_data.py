@@ -130,3 +130,15 @@ class ShorterOnRank1(Counting):
 
 def shorter_on_rank1():
     return ShorterOnRank1()
+
+
+def webdataset_pipeline():
+    """A WebDataset pipeline of the shards in ./shards, with a shuffle and splitters of its own (dptrain drops
+    them: it splits and shuffles by its rule)."""
+    import glob
+
+    import webdataset as wds
+
+    urls = sorted(glob.glob("shards/train-*.tar"))
+    return (wds.WebDataset(urls, shardshuffle=True, nodesplitter=wds.split_by_node, seed=1).shuffle(50)
+            .decode().to_tuple("npy", "cls"))

@@ -132,8 +132,9 @@ def test_dptrain_train_reads_every_sample_exactly_once_an_epoch(tmp_path, ranks,
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("factory", ["iterable", "hugging_face_iterable", "hugging_face"])
+@pytest.mark.parametrize("factory", ["iterable", "hugging_face_iterable", "hugging_face", "webdataset_pipeline"])
 def test_a_factory_returning_iterable_or_hugging_face_data_reads_each_sample_once(tmp_path, factory):
+    write_tars(tmp_path / "shards")
     result = _train(tmp_path, f"{HERE / 'stream_data.py'}:{factory}", 2, 2, "--epochs", 1)
     assert result.returncode == 0, result.stderr + result.stdout
     record = read_record(tmp_path / "record", 2)
@@ -143,6 +144,21 @@ def test_a_factory_returning_iterable_or_hugging_face_data_reads_each_sample_onc
     else:
         assert read == list(range(N))
         assert len(record[0]) == len(record[1]) == sharding.steps_per_epoch(N, 2, 8)
+
+
+def test_fit_reads_an_iterable_dataset_given_to_it_as_a_stream(tmp_path, monkeypatch):
+    from stream_data import Counting, recording
+
+    from dptrain import Trainer
+
+    monkeypatch.setenv("STREAM_RECORD", str(tmp_path))
+    model = recording((4,), 3)
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.01), batch_size=8, progress=False,
+                      verbose=False)
+    trainer.fit(Counting(), epochs=2)
+    batches = read_record(tmp_path, 1)[0]
+    assert len(batches) == 2 * 10
+    assert [sorted(i for b in batches[e * 10:(e + 1) * 10] for i in b) for e in (0, 1)] == [list(range(N))] * 2
 
 
 # -- bad data: one line, exit 2, nothing on disk changed ------------------------------------------------------
