@@ -257,3 +257,30 @@ def test_a_stream_killed_mid_epoch_and_resumed_ends_bitwise_equal_to_an_uninterr
     assert "worker rank 1 was killed by SIGKILL" in killed.stderr
     assert "resuming at step 2 of epoch 2 from" in killed.stdout
     assert same_model(tmp_path / "clean", tmp_path / "killed")
+
+
+# -- --stage-to DIR ----------------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_shards_staged_to_a_local_folder_train_the_same_and_a_resume_copies_nothing(tmp_path):
+    from test_train_cli import same_model
+
+    data = write_tars(tmp_path / "shards")
+    args = ["train", "--data", data, "--workers", 2, "--epochs", 1, "--batch-size", 8, "--model", "mlp",
+            "--no-progress", "--device", "cpu"]
+    plain = run_dptrain([*args, "--out", "plain"], cwd=tmp_path)
+    staged = run_dptrain([*args, "--stage-to", "local", "--epochs", 1, "--out", "staged"], cwd=tmp_path)
+    assert plain.returncode == 0 and staged.returncode == 0, staged.stderr
+    total = sum((tmp_path / "shards" / f"train-{k:06d}.tar").stat().st_size for k in range(len(SIZES)))
+    assert f"--stage-to local: copied 7 shards ({total:,} bytes) in " in staged.stdout
+    assert sorted(p.name for p in (tmp_path / "local").glob("*.tar")) == [f"train-{k:06d}.tar" for k in range(7)]
+    assert same_model(tmp_path / "plain", tmp_path / "staged")
+    again = run_dptrain([*args, "--stage-to", "local", "--epochs", 2, "--resume", "--out", "staged"], cwd=tmp_path)
+    assert again.returncode == 0, again.stderr
+    assert "--stage-to local: copied 0 shards (0 bytes) in " in again.stdout and "; 7 already there" in again.stdout
+
+
+def test_stage_to_applies_to_shards_only(tmp_path):
+    np.savez(tmp_path / "tiny.npz", x=np.zeros((20, 3), np.float32), y=np.arange(20) % 2)
+    result = run_dptrain(["train", "--data", "tiny.npz", "--stage-to", "local", "--workers", 1], cwd=tmp_path)
+    assert result.returncode == 2 and "--stage-to" in result.stderr and "Traceback" not in result.stderr
+    assert not (tmp_path / "local").exists()

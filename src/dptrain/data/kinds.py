@@ -121,7 +121,7 @@ class ShardFiles(Source):
     kind = "shard pattern"
     help = ("shards: a pattern of WebDataset .tar files ('shards/train-{000000..000099}.tar') or a directory "
             "of .parquet files (dptrain.data.shard_files)")
-    options = ("task",)
+    options = ("task", "stage_to")
 
     def recognises(self, data: Optional[str], base: Path) -> bool:
         from dptrain.data.shard_patterns import looks_like_shards
@@ -135,7 +135,9 @@ class ShardFiles(Source):
         from dptrain.data.shard_files import open_shards
         from dptrain.data.stream_splits import stream_splits
         _no_augment(settings)
-        return stream_splits(open_shards(settings.data), None, settings.data, log, settings.task)
+        stream = open_shards(settings.data, stage_to=getattr(settings, "stage_to", None), log=log,
+                             timeout=getattr(settings, "timeout", 300.0))
+        return stream_splits(stream, None, settings.data, log, settings.task)
 
     def absolute(self, data: str, base: str) -> str:
         return data if os.path.isabs(data) else os.path.join(os.path.abspath(base), data)

@@ -33,9 +33,16 @@ COLUMN_PAIRS = (("x", "y"), ("image", "label"), ("input", "label"), ("features",
 _DROPPED_STAGES = {"single_node_only", "split_by_node", "split_by_worker", "_shuffle", "detshuffle", "shuffle"}
 
 
-def open_shards(data: str, base: Path = Path()) -> ShardedStream:
-    """The stream --data names, with every sample's label (from the tar index, or the Parquet column y)."""
+def open_shards(data: str, base: Path = Path(), stage_to: Optional[str] = None, log=lambda line: None,
+                timeout: float = 300.0) -> ShardedStream:
+    """The stream --data names, with every sample's label (from the tar index, or the Parquet column y); with
+    `stage_to`, its shards copied there first and read from there (dptrain.data.staging)."""
     paths = shard_paths(data, base)
+    if stage_to is not None:
+        from dptrain.data.staging import stage
+        staged = stage(paths, stage_to, timeout)
+        log(staged.line(stage_to))
+        paths = staged.paths
     if paths[0].endswith(".tar"):
         indexed = [tar_index(path) for path in paths]
         stream = ShardedStream([Shard(path, count) for path, (count, _) in zip(paths, indexed)], read_tar, data,
@@ -138,7 +145,7 @@ def read_parquet(shard: Shard) -> Iterable:
             xs = batch.column("x").to_numpy(zero_copy_only=False)
             ys = batch.column("y").to_numpy(zero_copy_only=False)
             for x, y in zip(xs, ys):
-                yield np.asarray(x, dtype=np.float32), y
+                yield np.array(x, dtype=np.float32), y
                 row += 1
     except UserError:
         raise

@@ -7,7 +7,8 @@ collective waits on a rank that ran out and every sample is read exactly once an
 
 The rule, for epoch e over W ranks with L loader workers each and batch B (pure functions below):
 
-1. The shards are put in an order: a permutation drawn from (seed, e) (file order with --shuffle none).
+1. The shards are put in an order: a permutation drawn from (seed, e) (file order with --shuffle none; every
+   other --shuffle draws it).
 2. In that order they make one sequence of N samples. Rank r reads positions [r*N//W, (r+1)*N//W) of it:
    shard sizes may differ, so a shard may be cut between two ranks (each reads its part; the later one
    skips the first samples of that shard). Ranks differ by at most one sample.
@@ -27,6 +28,7 @@ on from there: the same samples in the same batches as an uninterrupted run.
 from __future__ import annotations
 
 import hashlib
+import os
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Optional
 
@@ -97,11 +99,15 @@ def shuffled(samples: Iterable, buffer: int, rng: Optional[np.random.Generator])
         yield from samples
         return
     held: list = []
+    draws, next_draw = np.empty(0, dtype=np.int64), 0  # indices drawn a block at a time: one call per 1,024 samples
     for sample in samples:
         if len(held) < buffer:
             held.append(sample)
             continue
-        index = int(rng.integers(len(held)))
+        if next_draw == len(draws):
+            draws, next_draw = rng.integers(buffer, size=1024), 0
+        index = draws[next_draw]
+        next_draw += 1
         held[index], sample = sample, held[index]
         yield sample
     for index in rng.permutation(len(held)):
@@ -193,10 +199,11 @@ class ShardedStream(IterableDataset):
         return [self.collate(taken)] if self.collate is not None else [taken]
 
     def fingerprint(self) -> dict:
-        """The shards' names and sizes, hashed: another set of shards is other data."""
+        """The shards' file names (not their folders: a run continued from elsewhere, or from a staged copy, reads
+        the same shards) and sizes, hashed: another set of shards is other data."""
         digest = hashlib.sha256(f"rows={len(self)}".encode())
         for shard in self.shards:
-            digest.update(f"{shard.name}\0{shard.samples}\n".encode())
+            digest.update(f"{os.path.basename(shard.name)}\0{shard.samples}\n".encode())
         return {"rows": len(self), "sha256": digest.hexdigest()}
 
 
