@@ -71,3 +71,18 @@ def test_private_data_under_a_strategy_that_shares_one_data_set_is_refused(tmp_p
     assert result.returncode == 2, result.stderr
     assert ("--strategy allreduce shares one data set out over the workers; each client's own data (a --data "
             "factory taking rank) trains under --strategy fedavg") in result.stderr
+
+
+def test_a_factory_of_private_iterable_data_is_refused_in_one_line(tmp_path):
+    from dptrain.data.user import load_user_data
+    from dptrain.errors import UserError
+
+    (tmp_path / "own_stream.py").write_text(
+        "import torch\n\n"
+        "class Stream(torch.utils.data.IterableDataset):\n"
+        "    def __iter__(self):\n"
+        "        return iter([(torch.zeros(2), 0), (torch.ones(2), 1)])\n\n"
+        "def own(rank, world):\n"
+        "    return Stream()\n")
+    with pytest.raises(UserError, match="a factory of each client's own data returns map-style Datasets"):
+        load_user_data(f"{tmp_path / 'own_stream.py'}:own", seed=0, log=lambda line: None, workers=2)

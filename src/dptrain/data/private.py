@@ -67,6 +67,9 @@ class PrivateItems(CheckedItems):
 
 def private_splits(splits: DataSplits) -> DataSplits:
     """`splits` of one client's own data, marked as such."""
+    if getattr(splits.train, "is_stream", False):
+        raise UserError(f"--data {splits.name}: a factory of each client's own data returns map-style Datasets; "
+                        "iterable data (shards, an IterableDataset) is shared by the ranks, not private, for now")
     test = None if splits.test is None else PrivateItems(splits.test, "test")
     return replace(splits, train=PrivateItems(splits.train, "training"), test=test)
 
