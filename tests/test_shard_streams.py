@@ -132,6 +132,22 @@ def test_dptrain_train_reads_every_sample_exactly_once_an_epoch(tmp_path, ranks,
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["sync", "async", "streaming"])
+def test_the_strategies_that_share_the_data_read_each_sample_once_from_shards(tmp_path, strategy):
+    data = write_tars(tmp_path / "shards")
+    result = _train(tmp_path, data, 2, 0, "--epochs", 1, "--strategy", strategy)
+    assert result.returncode == 0, result.stderr + result.stdout
+    record = read_record(tmp_path / "record", 2)
+    assert sorted(i for batches in record for batch in batches for i in batch) == list(range(N))
+
+
+@pytest.mark.slow
+def test_fedavg_over_shards_is_refused_in_one_line(tmp_path):
+    stderr = _refused(tmp_path, write_tars(tmp_path / "shards"), "--strategy", "fedavg")
+    assert "--strategy fedavg keeps its own partitions of map-style data, and shards are read as a stream" in stderr
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("factory", ["iterable", "hugging_face_iterable", "hugging_face", "webdataset_pipeline"])
 def test_a_factory_returning_iterable_or_hugging_face_data_reads_each_sample_once(tmp_path, factory):
     write_tars(tmp_path / "shards")

@@ -12,7 +12,6 @@ from dataclasses import replace
 from typing import Callable, Optional
 
 from dptrain.data.sampler import EpochPlan, PlanBatches, Rest, labels_of, loader
-from dptrain.strategies.base import Strategy
 
 
 def rest_steps(rest: Optional[Rest], epoch: int) -> Optional[int]:
@@ -67,11 +66,19 @@ class Planner:
     def _plan_stream(self, stream, rest: Optional[Rest]) -> EpochPlan:
         """A stream's plan (dptrain.data.streams): the same steps on every rank, computed from the shard sizes."""
         from dptrain.data.streams import StreamReader, refuse_stream_run
-        refuse_stream_run(self.strategy.name, type(self.strategy).epoch_plan is not Strategy.epoch_plan,
-                          rest is not None)
+        refuse_stream_run(self.strategy.name, False, rest is not None)
         agree_on_shards(stream, self.ctx.group.gather_objects("the shards", stream.fingerprint()))
         steps = stream.plan(self.ctx.rank, self.ctx.world_size, self.loader_workers, self.batch_size, self.seed,
                             self.shuffle)
+        # The strategy sees its plan as for map-style data (streaming counts its steps); one that keeps partitions
+        # of its own asks for the labels (refused) or plans other steps than the stream's
+        def own_partitions():
+            refuse_stream_run(self.strategy.name, True, False)
+
+        shared = self.strategy.epoch_plan(self.ctx, len(stream), own_partitions, self.batch_size, self.seed,
+                                          self.shuffle)
+        if shared.steps != steps:
+            own_partitions()
         self.common_steps = steps if self.checkpoint_every_steps else 0
         self.batches = self.reader = StreamReader(stream, self.loader_workers, self.ctx.device.type == "cuda")
         return EpochPlan(steps, lambda epoch: stream.segments(epoch))
