@@ -300,3 +300,16 @@ def test_stage_to_applies_to_shards_only(tmp_path):
     result = run_dptrain(["train", "--data", "tiny.npz", "--stage-to", "local", "--workers", 1], cwd=tmp_path)
     assert result.returncode == 2 and "--stage-to" in result.stderr and "Traceback" not in result.stderr
     assert not (tmp_path / "local").exists()
+
+
+@pytest.mark.slow
+def test_a_run_on_shards_is_not_continued_on_other_shards(tmp_path):
+    data = write_tars(tmp_path / "shards")
+    args = ["train", "--data", data, "--workers", 2, "--batch-size", 8, "--model", "mlp", "--no-progress",
+            "--device", "cpu", "--out", "run"]
+    first = run_dptrain([*args, "--epochs", 1], cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    write_tars(tmp_path / "shards", sizes=(5, 17, 9, 12, 3, 20, 15))  # one sample more in the last shard
+    again = run_dptrain([*args, "--epochs", 2], cwd=tmp_path)
+    assert again.returncode == 2, again.stdout + again.stderr
+    assert "80 training rows then, 81 now" in again.stderr and "Traceback" not in again.stderr
