@@ -44,6 +44,7 @@ EVERY_SETTING = {
     "block_size": ([], "16", 16),
     "shuffle": ([], "block", "block"),
     "loader_workers": ([], "1", 1),
+    "stage_to": (["--data", "shards/train-{000000..000009}.tar"], "local", "local"),
     # model
     "model": ([], "cnn", "cnn"),
     "model_options": ([], "width=4", {"width": 4}),

@@ -72,8 +72,10 @@ def csv_kind(tmp_path, monkeypatch):
 
 
 def test_the_table_keeps_its_order_of_precedence_and_a_new_kind_goes_before_the_array_files(csv_kind, tmp_path):
-    assert [source.kind for source in kinds.SOURCES] == ["factory", "image folder", "csv", "array file", "built-in"]
+    assert [source.kind for source in kinds.SOURCES] == ["factory", "shard pattern", "image folder", "csv",
+                                                        "array file", "built-in"]
     assert kinds.find_source("points.csv").kind == "csv"
+    assert kinds.find_source("shards/train-{000000..000009}.tar").kind == "shard pattern"
     assert kinds.find_source("tiny.npz").kind == "array file"
     assert kinds.find_source("mypackage.data:make").kind == "factory"
     assert kinds.find_source(None).kind == "built-in"

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import re
+from pathlib import Path
 from typing import Any, Iterable, Literal, Optional, get_args, get_origin
 
 import yaml
@@ -23,6 +24,7 @@ from pydantic_core import PydanticCustomError
 
 from dptrain import lr_policy, registry
 from dptrain.data.kinds import absolute_spec, data_help, data_options, find_source, readers_of
+from dptrain.data.shard_patterns import looks_like_shards
 from dptrain.errors import UserError, did_you_mean
 from dptrain.user_code import FILE_SPEC, looks_like_spec
 from dptrain.lr_policy import DEFAULT_LR_SCALING, LR_DEFAULTS
@@ -65,6 +67,8 @@ class DataSection(_Section):
                               "reshuffled within it; none")
     loader_workers: Optional[int] = Field(None, ge=0, description="DataLoader worker processes per rank; default 0 "
                                                                   "on the CPU, up to 4 per GPU rank")
+    stage_to: Optional[str] = Field(None, description="shards: copy them to this node-local folder (e.g. $TMPDIR) "
+                                                      "once before training, and read them there")
 
 
 class ModelSection(_Section):
@@ -399,7 +403,7 @@ def not_applying(config: TrainConfig) -> dict[str, tuple[str, str]]:
                      else f"strategies {', '.join(names[:-1])} and {names[-1]}")
             refused[option] = (which, config.strategy)
     data = config.data
-    if data is None or looks_like_spec(data) or os.path.exists(data):
+    if data is None or looks_like_spec(data) or os.path.exists(data) or looks_like_shards(data, Path()):
         source = find_source(data)
         reads = source.reads(config)
         for option in data_options():

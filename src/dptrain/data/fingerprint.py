@@ -42,6 +42,8 @@ def fingerprint(dataset: Any) -> dict:
     """{"rows": the number of rows, "sha256": the hash of the sampled rows (x and y)} of a map-style
     Dataset of (x, y) items (one that reads many rows at once through __getitems__, as dptrain's arrays do,
     is read so)."""
+    if getattr(dataset, "is_stream", False):  # shards: their names and sizes (dptrain.data.streams)
+        return dataset.fingerprint()
     count = len(dataset)
     rows = sampled_rows(count)
     digest = hashlib.sha256(f"rows={count}".encode())

@@ -5,6 +5,8 @@ In order of precedence (the first kind that recognises the settings is the one):
 
 - ``factory``: ``package.module:factory`` or ``path/to/FILE.py:factory`` (not a path on disk), the
   user's function returning torch Datasets (dptrain.data.user)
+- ``shard pattern``: WebDataset .tar shards by pattern, or a directory of .parquet files
+  (dptrain.data.shard_files: read as a stream, dptrain.data.streams)
 - ``image folder``: a directory of class subfolders holding images (dptrain.data.images)
 - ``array file``: any other ``--data``: an .npz, .h5/.hdf5 or .zarr file, or a directory holding
   x.npy and y.npy (dptrain.data.sources)
@@ -107,11 +109,38 @@ class Factory(Source):
 
     def load(self, settings: DataSettings, check_values: bool, log: Callable[[str], None]) -> DataSplits:
         from dptrain.data.user import load_user_data
-        return load_user_data(settings.data, settings.seed, log=log, task=settings.task, check_values=check_values)
+        return load_user_data(settings.data, settings.seed, log=log, task=settings.task, check_values=check_values,
+                              workers=getattr(settings, "workers", 1))
 
     def absolute(self, data: str, base: str) -> str:
         match = FILE_SPEC.match(data)
         return f"{os.path.abspath(os.path.join(base, match['path']))}:{match['attribute']}" if match else data
+
+
+class ShardFiles(Source):
+    kind = "shard pattern"
+    help = ("shards: a pattern of WebDataset .tar files ('shards/train-{000000..000099}.tar') or a directory "
+            "of .parquet files (dptrain.data.shard_files)")
+    options = ("task", "stage_to")
+
+    def recognises(self, data: Optional[str], base: Path) -> bool:
+        from dptrain.data.shard_patterns import looks_like_shards
+        return looks_like_shards(data, base)
+
+    def check(self, data: Optional[str], base: Path) -> None:
+        from dptrain.data.shard_patterns import shard_paths
+        shard_paths(data, base)
+
+    def load(self, settings: DataSettings, check_values: bool, log: Callable[[str], None]) -> DataSplits:
+        from dptrain.data.shard_files import open_shards
+        from dptrain.data.stream_splits import stream_splits
+        _no_augment(settings)
+        stream = open_shards(settings.data, stage_to=getattr(settings, "stage_to", None), log=log,
+                             timeout=getattr(settings, "timeout", 300.0))
+        return stream_splits(stream, None, settings.data, log, settings.task)
+
+    def absolute(self, data: str, base: str) -> str:
+        return data if os.path.isabs(data) else os.path.join(os.path.abspath(base), data)
 
 
 class ImageFolderSource(Source):
@@ -191,7 +220,7 @@ def _arrays(name: Optional[str], settings: DataSettings, check_values: bool,
 
 
 # The table, in order of precedence: the first kind that recognises --data is the one.
-SOURCES: list[Source] = [Factory(), ImageFolderSource(), ArrayFile(), BuiltIn()]
+SOURCES: list[Source] = [Factory(), ShardFiles(), ImageFolderSource(), ArrayFile(), BuiltIn()]
 
 
 def register_source(source: Source, before: str = ArrayFile.kind) -> None:

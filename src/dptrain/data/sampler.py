@@ -191,8 +191,12 @@ class CheckedItems(Dataset):
 
 def as_dataset(data: TrainData, role: str = "training") -> Dataset:
     """A (x, y) pair of arrays, tensors or DSTensors, or any map-style Dataset of (x, y) items."""
-    if isinstance(data, (ArrayPairs, CheckedItems)):
+    if isinstance(data, (ArrayPairs, CheckedItems)) or getattr(data, "is_stream", False):
         return data
+    from dptrain.data.stream_splits import as_stream
+    stream = as_stream(data)
+    if stream is not None:  # iterable data given to fit: a stream, read in shards (dptrain.data.streams)
+        return stream
     if isinstance(data, Dataset):
         return CheckedItems(data, role)
     if isinstance(data, (tuple, list)) and len(data) == 2:
@@ -292,7 +296,7 @@ class _Rows(Sampler):
         return iter(self.batches)
 
 
-def _collate(batch) -> tuple[torch.Tensor, torch.Tensor]:
+def collate_items(batch) -> tuple[torch.Tensor, torch.Tensor]:
     """ArrayPairs hands over a ready (x, y); a user Dataset a list of (x, y) items."""
     if isinstance(batch, tuple):
         x, y = batch
@@ -307,7 +311,7 @@ def _collate(batch) -> tuple[torch.Tensor, torch.Tensor]:
 
 def loader(dataset: Dataset, batch_sampler: Sampler, workers: int = 0, pin_memory: bool = False) -> DataLoader:
     """A DataLoader over `dataset` whose batches are exactly the sampler's rows, in its order."""
-    return DataLoader(dataset, batch_sampler=batch_sampler, collate_fn=_collate, num_workers=workers,
+    return DataLoader(dataset, batch_sampler=batch_sampler, collate_fn=collate_items, num_workers=workers,
                       pin_memory=pin_memory, persistent_workers=workers > 0)
 
 
@@ -315,6 +319,8 @@ def evaluation_loader(dataset: Dataset, rank: int, world: int, batch_size: int, 
                       pin_memory: bool = False) -> DataLoader:
     """This rank's contiguous slice of `dataset` (all of it when world is 1), in order, `batch_size` rows a batch."""
     n = len(dataset)
+    if getattr(dataset, "private", False):  # this rank's own test set (dptrain.data.private): all of it
+        rank, world = 0, 1
     start, stop = rank * n // world, (rank + 1) * n // world
     batches = [list(range(first, min(first + batch_size, stop))) for first in range(start, stop, batch_size)]
     return loader(dataset, _Rows(batches), workers, pin_memory)

@@ -1,5 +1,9 @@
 """A user's own data: `--data package.module:factory`, a function returning torch Datasets.
 
+It may also return iterable data (a torch IterableDataset, a WebDataset pipeline, a Hugging Face
+`datasets.IterableDataset`: read as a stream, dptrain.data.streams) or a Hugging Face `datasets.Dataset`
+(map-style, two of its columns as x and y: dptrain.data.shard_files).
+
 The factory returns `(train, test)`, or `train` alone (or `(train, None)`): then 20 % of it,
 chosen by the seed, is held out for testing (dptrain.data.holdout), and that is said. Items are
 `(x, y)` pairs; integer labels make a classification task (classes = the largest label + 1), float
@@ -21,6 +25,8 @@ from dptrain.data.splits import DataSplits
 from dptrain.data.sampler import CheckedItems, known_labels, labels_of
 from dptrain.data.labels import check_class_labels
 from dptrain.data.sources import decide_task, first_fraction
+from dptrain.data.private import arguments, private_splits, rank_and_world, takes_rank
+from dptrain.data.stream_splits import as_stream, stream_splits
 from dptrain.errors import UserError
 from dptrain.user_code import load_callable
 
@@ -35,20 +41,48 @@ def _item(dataset: Dataset, spec: str, which: str) -> tuple[torch.Tensor, torch.
                         f"{type(item[1]).__name__}, which are not arrays or numbers: {error}") from None
 
 
+def as_pairs(value: Any, spec: str) -> Any:
+    """A map-style Hugging Face `datasets.Dataset` as a Dataset of (x, y) items (anything else as it is)."""
+    from dptrain.data.shard_files import HuggingFacePairs, is_hugging_face
+    return HuggingFacePairs(value, spec) if is_hugging_face(value) and not hasattr(value, "n_shards") else value
+
+
 def _is_dataset(value: Any) -> bool:
     return hasattr(value, "__getitem__") and hasattr(value, "__len__") and not isinstance(value, (tuple, list))
 
 
 def load_user_data(spec: str, seed: int, test_fraction: float = HOLD_OUT,
-                   log: Callable[[str], None] = print, task: str = "auto", check_values: bool = False) -> DataSplits:
+                   log: Callable[[str], None] = print, task: str = "auto", check_values: bool = False,
+                   workers: int = 1) -> DataSplits:
     """Call the factory `spec` names and describe what it returned; `check_values`: also read every item once,
-    refusing NaN and infinite values (the validating process does, as for an array file)."""
+    refusing NaN and infinite values (the validating process does, as for an array file). A factory taking `rank`
+    (or `client`) returns this rank's own data (dptrain.data.private; `workers`: the world the launching
+    process starts)."""
     factory = load_callable(spec, "--data", "data", "returns (train, test) Datasets")
+    rank_name = takes_rank(factory)
+    if rank_name is not None:
+        rank, world, in_rank = rank_and_world(workers)
+        if not in_rank:
+            log(f"dptrain: --data {spec} takes {rank_name}: each of the {world} clients loads its own data on its "
+                "own rank; checked here: client 0's only (this machine need not hold the others')")
+        given = arguments(factory, rank_name, rank, world, seed)
+        return private_splits(_load_returned(factory, given, spec, seed, test_fraction, log, task, True))
+    given = {"seed": seed} if "seed" in inspect.signature(factory).parameters else {}
+    return _load_returned(factory, given, spec, seed, test_fraction, log, task, check_values)
+
+
+def _load_returned(factory: Callable, given: dict, spec: str, seed: int, test_fraction: float,
+                   log: Callable[[str], None], task: str, check_values: bool) -> DataSplits:
+    """The DataSplits of what `factory(**given)` returns."""
     try:
-        returned = factory(seed=seed) if "seed" in inspect.signature(factory).parameters else factory()
+        returned = factory(**given)
     except Exception as error:
         raise UserError(f"data factory {spec} raised {type(error).__name__}: {error}") from error
     train, test = (returned if isinstance(returned, (tuple, list)) and len(returned) == 2 else (returned, None))
+    train, test = (as_pairs(value, spec) for value in (train, test))
+    stream = as_stream(train, spec)
+    if stream is not None:
+        return stream_splits(stream, as_stream(test, spec) or test, spec, log, task)
     for which, value in (("train", train), ("test", test)):
         if (value is not None or which == "train") and not _is_dataset(value):
             got = "None" if value is None else f"a value of type {type(value).__name__}"

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from dptrain.data.sampler import EpochPlan, shard_plan
+from dptrain.errors import UserError
 from dptrain.runtime.distributed import DistContext
 from dptrain.strategies.rules import StrategyRules
 
@@ -196,6 +197,11 @@ class Strategy(StrategyRules):
         """Which rows this rank reads per epoch: the shared sharding, unless a strategy keeps its own
         (`labels()` reads every sample's label, for partitions by class; `block_size` is the data's)."""
         return shard_plan(n_samples, ctx.rank, ctx.world_size, batch_size, seed, shuffle, block_size)
+
+    def private_plan(self, ctx: DistContext, n_samples: int, batch_size: int, seed: int) -> EpochPlan:
+        """Which rows this rank reads per epoch of its own data (a factory taking rank: dptrain.data.private)."""
+        raise UserError(f"--strategy {self.name} shares one data set out over the workers; each client's own data "
+                        "(a --data factory taking rank) trains under --strategy fedavg")
 
     def trains_in_epoch(self, epoch: int) -> bool:
         """False when this worker sits out the epoch (e.g. a federated client not sampled this round)."""

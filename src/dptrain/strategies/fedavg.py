@@ -103,6 +103,13 @@ class FedAvg(FedAvgRules, Strategy):
         """This client's partition for the whole run, permuted each epoch (`shuffle` does not apply)."""
         return partition_plan(self.partition(labels(), ctx.world_size, seed)[ctx.rank], ctx.rank, batch_size, seed)
 
+    def private_plan(self, ctx: DistContext, n_samples: int, batch_size: int, seed: int) -> EpochPlan:
+        """This client's own data, all of it, permuted each epoch; the clients' sizes as each reports its own
+        (the weights of the average)."""
+        self.seed = seed
+        self.parts = [np.arange(size) for size in ctx.group.gather_objects("each client's samples", n_samples)]
+        return partition_plan(self.parts[ctx.rank], ctx.rank, batch_size, seed)
+
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, ctx: DistContext) -> nn.Module:
         super().setup(model, optimizer, ctx)
         if ctx.world_size > 1:

@@ -25,6 +25,7 @@ from dptrain.config import BUILTIN_LOSSES, TrainConfig, build_config, recorded, 
 from dptrain.data import sharding
 from dptrain.data.fingerprint import fingerprint
 from dptrain.data.kinds import DataSplits, load_data
+from dptrain.data.private import set_rank
 from dptrain.data.sampler import as_dataset, loader
 from dptrain.user_code import check_spec_file, load_callable
 from dptrain.errors import Interrupted, Preempted, UserError
@@ -136,7 +137,13 @@ def _validate(config: TrainConfig) -> tuple[torch.nn.Module, DataSplits]:
     model = make_model(config, data)
     check_loss(build_loss(config, data), config.loss, model, data)
     samples = len(data.train_set())
+    if getattr(data.train_set(), "private", False):  # client 0's own data: no shard of a shared set to check
+        registry.load("strategy", config.strategy).check_before_spawn(config, model)
+        return model, data
     sharding.check_workers(samples, config.workers)
+    if getattr(data.train_set(), "is_stream", False):
+        from dptrain.data.streams import refuse_stream_run
+        refuse_stream_run(config.strategy, config.strategy == "fedavg", False, config.min_workers)
     registry.load("strategy", config.strategy).check_before_spawn(config, model)
     if config.batch_size > samples // config.workers:
         raise UserError(f"--batch-size {config.batch_size} is larger than a worker's shard of "
@@ -393,6 +400,7 @@ def train_in_group(config: TrainConfig, env: DistEnv, ctx, held: ExitStack) -> S
     """One run on a process group already joined (`ctx`), which stays up afterwards: a process may train
     several runs in turn (benchmarks/robustness.py). `held` keeps rank 0's lock on the run directory."""
     _check_live_launcher(config, env)
+    set_rank(ctx.rank, ctx.world_size)  # a factory of each client's own data loads this rank's (dptrain.data.private)
     if config.replace_workers and env.launched and env.launcher != "local":
         _check_replacing(ctx, env.launcher)
     if env.launcher != "local":
@@ -401,6 +409,9 @@ def train_in_group(config: TrainConfig, env: DistEnv, ctx, held: ExitStack) -> S
     said_by_launcher = not env.launched or env.launcher == "local"
     data = load_data(config, check_values=not said_by_launcher and ctx.is_main,
                      log=print if ctx.is_main and not said_by_launcher else (lambda message: None))
+    if getattr(data.train, "private", False):  # each client's own data: the model all of them need
+        from dptrain.data.private import agree
+        data = agree(ctx.group, data)
     model = make_model(config, data)
     # A worker joining a running job is alone until it is admitted; it takes the LR of the peer it heals from,
     # and its LR guard is made for the job's world, as every worker's was.
@@ -453,7 +464,8 @@ def data_record(config: TrainConfig, data: DataSplits) -> dict:
     source = with_absolute_paths({"data": config.data})["data"] if config.data is not None else config.dataset
     return {"source": source, "task": data.task,
             "input_shape": list(data.input_shape), "classes": data.num_classes,
-            "train_samples": len(data.train_set()), "test_samples": len(data.test_set())}
+            "train_samples": len(data.train_set()),
+            "test_samples": len(data.test_set()) if data.test_set() is not None else 0}
 
 
 def loader_workers(asked: Optional[int], ctx) -> int:

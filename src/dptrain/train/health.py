@@ -81,9 +81,12 @@ class AverageHealth:
                  log: Callable[[str], None]) -> None:
         self.ctx, self.loss_fn, self.classify, self.together = ctx, loss_fn, classify, together
         self.log = log
-        rows = probe_rows(len(train), ctx.rank, ctx.world_size, seed, probe_size(train))
-        with torch.random.fork_rng(devices=[]):  # read once, kept in memory (at most PROBE_BYTES)
-            self.batches = list(loader(train, [rows[i:i + 128] for i in range(0, len(rows), 128)]))
+        if getattr(train, "is_stream", False):  # shards: the first samples of the data (dptrain.data.streams)
+            self.batches = train.probe(PROBE_ROWS)
+        else:
+            rows = probe_rows(len(train), ctx.rank, ctx.world_size, seed, probe_size(train))
+            with torch.random.fork_rng(devices=[]):  # read once, kept in memory (at most PROBE_BYTES)
+                self.batches = list(loader(train, [rows[i:i + 128] for i in range(0, len(rows), 128)]))
         self._local: Optional[torch.Tensor] = None
         self.streak = 0  # bad averages in a row
         self.best_loss = math.inf  # the lowest training loss of an average so far

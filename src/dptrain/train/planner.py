@@ -19,6 +19,17 @@ def rest_steps(rest: Optional[Rest], epoch: int) -> Optional[int]:
     return rest.steps if rest is not None and rest.epoch == epoch and rest.done else None
 
 
+def agree_on_shards(stream, each: list[dict]) -> None:
+    """Every rank must plan over the same shards (else their steps differ and a collective would wait): one line
+    naming the ranks that disagree with rank 0, and what each counted."""
+    differ = [rank for rank, print_ in enumerate(each) if print_ != each[0]]
+    if differ:
+        from dptrain.errors import UserError
+        counts = ", ".join(f"rank {rank}: {each[rank]['rows']}" for rank in [0, *differ])
+        raise UserError(f"--data {stream.name}: the ranks see different data (samples {counts}); every rank must "
+                        "see the same shards (give each rank its own data with a factory taking rank instead)")
+
+
 class Planner:
     """The epoch plans of `train` for this rank: `plan(rest)` makes the current one (`batches`, `reader`, and
     `common_steps`, the fewest steps any rank takes in an epoch, where checkpoints within one are taken)."""
@@ -35,8 +46,13 @@ class Planner:
         """This rank's epoch plan, its batches and their reader, for the rank and world it has now (with `rest`,
         the rest of an epoch shared out again, when it is this world's)."""
         ctx, train = self.ctx, self.train
-        plan = self.strategy.epoch_plan(ctx, len(train), self.labels, self.batch_size, self.seed, self.shuffle,
-                                        getattr(train, "block_size", None))
+        if getattr(train, "is_stream", False):  # shards read as a stream: the plan is the stream's own
+            return self._plan_stream(train, rest)
+        if getattr(train, "private", False):  # this rank's own data (dptrain.data.private): all of it, its own way
+            plan = self.strategy.private_plan(ctx, len(train), self.batch_size, self.seed)
+        else:
+            plan = self.strategy.epoch_plan(ctx, len(train), self.labels, self.batch_size, self.seed, self.shuffle,
+                                            getattr(train, "block_size", None))
         if rest is not None and rest.members == tuple(ctx.group.members):
             plan = replace(plan, rest=rest, rank=ctx.rank)
         # Checkpoints within an epoch are taken at the same step on every rank: below the fewest steps any
@@ -46,6 +62,26 @@ class Planner:
         self.batches = PlanBatches(plan)
         self.reader = loader(train, self.batches, self.loader_workers, pin_memory=ctx.device.type == "cuda")
         return plan
+
+    def _plan_stream(self, stream, rest: Optional[Rest]) -> EpochPlan:
+        """A stream's plan (dptrain.data.streams): the same steps on every rank, computed from the shard sizes."""
+        from dptrain.data.streams import StreamReader, refuse_stream_run
+        refuse_stream_run(self.strategy.name, False, rest is not None)
+        agree_on_shards(stream, self.ctx.group.gather_objects("the shards", stream.fingerprint()))
+        steps = stream.plan(self.ctx.rank, self.ctx.world_size, self.loader_workers, self.batch_size, self.seed,
+                            self.shuffle)
+        # The strategy sees its plan as for map-style data (streaming counts its steps); one that keeps partitions
+        # of its own asks for the labels (refused) or plans other steps than the stream's
+        def own_partitions():
+            refuse_stream_run(self.strategy.name, True, False)
+
+        shared = self.strategy.epoch_plan(self.ctx, len(stream), own_partitions, self.batch_size, self.seed,
+                                          self.shuffle)
+        if shared.steps != steps:
+            own_partitions()
+        self.common_steps = steps if self.checkpoint_every_steps else 0
+        self.batches = self.reader = StreamReader(stream, self.loader_workers, self.ctx.device.type == "cuda")
+        return EpochPlan(steps, lambda epoch: stream.segments(epoch))
 
     def replan(self, state, epochs: int, epoch: Optional[int] = None) -> None:
         """After the world changed, before `epoch` (default: the state's) starts in it: the epoch planned again,

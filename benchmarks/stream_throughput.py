@@ -1,0 +1,165 @@
+"""Sharded data: dptrain's stream reader against a plain DataLoader over the same webdataset and Parquet pipelines,
+its peak memory as the data grows 8x, and the time to plan a run over 1,000 shards.
+
+    python benchmarks/stream_throughput.py benchmarks/results/stream_throughput.json
+
+Writes N samples of 3 x 16 x 16 float32 (.npy) and a .cls label as 32 WebDataset tar shards, and the same rows
+(768 floats and y) as 32 Parquet files, then in a fresh process each, one torch thread, --loader-workers 0:
+
+- plain webdataset: `DataLoader(wds.WebDataset(urls).decode().to_tuple("npy", "cls").batched(B), batch_size=None)`
+- plain parquet: a torch IterableDataset yielding the rows of each file by pyarrow's `iter_batches`, batched by
+  `DataLoader(batch_size=B)`
+- dptrain: what `Trainer.fit` reads for the same `--data` (open_shards, one rank, StreamReader, --shuffle
+  global: shards in a drawn order through the 1,024-sample shuffle buffer).
+
+Each reads one epoch untimed (imports, page cache), then whole epochs for --seconds, counting samples; the ratio is dptrain's median over plain's (goal >= 0.97).
+Memory: the peak RSS of dptrain reading N and 8N samples (goal <= 1.25x), and its growth above the RSS
+before reading. Start: the seconds from
+`open_shards` to the first batch over 1,000 tar shards of 8 samples each (the index of every shard is read).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+BATCH = 64
+
+
+def write(folder: Path, samples: int, shards: int, parquet: bool = True) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import webdataset as wds
+
+    rng = np.random.default_rng(0)
+    (folder / "tar").mkdir(parents=True)
+    (folder / "parquet").mkdir()
+    per = samples // shards
+    for shard in range(shards):
+        x = rng.normal(size=(per, 3, 16, 16)).astype(np.float32)
+        y = rng.integers(0, 10, size=per)
+        with wds.TarWriter(str(folder / "tar" / f"train-{shard:06d}.tar")) as writer:
+            for i in range(per):
+                writer.write({"__key__": f"{shard:06d}{i:06d}", "npy": x[i], "cls": int(y[i])})
+        if parquet:
+            table = pa.table({"x": list(x.reshape(per, -1)), "y": y})
+            pq.write_table(table, folder / "parquet" / f"part-{shard:06d}.parquet")
+
+
+def reader(kind: str, folder: Path):
+    import torch
+    import webdataset as wds
+
+    torch.set_num_threads(1)
+    urls = sorted(str(p) for p in (folder / "tar").glob("*.tar"))
+    if kind == "plain-webdataset":
+        pipeline = wds.WebDataset(urls, shardshuffle=False).decode().to_tuple("npy", "cls").batched(BATCH)
+        return torch.utils.data.DataLoader(pipeline, batch_size=None)
+    if kind == "plain-parquet":
+        import pyarrow.parquet as pq
+
+        class Rows(torch.utils.data.IterableDataset):
+            def __iter__(self):
+                for path in sorted((folder / "parquet").glob("*.parquet")):
+                    for batch in pq.ParquetFile(path).iter_batches(batch_size=1024, columns=["x", "y"]):
+                        for x, y in zip(batch.column("x").to_numpy(zero_copy_only=False),
+                                        batch.column("y").to_numpy(zero_copy_only=False)):
+                            yield np.array(x, dtype=np.float32), y
+        return torch.utils.data.DataLoader(Rows(), batch_size=BATCH)
+    from dptrain.data.shard_files import open_shards
+    from dptrain.data.streams import StreamReader
+
+    data = str(folder / ("tar/train-*.tar" if kind == "dptrain-webdataset" else "parquet"))
+    stream = open_shards(data)
+    stream.plan(0, 1, 0, BATCH, seed=0, shuffle="global")
+    return StreamReader(stream, 0)
+
+
+def _rss_mb() -> float:
+    return int(Path("/proc/self/statm").read_text().split()[1]) * resource.getpagesize() / 2**20
+
+
+def measure(kind: str, folder: Path, seconds: float) -> dict:
+    loader = reader(kind, folder)
+    before = _rss_mb()
+    for _ in loader:  # one epoch not timed: the first decode imports and warms what it uses
+        pass
+    samples, start, epochs = 0, time.perf_counter(), 0
+    while time.perf_counter() - start < seconds or epochs == 0:
+        if hasattr(loader, "set_epoch"):
+            loader.set_epoch(epochs)
+        for x, _ in loader:
+            samples += len(x)
+        epochs += 1
+    elapsed = time.perf_counter() - start
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return {"samples_per_second": samples / elapsed, "epochs": epochs, "rss_before_reading_mb": before,
+            "peak_rss_mb": peak}
+
+
+def start_time(folder: Path) -> dict:
+    from dptrain.data.shard_files import open_shards
+    from dptrain.data.streams import StreamReader
+
+    began = time.perf_counter()
+    stream = open_shards(str(folder / "tar/train-*.tar"))
+    stream.plan(0, 4, 0, 8, seed=0, shuffle="global")
+    next(iter(StreamReader(stream, 0)))
+    return {"shards": len(stream.shards), "seconds_to_first_batch": time.perf_counter() - began}
+
+
+def child(args: list[str]) -> dict:
+    out = subprocess.run([sys.executable, __file__, "--child", *args], capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out", nargs="?")
+    parser.add_argument("--samples", type=int, default=8192)
+    parser.add_argument("--seconds", type=float, default=5.0)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--child", nargs="+")
+    options = parser.parse_args()
+    if options.child:
+        what, folder = options.child[0], Path(options.child[1])
+        result = start_time(folder) if what == "start" else measure(what, folder, float(options.child[2]))
+        print(json.dumps(result))
+        return
+    results: dict = {"samples": options.samples, "batch": BATCH, "runs": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        small, large, many = Path(tmp) / "small", Path(tmp) / "large", Path(tmp) / "many"
+        write(small, options.samples, 32)
+        kinds = ["plain-webdataset", "dptrain-webdataset", "plain-parquet", "dptrain-parquet"]
+        for _ in range(options.repeats):
+            for kind in kinds:
+                results["runs"].setdefault(kind, []).append(child([kind, str(small), str(options.seconds)]))
+        for fmt in ("webdataset", "parquet"):
+            speed = {kind: statistics.median(r["samples_per_second"] for r in results["runs"][f"{kind}-{fmt}"])
+                     for kind in ("plain", "dptrain")}
+            results[f"{fmt}_ratio"] = speed["dptrain"] / speed["plain"]
+        write(large, options.samples * 8, 256, parquet=False)
+        memory = [child(["dptrain-webdataset", str(folder), "0"]) for folder in (small, large)]
+        results["peak_rss_mb"] = {"N": memory[0]["peak_rss_mb"], "8N": memory[1]["peak_rss_mb"],
+                                  "ratio": memory[1]["peak_rss_mb"] / memory[0]["peak_rss_mb"],
+                                  "above_start_N": memory[0]["peak_rss_mb"] - memory[0]["rss_before_reading_mb"],
+                                  "above_start_8N": memory[1]["peak_rss_mb"] - memory[1]["rss_before_reading_mb"]}
+        write(many, 8000, 1000, parquet=False)
+        results["start_1000_shards"] = child(["start", str(many)])
+    text = json.dumps(results, indent=2)
+    print(text)
+    if options.out:
+        Path(options.out).write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,248 @@
+"""Sharded and streaming training data: WebDataset tar shards, Parquet files, iterable Datasets, read once an epoch.
+
+A `ShardedStream` is a list of shards whose sample counts are known before training (a tar's index, a
+Parquet file's metadata, one counting pass over a plain IterableDataset), and a function that reads one
+shard's (x, y) samples in order. The counts let every rank compute the same plan up front, so that no
+collective waits on a rank that ran out and every sample is read exactly once an epoch.
+
+The rule, for epoch e over W ranks with L loader workers each and batch B (pure functions below):
+
+1. The shards are put in an order: a permutation drawn from (seed, e) (file order with --shuffle none; every
+   other --shuffle draws it).
+2. In that order they make one sequence of N samples. Rank r reads positions [r*N//W, (r+1)*N//W) of it:
+   shard sizes may differ, so a shard may be cut between two ranks (each reads its part; the later one
+   skips the first samples of that shard). Ranks differ by at most one sample.
+3. Every rank takes S = dptrain.data.sharding.steps_per_epoch(N, W, B) steps (the same on every rank,
+   so an uneven end never hangs), its samples cut into S near-equal batches as for map-style data.
+4. With L loader workers, step k is made by worker k mod L; each worker reads one contiguous part of the
+   rank's samples (the batches of its steps, in order), so a shard is read by at most a few workers and
+   nobody reads another worker's samples. The DataLoader takes the workers' batches in turn: step order.
+5. Within a worker, samples pass through a shuffle buffer of SHUFFLE_BUFFER samples drawn from
+   (seed, e, rank, worker) (none with --shuffle none): every sample leaves it exactly once.
+
+So the batches depend on --loader-workers (as every IterableDataset's do), not on anything else. A
+run resumed within an epoch (--checkpoint-every-steps) replays the worker's part up to its step and goes
+on from there: the same samples in the same batches as an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Iterator, Optional
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from dptrain.data import sharding
+from dptrain.errors import UserError
+
+SHUFFLE_BUFFER = 1024  # samples held by each loader worker's shuffle buffer
+
+
+@dataclass(frozen=True)
+class Shard:
+    """One shard: what it is called in messages (a path) and how many samples it holds."""
+
+    name: str
+    samples: int
+
+
+# -- the rule (pure functions) ---------------------------------------------------------------------------
+def shard_order(shards: int, epoch: int, seed: int, shuffle: str) -> np.ndarray:
+    """The shards' order in `epoch`: a permutation drawn from (seed, epoch), or file order for 'none'."""
+    if shuffle == "none":
+        return np.arange(shards)
+    return np.random.default_rng(sharding.derive_seed(seed, epoch, 0x5A4D)).permutation(shards)
+
+
+def rank_segments(counts: list[int], order: np.ndarray, rank: int, world: int) -> list[tuple[int, int, int]]:
+    """Rank `rank`'s part of the epoch: (shard, first, stop) pieces, in reading order, of positions
+    [rank*N//world, (rank+1)*N//world) of the shards' samples laid end to end in `order`."""
+    total = sum(counts)
+    return _cut([(int(shard), 0, counts[shard]) for shard in order], rank * total // world,
+                (rank + 1) * total // world)
+
+
+def _cut(pieces: list[tuple[int, int, int]], start: int, stop: int) -> list[tuple[int, int, int]]:
+    """The positions [start, stop) of the samples of `pieces` laid end to end, as pieces."""
+    out, position = [], 0
+    for shard, first, end in pieces:
+        length = end - first
+        low, high = max(start, position), min(stop, position + length)
+        if low < high:
+            out.append((shard, first + low - position, first + high - position))
+        position += length
+    return out
+
+
+def batch_sizes(samples: int, steps: int) -> list[int]:
+    """The sizes of a rank's `steps` batches of `samples` (np.array_split's, as for map-style data)."""
+    return [len(part) for part in np.array_split(np.arange(samples), steps)]
+
+
+def worker_part(segments: list[tuple[int, int, int]], sizes: list[int], role: int,
+                workers: int) -> tuple[list[tuple[int, int, int]], list[int]]:
+    """Loader worker `role`'s pieces and batch sizes: the steps k with k mod workers == role, whose samples
+    form the role's contiguous part of the rank's (the roles' parts follow each other in role order)."""
+    workers = max(1, workers)
+    mine = [size for step, size in enumerate(sizes) if step % workers == role]
+    before = sum(size for step, size in enumerate(sizes) if step % workers < role)
+    return _cut(segments, before, before + sum(mine)), mine
+
+
+def shuffled(samples: Iterable, buffer: int, rng: Optional[np.random.Generator]) -> Iterator:
+    """`samples` through a shuffle buffer of `buffer` (as they come without `rng`): each exactly once."""
+    if rng is None or buffer <= 1:
+        yield from samples
+        return
+    held: list = []
+    draws, next_draw = np.empty(0, dtype=np.int64), 0  # indices drawn a block at a time: one call per 1,024 samples
+    for sample in samples:
+        if len(held) < buffer:
+            held.append(sample)
+            continue
+        if next_draw == len(draws):
+            draws, next_draw = rng.integers(buffer, size=1024), 0
+        index = draws[next_draw]
+        next_draw += 1
+        held[index], sample = sample, held[index]
+        yield sample
+    for index in rng.permutation(len(held)):
+        yield held[index]
+
+
+# -- the stream ---------------------------------------------------------------------------------------------
+class ShardedStream(IterableDataset):
+    """Training data as shards of known sizes and `read(shard)`, an iterator of that shard's (x, y) samples in
+    order. `len()` is the number of samples. `plan(...)` fixes this rank's reading; iterating yields the batches
+    of the epoch set by `set_epoch`, from its step `start` on. `name`: what --data was, for messages."""
+
+    is_stream = True
+
+    def __init__(self, shards: list[Shard], read: Callable[[Shard], Iterable], name: str,
+                 collate: Optional[Callable] = None) -> None:
+        self.shards, self.read, self.name = list(shards), read, name
+        self.collate = collate
+        self.labels: Optional[np.ndarray] = None  # every sample's label in file order, where known
+        self.rank, self.world, self.workers, self.steps, self.seed, self.shuffle = 0, 1, 0, 1, 0, "global"
+        self.epoch = self.start = 0
+
+    def __len__(self) -> int:
+        return sum(shard.samples for shard in self.shards)
+
+    def plan(self, rank: int, world: int, workers: int, batch_size: int, seed: int, shuffle: str) -> int:
+        """Fix this rank's reading; returns the steps of every epoch (the same on every rank)."""
+        self.rank, self.world, self.workers, self.seed, self.shuffle = rank, world, workers, seed, shuffle
+        self.steps = sharding.steps_per_epoch(len(self), world, batch_size)
+        return self.steps
+
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        self.epoch, self.start = epoch, start
+
+    def segments(self, epoch: int, rank: Optional[int] = None) -> list[tuple[int, int, int]]:
+        """A rank's (shard, first, stop) pieces of `epoch` (this rank's by default)."""
+        order = shard_order(len(self.shards), epoch, self.seed, self.shuffle)
+        return rank_segments([shard.samples for shard in self.shards], order,
+                             self.rank if rank is None else rank, self.world)
+
+    def __iter__(self) -> Iterator:
+        info = get_worker_info()
+        workers = info.num_workers if info is not None else 1
+        worker = info.id if info is not None else 0
+        role = (worker + self.start) % workers  # the first batch fetched (worker 0's) is step `start`'s
+        segments = self.segments(self.epoch)
+        sizes = batch_sizes(sum(stop - first for _, first, stop in segments), self.steps)
+        pieces, mine = worker_part(segments, sizes, role, workers)
+        skip = sum(1 for step in range(self.start) if step % workers == role)
+        rng = None if self.shuffle == "none" else np.random.default_rng(
+            sharding.derive_seed(self.seed, self.epoch, self.rank, role))
+        samples = shuffled(self._pieces(pieces), SHUFFLE_BUFFER, rng)
+        for _ in range(sum(mine[:skip])):  # a resumed epoch: the batches before its start, read and dropped
+            next(samples)
+        for size in mine[skip:]:
+            batch = [next(samples) for _ in range(size)]
+            yield self.collate(batch) if self.collate is not None else batch
+
+    def _pieces(self, pieces: list[tuple[int, int, int]]) -> Iterator:
+        for index, first, stop in pieces:
+            shard, read = self.shards[index], 0
+            for position, sample in enumerate(self.read(shard)):
+                if position >= stop:
+                    break
+                read = position + 1
+                if position >= first:
+                    yield sample
+            if read < stop:
+                raise UserError(f"--data {self.name}: rank {self.rank} read {read} samples of shard '{shard.name}' "
+                                f"where {shard.samples} were counted before training (it changed on disk, or it "
+                                "yields other samples on this rank or in a loader worker); every rank must read "
+                                "the same samples of it")
+
+    def first(self) -> tuple:
+        """The first sample of the first shard that holds any."""
+        shard = next(shard for shard in self.shards if shard.samples)
+        return next(iter(self.read(shard)))
+
+    def probe(self, rows: int) -> list[tuple]:
+        """The first `rows` samples in file order, as one batch (the average check's probe)."""
+        taken: list = []
+        for shard in self.shards:
+            for sample in self.read(shard):
+                if len(taken) >= rows:
+                    break
+                taken.append(sample)
+            if len(taken) >= rows:
+                break
+        return [self.collate(taken)] if self.collate is not None else [taken]
+
+    def fingerprint(self) -> dict:
+        """The shards' file names (not their folders: a run continued from elsewhere, or from a staged copy, reads
+        the same shards) and sizes, hashed: another set of shards is other data."""
+        digest = hashlib.sha256(f"rows={len(self)}".encode())
+        for shard in self.shards:
+            digest.update(f"{os.path.basename(shard.name)}\0{shard.samples}\n".encode())
+        return {"rows": len(self), "sha256": digest.hexdigest()}
+
+
+def refuse_stream_run(strategy: str, own_partitions: bool, other_world: bool, min_workers=None) -> None:
+    """One line for what a stream cannot do yet: a strategy with partitions of its own (fedavg: give each client
+    its own data instead, a factory taking `rank`), --strategy auto (it times map-style batches), live membership
+    and the rest of an epoch on another number of workers (the rest of the shards is not shared out again)."""
+    if own_partitions:
+        raise UserError(f"--strategy {strategy} keeps its own partitions of map-style data, and shards are read as a "
+                        "stream; give each client its own data (a --data factory taking rank), or use allreduce, "
+                        "sync, streaming or async")
+    if strategy == "auto":
+        raise UserError("--strategy auto times map-style batches; with shards name the strategy (e.g. allreduce)")
+    if min_workers is not None:
+        raise UserError(f"--min-workers {min_workers} shares an epoch's rest out over the workers left, which "
+                        "shards read as a stream do not support yet; drop --min-workers")
+    if other_world:
+        raise UserError("this checkpoint within an epoch was written by another number of workers, and shards read "
+                        "as a stream go on within an epoch only on the same number; resume with as many workers")
+
+
+class StreamReader:
+    """A rank's batches of a ShardedStream through a DataLoader (`workers` processes): len() is the epoch's steps
+    from its start; `set_epoch(epoch, start)` as PlanBatches'."""
+
+    def __init__(self, stream: ShardedStream, workers: int, pin_memory: bool = False) -> None:
+        self.stream = stream
+        self.loader = DataLoader(stream, batch_size=None, num_workers=workers, pin_memory=pin_memory)
+
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        self.stream.set_epoch(epoch, start)
+
+    def __len__(self) -> int:
+        return self.stream.steps - self.stream.start
+
+    def __iter__(self) -> Iterator:
+        return iter(self.loader)
+
+
+def is_stream(data: Any) -> bool:
+    return getattr(data, "is_stream", False) is True
+
