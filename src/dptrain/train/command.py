@@ -405,13 +405,7 @@ def train_in_group(config: TrainConfig, env: DistEnv, ctx, held: ExitStack) -> S
         _check_replacing(ctx, env.launcher)
     if env.launcher != "local":
         config = _join_run_dir(config, env, ctx, held)
-    # validate() checked the data before spawning (or running alone); under other launchers rank 0 does.
-    said_by_launcher = not env.launched or env.launcher == "local"
-    data = load_data(config, check_values=not said_by_launcher and ctx.is_main,
-                     log=print if ctx.is_main and not said_by_launcher else (lambda message: None))
-    if getattr(data.train, "private", False):  # each client's own data: the model all of them need
-        from dptrain.data.private import agree
-        data = agree(ctx.group, data)
+    data = _rank_data(config, env, ctx)
     model = make_model(config, data)
     # A worker joining a running job is alone until it is admitted; it takes the LR of the peer it heals from,
     # and its LR guard is made for the job's world, as every worker's was.
@@ -444,6 +438,18 @@ def train_in_group(config: TrainConfig, env: DistEnv, ctx, held: ExitStack) -> S
     trainer.emulate_straggler(config.slow_workers().get(ctx.rank if ctx.joining is None else ctx.joining, 1.0))
     trainer.data_record = data_record(config, data)
     return trainer.fit(data.train_set(), data.test_set(), epochs=config.epochs)
+
+
+def _rank_data(config: TrainConfig, env: DistEnv, ctx):
+    """This rank's data. validate() checked it before spawning (or running alone); under other launchers rank 0
+    does. Each client's own data (dptrain.data.private): the ranks agree on the model all of them need."""
+    said_by_launcher = not env.launched or env.launcher == "local"
+    data = load_data(config, check_values=not said_by_launcher and ctx.is_main,
+                     log=print if ctx.is_main and not said_by_launcher else (lambda message: None))
+    if getattr(data.train, "private", False):
+        from dptrain.data.private import agree
+        data = agree(ctx.group, data)
+    return data
 
 
 def say_lr_and_batch(config: TrainConfig, world: int, factor: float) -> None:
