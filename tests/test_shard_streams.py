@@ -177,6 +177,26 @@ def test_fit_reads_an_iterable_dataset_given_to_it_as_a_stream(tmp_path, monkeyp
     assert [sorted(i for b in batches[e * 10:(e + 1) * 10] for i in b) for e in (0, 1)] == [list(range(N))] * 2
 
 
+@pytest.mark.parametrize("strategy, keywords, line", [
+    ("Auto", {}, "--strategy auto times map-style batches; with shards name the strategy (e.g. allreduce)"),
+    ("AllReduce", {"min_workers": 1}, "--min-workers 1 shares an epoch's rest out over the workers left, which "
+                                      "shards read as a stream do not support yet; drop --min-workers"),
+])
+def test_fit_refuses_a_stream_where_dptrain_train_does(strategy, keywords, line, tmp_path, monkeypatch):
+    from stream_data import Counting, recording
+
+    import dptrain
+    from dptrain.errors import UserError
+
+    monkeypatch.setenv("STREAM_RECORD", str(tmp_path))
+    model = recording((4,), 3)
+    trainer = dptrain.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.01),
+                              strategy=getattr(dptrain, strategy)(), batch_size=8, progress=False, verbose=False, **keywords)
+    with pytest.raises(UserError) as refused:
+        trainer.fit(Counting(), epochs=1)
+    assert str(refused.value) == line
+
+
 # -- bad data: one line, exit 2, nothing on disk changed ------------------------------------------------------
 def _snapshot(folder: Path) -> dict:
     return {str(path.relative_to(folder)): (path.read_bytes() if path.is_file() else b"")

@@ -326,3 +326,13 @@ def test_from_python_a_sharding_that_cannot_be_is_one_line_too(strategy, line):
     assert str(refused.value).startswith(line) and "\n" not in str(refused.value)
     with pytest.raises(ValueError, match="--shard-size applies to --shard hybrid, not --shard full"):
         Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), shard="full", shard_size=2)
+
+
+def test_auto_from_python_refuses_sharding_as_the_command_line_does():
+    # auto measures and picks a strategy once running; it has no sharded form, so it refuses before choosing
+    from dptrain import Auto
+    model = nn.Linear(4, 2)
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), strategy=Auto(), shard="full")
+    x, y = torch.randn(16, 4), torch.randint(0, 2, (16,))
+    with pytest.raises(UserError, match=r"^--shard full is refused with --strategy auto: "):
+        trainer.fit((x, y), epochs=1)

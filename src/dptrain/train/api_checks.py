@@ -45,6 +45,18 @@ def check_trainer_arguments(model: Any, optimizer: Any, loss: Any, strategy: Any
         raise UserValueError(f"amp must be one of {', '.join(sorted(AMP_DTYPES))}, not {amp!r}")
 
 
+def fit_data(train: Any, test: Any, strategy: Any, min_workers: Any) -> tuple:
+    """Trainer.fit's train and test as Datasets (dptrain.data.sampler.as_dataset). Shards read as a stream are
+    refused in one line where they cannot go yet, as `dptrain train` refuses them: --strategy auto, live
+    membership (dptrain.data.streams.refuse_stream_run)."""
+    from dptrain.data.sampler import as_dataset
+    train, test = as_dataset(train), (as_dataset(test, "test") if test is not None else None)
+    if getattr(train, "is_stream", False):
+        from dptrain.data.streams import refuse_stream_run
+        refuse_stream_run(getattr(strategy, "name", "allreduce"), False, False, min_workers)
+    return train, test
+
+
 def _not_a_strategy(given: Any) -> str:
     """The line for a strategy given as something other than a Strategy object: its name, its class, else."""
     classes = {name: entry.target.rpartition(":")[2] for name, entry in registry.STRATEGIES.items()}

@@ -25,7 +25,7 @@ from torch import nn
 
 from dptrain import faults
 from dptrain.data.fingerprint import fingerprint
-from dptrain.data.sampler import TrainData, as_dataset, check_known_labels
+from dptrain.data.sampler import TrainData, check_known_labels
 from dptrain.errors import Diverged, Interrupted, Preempted, UserError, install_excepthook
 from dptrain.runtime.distributed import DistContext, init_process_group
 from dptrain.runtime.env import detect, launcher_reports_interrupts
@@ -33,7 +33,7 @@ from dptrain.runtime.group import PeerFailure
 from dptrain.strategies.base import Strategy
 from dptrain.strategies.rules import step_checkpoints_refused
 from dptrain.train import checkpoint_files
-from dptrain.train.api_checks import check_trainer_arguments
+from dptrain.train.api_checks import check_trainer_arguments, fit_data
 from dptrain.train.checkpointer import Checkpointer, describe_interruption
 from dptrain.train.checks import Checks
 from dptrain.train.evaluation import EVAL_BATCH, Evaluator, summarise  # noqa: F401 - EVAL_BATCH, for callers
@@ -144,7 +144,7 @@ class Trainer:
         items); evaluate on `test` after each epoch; return the Summary (also written to OUT/summary.json).
 
         Ctrl-C raises Interrupted, saying after which epoch and what the same command would do again."""
-        train, test = as_dataset(train), (as_dataset(test, "test") if test is not None else None)
+        train, test = fit_data(train, test, self.strategy, self.membership.min_workers)
         if self.classify and self.data_record is None:  # (`dptrain train` checked its data itself)
             check_known_labels(train, test, print if os.environ.get("RANK", "0") == "0" else lambda line: None)
         try:
@@ -183,9 +183,9 @@ class Trainer:
     def _prepare(self, train, epochs: int) -> TrainState:
         """The strategy (auto measures and picks one), the first epoch plan and schedule, the strategy's model."""
         ctx = self.ctx
+        self.strategy.shard_as(self.sharding)  # before the plan and auto's choice (auto has no sharded form)
         strategy, self.strategy_choice = self.strategy.resolve(self, train)
         self.strategy = self.stepper.strategy = strategy
-        strategy.shard_as(self.sharding)  # before the plan: a sharded model's replica groups read as one worker
         if self._slowdown > 1:  # before the strategy wraps the model: timed without any communication
             self.step_delay = measure_delay(self._slowdown, self.timing_step, self.model, self.optimizer, ctx,
                                             self.batch_size, train)
