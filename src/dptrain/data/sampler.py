@@ -190,13 +190,10 @@ class CheckedItems(Dataset):
 
 
 def as_dataset(data: TrainData, role: str = "training") -> Dataset:
-    """A (x, y) pair of arrays, tensors or DSTensors, or any map-style Dataset of (x, y) items."""
+    """A (x, y) pair of arrays, tensors or DSTensors, or any map-style Dataset of (x, y) items; a stream as it is
+    (iterable data is made one first: dptrain.data.stream_splits.as_stream)."""
     if isinstance(data, (ArrayPairs, CheckedItems)) or getattr(data, "is_stream", False):
         return data
-    from dptrain.data.stream_splits import as_stream
-    stream = as_stream(data)
-    if stream is not None:  # iterable data given to fit: a stream, read in shards (dptrain.data.streams)
-        return stream
     if isinstance(data, Dataset):
         return CheckedItems(data, role)
     if isinstance(data, (tuple, list)) and len(data) == 2:

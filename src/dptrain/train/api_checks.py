@@ -45,15 +45,22 @@ def check_trainer_arguments(model: Any, optimizer: Any, loss: Any, strategy: Any
         raise UserValueError(f"amp must be one of {', '.join(sorted(AMP_DTYPES))}, not {amp!r}")
 
 
-def fit_data(train: Any, test: Any, strategy: Any, min_workers: Any) -> tuple:
+def fit_data(train: Any, test: Any, strategy: Any, membership: Any) -> tuple:
     """Trainer.fit's train and test as Datasets (dptrain.data.sampler.as_dataset). Shards read as a stream are
     refused in one line where they cannot go yet, as `dptrain train` refuses them: --strategy auto, live
-    membership (dptrain.data.streams.refuse_stream_run)."""
+    membership (`membership`: the Trainer's MembershipOptions; dptrain.data.streams.refuse_stream_run)."""
     from dptrain.data.sampler import as_dataset
-    train, test = as_dataset(train), (as_dataset(test, "test") if test is not None else None)
+    from dptrain.data.stream_splits import as_stream
+
+    # iterable data (a torch IterableDataset, a WebDataset pipeline, a Hugging Face IterableDataset): a stream
+    def made(data: Any, role: str) -> Any:
+        stream = as_stream(data)
+        return stream if stream is not None else as_dataset(data, role)
+
+    train, test = made(train, "training"), (made(test, "test") if test is not None else None)
     if getattr(train, "is_stream", False):
         from dptrain.data.streams import refuse_stream_run
-        refuse_stream_run(getattr(strategy, "name", "allreduce"), False, False, min_workers)
+        refuse_stream_run(getattr(strategy, "name", "allreduce"), False, False, membership.min_workers)
     return train, test
 
 

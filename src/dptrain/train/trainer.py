@@ -144,7 +144,7 @@ class Trainer:
         items); evaluate on `test` after each epoch; return the Summary (also written to OUT/summary.json).
 
         Ctrl-C raises Interrupted, saying after which epoch and what the same command would do again."""
-        train, test = fit_data(train, test, self.strategy, self.membership.min_workers)
+        train, test = fit_data(train, test, self.strategy, self.membership)
         if self.classify and self.data_record is None:  # (`dptrain train` checked its data itself)
             check_known_labels(train, test, print if os.environ.get("RANK", "0") == "0" else lambda line: None)
         try:

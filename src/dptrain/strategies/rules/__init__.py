@@ -40,6 +40,8 @@ class StrategyRules:
     # None when it can (every worker holds the model alike, or a copy of it serves a new worker, and the
     # rest of an epoch is re-planned over the new world: dptrain.train.checkpointer).
     no_other_world: ClassVar[Optional[str]] = "each worker's state belongs to its place in the world"
+    # Whether it reads partitions of its own of map-style data (fedavg's), which shards read as a stream are not.
+    own_partitions: ClassVar[bool] = False
 
     @classmethod
     def option_names(cls) -> tuple[str, ...]:

@@ -12,6 +12,8 @@ from dptrain.strategies.rules.outer import OuterOptions
 
 
 class FedAvgRules(StrategyRules):
+    own_partitions = True  # each client's partition of the data (--partition iid, contiguous, dirichlet)
+
     # A lost client's share of the round is dropped (min_workers); the others are partitioned again over the live world.
     class Options(OuterOptions, CompressionOption, MinWorkersOption):
         partition: Literal["iid", "contiguous", "dirichlet"] = Field("iid", description="fedavg: how samples are split "
