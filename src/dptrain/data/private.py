@@ -74,10 +74,6 @@ def private_splits(splits: DataSplits) -> DataSplits:
     return replace(splits, train=PrivateItems(splits.train, "training"), test=test)
 
 
-def is_private(dataset: Any) -> bool:
-    return getattr(dataset, "private", False) is True
-
-
 def agree(group, data: DataSplits) -> DataSplits:
     """The ranks' private data as one model sees it: the same task and sample shape on every rank (else one line
     naming the rank that differs), the most classes any client has."""

@@ -20,61 +20,79 @@ gathered on rank 0 (`full_state`).
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
-from torch.distributed.tensor import DTensor
 
 from dptrain.errors import UserError
 from dptrain.runtime.group import Group
 
+# FSDP2 is imported where a model is sharded, not with this module: every strategy imports it (`local`, `full_state`),
+# and an unsharded run neither needs FSDP2's modules nor pays for importing them (nor for their private
+# collectives module, `_seam_collectives`, on another torch release).
 CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's part of `tensor`: its local shard when it is a DTensor, else the tensor itself (sharing
     storage: writing into it writes into the parameter)."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    to_local = getattr(tensor, "to_local", None)  # a DTensor's; a plain tensor has none
+    return to_local() if to_local is not None else tensor
+
+
+def _fsdp_modules(model: nn.Module) -> list[nn.Module]:
+    """The modules of `model` that fully_shard made FSDP modules (none with a torch without FSDP2)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return []
+    return [module for module in model.modules() if isinstance(module, FSDPModule)]
 
 
 def is_sharded(model: nn.Module) -> bool:
-    return any(isinstance(module, FSDPModule) for module in model.modules())
+    return bool(_fsdp_modules(model))
 
 
-class SeamAllGather(DefaultAllGather):
-    """FSDP's all-gather of a unit's shards, through the Group (which counts this rank's shard)."""
+@functools.cache
+def _seam_collectives() -> tuple[type, type]:
+    """FSDP2's custom all-gather and reduce-scatter, made at the seam: (SeamAllGather, SeamReduceScatter)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
 
-    def __init__(self, group: Group, count: Callable[[int], None]) -> None:
-        self.group, self.count = group, count
+    class SeamAllGather(DefaultAllGather):
+        """FSDP's all-gather of a unit's shards, through the Group (which counts this rank's shard)."""
 
-    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any,
-                 async_op: bool = False) -> Any:
-        work, sent = self.group.all_gather_into(output_tensor, input_tensor, async_op=async_op)
-        self.count(sent)
-        return work
+        def __init__(self, group: Group, count: Callable[[int], None]) -> None:
+            self.group, self.count = group, count
+
+        def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any,
+                     async_op: bool = False) -> Any:
+            work, sent = self.group.all_gather_into(output_tensor, input_tensor, async_op=async_op)
+            self.count(sent)
+            return work
+
+    class SeamReduceScatter(DefaultReduceScatter):
+        """FSDP's reduce-scatter of a unit's gradients, through the Group (which counts the unsharded gradients)."""
+
+        def __init__(self, group: Group, count: Callable[[int], None]) -> None:
+            self.group, self.count = group, count
+
+        def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any,
+                     async_op: bool = False) -> Any:
+            work, sent = self.group.reduce_scatter_into(output_tensor, input_tensor, op, async_op=async_op)
+            self.count(sent)
+            return work
+
+    return SeamAllGather, SeamReduceScatter
 
 
-class SeamReduceScatter(DefaultReduceScatter):
-    """FSDP's reduce-scatter of a unit's gradients, through the Group (which counts the unsharded gradients)."""
-
-    def __init__(self, group: Group, count: Callable[[int], None]) -> None:
-        self.group, self.count = group, count
-
-    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any,
-                 async_op: bool = False) -> Any:
-        work, sent = self.group.reduce_scatter_into(output_tensor, input_tensor, op, async_op=async_op)
-        self.count(sent)
-        return work
-
-
-def mesh_of(group: Group) -> DeviceMesh:
+def mesh_of(group: Group) -> "DeviceMesh":  # noqa: F821 - torch.distributed.device_mesh's, imported here
     """A 1-D DeviceMesh over `group`'s own process group (the default group's when it is the job's), on the rank's
     device (where the model is: a GPU under NCCL, or gloo with CUDA tensors)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
     handle = group.handle if group.handle is not None else dist.group.WORLD
     return DeviceMesh.from_group(handle, group.device.type)
 
@@ -126,6 +144,8 @@ def shard_model(model: nn.Module, optimizer: torch.optim.Optimizer, inside: Grou
     already (FSDP keeps each rank's own part of its own copy). `settings`: fully_shard's other keywords
     (`fsdp_settings`); `recompute`: each unit's activations recomputed in the backward (activation
     checkpointing, torch's composable `checkpoint`)."""
+    from torch.distributed.fsdp import fully_shard
+
     if any(optimizer.state.values()):
         raise RuntimeError("the optimizer must be sharded before its first step")
     names = {id(parameter): name for name, parameter in model.named_parameters()}
@@ -142,9 +162,8 @@ def shard_model(model: nn.Module, optimizer: torch.optim.Optimizer, inside: Grou
     for param_group in optimizer.param_groups:
         param_group["params"] = [sharded[names[id(parameter)]] for parameter in param_group["params"]]
     ranks = inside.world_size * (across.world_size if across is not None else 1)
-    for module in model.modules():
-        if not isinstance(module, FSDPModule):
-            continue
+    SeamAllGather, SeamReduceScatter = _seam_collectives()
+    for module in _fsdp_modules(model):
         module.set_custom_all_gather(SeamAllGather(inside, count))
         module.set_custom_reduce_scatter(SeamReduceScatter(inside, count))
         module.set_force_sum_reduction_for_comms(True)
@@ -158,7 +177,7 @@ def shard_model(model: nn.Module, optimizer: torch.optim.Optimizer, inside: Grou
 def gathered(model: nn.Module) -> Iterator[None]:
     """Within it, a sharded `model` is whole on every rank (all-gathered once, kept through its forwards), so
     that ranks may run different numbers of forwards (an evaluation's slices); a plain model is left as it is."""
-    sharded = [module for module in model.modules() if isinstance(module, FSDPModule)]
+    sharded = _fsdp_modules(model)
     for module in sharded:
         module.set_reshard_after_forward(False, recurse=False)
         module.unshard()
@@ -242,6 +261,8 @@ class LocalOptimizerShards:
     def _placed(value: Any, parameter: torch.Tensor) -> Any:
         """A saved shard as the DTensor it was, where it is a shard of `parameter` (a momentum, Adam's moments);
         a number or a step count as it is."""
+        from torch.distributed.tensor import DTensor
+
         if not isinstance(parameter, DTensor) or not isinstance(value, torch.Tensor) \
                 or tuple(value.shape) != tuple(parameter.to_local().shape) or value.dim() == 0:
             return value
