@@ -103,10 +103,10 @@ def test_a_checkpoint_within_an_epoch_resumes_on_another_number_of_workers_readi
 
 
 @pytest.mark.parametrize("strategy, why", [
-    (["async"], "each worker's model and its versions at the merge service belong to its rank"),
     (["fedavg", "--partition", "dirichlet"],
      "its dirichlet partitions give each client data of its own, which iid ones do not"),
-], ids=["async", "fedavg-dirichlet"])
+    (["hierarchical", "--ranks-per-node", "1"], "its groups of ranks are made per node"),
+], ids=["fedavg-dirichlet", "hierarchical"])
 def test_a_strategy_that_cannot_resume_on_another_number_of_workers_says_so_in_one_line(tmp_path, strategy, why):
     argv = [*BASE, "--strategy", *strategy, "--epochs", "3"]
     env = {"DPTRAIN_FAULT": "save-begin@0:2", "DPTRAIN_FAULT_ONCE": str(tmp_path / "fired")}
@@ -117,8 +117,8 @@ def test_a_strategy_that_cannot_resume_on_another_number_of_workers_says_so_in_o
     name = strategy[0]
     assert refused.stderr.strip().splitlines() == [
         f"dptrain: error: run directory 'R' holds a run of {name} on 2 workers, 3 now: {name} cannot resume on "
-        f"another number of workers ({why}); give --workers 2 to continue it (allreduce, sync, streaming and fedavg "
-        "with iid partitions resume on any number), or --out a new directory"]
+        f"another number of workers ({why}); give --workers 2 to continue it (allreduce, sync, streaming, async and "
+        "fedavg with iid partitions resume on any number), or --out a new directory"]
     assert snapshot(tmp_path / "R") == before
 
 
@@ -133,10 +133,41 @@ def test_fedavg_resumes_a_checkpoint_within_an_epoch_only_on_the_workers_that_wr
     assert refused.stderr.strip().splitlines() == [
         "dptrain: error: the checkpoint of step 6 of epoch 2 in 'R' was written by 2: job ranks 0, 1, and fedavg "
         "cannot resume on another number of workers (3 now): a checkpoint within an epoch holds each client's place "
-        "in its own partition, one at an epoch end does not; give --workers 2 to continue it (allreduce, sync, streaming "
-        "and fedavg with iid partitions resume on any number)"]
+        "in its own partition, one at an epoch end does not; give --workers 2 to continue it (allreduce, sync, "
+        "streaming, async and fedavg with iid partitions resume on any number)"]
     assert snapshot(tmp_path / "R") == before
     again = dptrain(*argv, "--workers", "2", cwd=tmp_path)
     assert again.returncode == 0, again.stderr
     assert "dptrain: resuming at step 6 of epoch 2 from R" in again.stdout + again.stderr
     assert [record["epoch"] for record in records(tmp_path / "R")] == [1, 2, 3]
+
+
+def test_async_resumes_on_more_workers_and_without_the_file_of_a_worker_lost_before_it_saved(tmp_path):
+    # Rank 1 is killed as it begins epoch 2's checkpoint, the others go on (--min-workers 2) and are killed once
+    # their epoch-2 files are written: that checkpoint is complete without rank 1's file (async's workers save
+    # alone; rank 0's holds the global model), whether the service had left rank 1 out when rank 0 wrote the
+    # manifest or not. The same command again continues it on 3 workers, the third a copy of rank 0.
+    argv = [*BASE, "--strategy", "async", "--workers", "3", "--min-workers", "2", "--epochs", "4"]
+    env = {"DPTRAIN_FAULT": "save-begin@1:2;save-end@0,2:2", "DPTRAIN_FAULT_ONCE": str(tmp_path / "fired")}
+    assert dptrain(*argv, cwd=tmp_path, env=env).returncode != 0
+    run = tmp_path / "R"
+    assert sorted(path.name for path in (run / "checkpoints" / "epoch-000002").glob("*.pt")) == [
+        "rank-00000.pt", "rank-00002.pt"]
+    named = manifest(run, "epoch-000002")["members"]
+    again = dptrain(*argv, cwd=tmp_path)
+    assert again.returncode == 0, again.stderr
+    said = again.stdout + again.stderr
+    assert ("dptrain: resuming after epoch 2 from R on 3 workers (written by 2: job ranks 0, 2); the epochs from 3 "
+            "on planned over 3 workers") in said
+    assert "starting the run over" not in said and "not finished" not in said
+    if named == [0, 1, 2]:  # written before the service heard of the loss
+        assert ("the checkpoint of epoch 2 has no file of job rank 1 (lost before saving; its workers save alone): "
+                "it is continued without it") in said
+    history = records(run)
+    assert [record["epoch"] for record in history] == [1, 2, 3, 4]
+    assert [len(record["workers"]) for record in history[2:]] == [3, 3]
+    for record in history[2:]:  # the epochs after the resume: every row read once, over 3 workers again
+        assert sum(worker["samples"] for worker in record["workers"]) == TRAIN_ROWS
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["workers"] == 3 and len(summary["merges"]) == 3
+    assert (run / "model.pt").is_file() and summary["test_accuracy"] > 0.5

@@ -453,6 +453,10 @@ class Async(AsyncRules, Strategy):
         if self.global_model is not None:
             self.base_version = min(self.base_version, self.global_model.version)
 
+    def continue_as_copy(self) -> None:
+        super().continue_as_copy()
+        self.merges = self.refreshes = 0  # its merges are counted from here on (the copied ones are its source's)
+
     def summary(self) -> dict:
         return dict(self._final or {})
 

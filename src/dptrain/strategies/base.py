@@ -267,6 +267,11 @@ class Strategy(StrategyRules):
         """Restore state_dict() output; called after setup()."""
         self.comm_bytes = state["comm_bytes"]
 
+    def continue_as_copy(self) -> None:
+        """After load_state_dict, on a worker new to the run that continues from a copy of another's state
+        (a resume on more workers): what that one counted (its bytes) stays that one's."""
+        self.comm_bytes = 0
+
     def refuses_other_world(self, within_epoch: bool) -> Optional[str]:
         """`other_world_refused` for this strategy as it was built (its settings as `describe` says them)."""
         return self.other_world_refused(SimpleNamespace(**self.describe()), within_epoch)

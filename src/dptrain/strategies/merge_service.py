@@ -136,7 +136,8 @@ class GlobalModel:
         with self.lock:
             self.state.copy_(saved["state"])
             self.version = saved["version"]
-            self.merges = list(saved["merges"])
+            # each worker's merge count; a resume on another number of workers keeps those of the places both have
+            self.merges = (list(saved["merges"]) + [0] * self.workers)[:self.workers]
             self.max_staleness_seen = saved["max_staleness_seen"]
             if self.momentum is not None:
                 if "momentum" not in saved:

@@ -83,13 +83,18 @@ def save(run_dir: Path, epoch: At, rank: int, state: dict[str, Any]) -> Path:
 
 
 def write_manifest(run_dir: Path, epoch: At, members, strategy: str, run_id: Optional[str],
-                   data: Optional[dict]) -> None:
+                   data: Optional[dict], alone: bool = False) -> None:
     """The manifest of the checkpoint of `epoch`: its members (ranks of the job, in the order of their ranks in
-    the group that wrote it), so that it is complete once each of them wrote its file, whatever the world."""
+    the group that wrote it), so that it is complete once each of them wrote its file, whatever the world.
+
+    `alone`: its workers save alone, each at its own epoch end (async), and the first member (rank 0, the merge
+    service's host) holds the global model: the checkpoint is complete with the first member's file, and a
+    member whose file is missing was lost before it saved (`manifest` leaves it out; `lost_before_saving`)."""
     directory = _epoch_dir(run_dir, epoch)
     make_dirs(directory)
     write_json(directory / MANIFEST, {"members": [int(member) for member in members], "world_size": len(members),
-                                      "strategy": strategy, "run_id": run_id, "data": data})
+                                      "strategy": strategy, "run_id": run_id, "data": data,
+                                      **({"alone": True} if alone else {})})
 
 
 def manifest(run_dir: Path, epoch: At, world_size: int) -> dict:
@@ -104,6 +109,14 @@ def manifest(run_dir: Path, epoch: At, world_size: int) -> dict:
         if path.exists():  # being written, or cut short: nobody is known to have written this checkpoint
             return {"members": None, "world_size": None}
         return {"members": list(range(world_size)), "world_size": world_size, "legacy": True}
+    if found.get("alone") and found["members"]:  # (write_manifest) the members that saved, the first one always
+        first, *others = found["members"]
+        directory = path.parent
+        lost = [rank for rank in others if not _complete_pair(_rank_file(directory, rank))]
+        if lost and _complete_pair(_rank_file(directory, first)):
+            found = {**found, "members": [first, *(rank for rank in others if rank not in lost)],
+                     "lost_before_saving": lost}
+            found["world_size"] = len(found["members"])
     return found
 
 
@@ -163,21 +176,23 @@ def _verified_bytes(path: Path) -> Optional[bytes]:
 
 def latest_complete(run_dir: Path, world_size: int) -> tuple[Optional[At], list[str]]:
     """(newest checkpoint whose manifest is there and whose members' files all verify, or None; a note for
-    each newer one skipped). `world_size`: the members of a checkpoint written before manifests.
+    each newer one skipped, and for members an async checkpoint lost before they saved). `world_size`: the
+    members of a checkpoint written before manifests.
 
     A checkpoint with member files missing was being written when the run stopped (Ctrl-C, a kill):
     expected, and said calmly. One whose files are there but fail their checksum is corrupt."""
     skipped: list[tuple[At, list[int], list[int]]] = []  # (epoch, missing ranks, corrupt ranks)
-    found = None
+    found, lost = None, []
     for epoch in reversed(_epochs(Path(run_dir))):
         directory = _epoch_dir(run_dir, epoch)
-        members = manifest(run_dir, epoch, world_size)["members"]
+        saved = manifest(run_dir, epoch, world_size)
+        members = saved["members"]
         if members is None:
             skipped.append((epoch, [], []))
             continue
         bad = [rank for rank in members if _verified_bytes(_rank_file(directory, rank)) is None]
         if not bad:
-            found = epoch
+            found, lost = epoch, saved.get("lost_before_saving", [])
             break
         missing = [rank for rank in bad if not _complete_pair(_rank_file(directory, rank))]
         skipped.append((epoch, missing, [rank for rank in bad if rank not in missing]))
@@ -189,6 +204,11 @@ def latest_complete(run_dir: Path, world_size: int) -> tuple[Optional[At], list[
                          f"checksum); {then}")
         else:
             notes.append(f"the checkpoint of {describe(epoch)} was not finished; {then}")
+    if lost:
+        ranks = ", ".join(map(str, lost))
+        notes.append(f"the checkpoint of {describe(found)} has no file of job rank{'s' if len(lost) > 1 else ''} "
+                     f"{ranks} (lost before saving; its workers save alone): it is continued without "
+                     f"{'them' if len(lost) > 1 else 'it'}")
     return found, notes
 
 

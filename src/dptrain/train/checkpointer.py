@@ -74,11 +74,13 @@ class Checkpointer:
         self._fingerprint: Optional[Callable[[], dict]] = None
         self._data: Optional[dict] = None
         self._other_world_refused: Callable[[bool], Optional[str]] = lambda within: None
+        self._alone = False
 
     def identify(self, strategy, data: Callable[[], dict]) -> None:
         """The strategy the run trains with (its name, why it cannot resume on another number of workers, whether
         it can stop early) and the training data's fingerprint, for each checkpoint's manifest."""
         self.strategy, self._fingerprint, self._other_world_refused = strategy.name, data, strategy.refuses_other_world
+        self._alone = not strategy.meets_at_epoch_ends  # async: each worker saves at its own epoch end
         self.best.check_strategy(strategy)
 
     def _data_fingerprint(self) -> Optional[dict]:
@@ -117,7 +119,7 @@ class Checkpointer:
         faults.point("save-begin")
         if self.ctx.is_main:  # before its own file: a checkpoint with rank 0's file has its manifest
             checkpoint_files.write_manifest(self.out, at, members, self.strategy, run_id(self.out),
-                                            self._data_fingerprint())
+                                            self._data_fingerprint(), alone=self._alone)
         checkpoint_files.save(self.out, at, job_rank, state)
         faults.point("save-end")
         # Other files written later are not part of a save; within an epoch, its points (train-middle, regroup)

@@ -368,7 +368,7 @@ class Trainer:
             return 0.0
         self.recorder.replace_history(saved["history"])  # metrics after the checkpoint belong to the lost attempt
         if saved["copy"]:  # a worker new to the run: the bytes of the one whose state it copies stay that one's
-            self.strategy.comm_bytes = 0
+            self.strategy.continue_as_copy()
         members, position = saved["members"], saved.get("position")
         if members != list(ctx.group.members):
             self.recorder.resume_without(min(len(members), ctx.world_size))

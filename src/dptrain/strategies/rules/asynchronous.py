@@ -20,7 +20,10 @@ class AsyncRules(StrategyRules):
         max_staleness: Optional[int] = Field(None, ge=0, description="async: refresh from the global model when more "
                                                                      "than S versions behind")
 
-    no_other_world = "each worker's model and its versions at the merge service belong to its rank"
+    # At an epoch end (async has no checkpoints within one): rank 0 continues the global model of the lowest
+    # writer (the service's host: a takeover makes the lowest live rank rank 0), each worker the model, optimizer
+    # and base of the writer at its place, a worker beyond their number a copy of one (its merge counts from 0).
+    no_other_world = None
 
     no_step_checkpoints = ("its workers never stand at the same step (no barrier) and merges are in flight "
                            "between them, so files written within an epoch are no one state of the run")
