@@ -86,3 +86,18 @@ def test_a_factory_of_private_iterable_data_is_refused_in_one_line(tmp_path):
         "    return Stream()\n")
     with pytest.raises(UserError, match="a factory of each client's own data returns map-style Datasets"):
         load_user_data(f"{tmp_path / 'own_stream.py'}:own", seed=0, log=lambda line: None, workers=2)
+
+
+@pytest.mark.parametrize("flag", [["--partition", "dirichlet"], ["--alpha", "0.1"]], ids=["partition", "alpha"])
+def test_a_partition_given_with_each_clients_own_data_is_refused_in_one_line(tmp_path, flag):
+    # --partition and --alpha split one shared data set; each client's own data is split already (not ignored)
+    write_clients(tmp_path)
+    before = sorted(tmp_path.iterdir())
+    result = run_dptrain([*ARGS, "--workers", 2, "--strategy", "fedavg", "--epochs", 1, *flag], cwd=tmp_path,
+                         env={**os.environ})
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        f"dptrain: error: --{flag[0][2:]} {flag[1]} splits one dataset every rank reads into the clients' parts, and "
+        f"--data {HERE / 'private_clients.py'}:own_data gives each client its own data (its factory takes rank): "
+        f"drop --{flag[0][2:]}"]
+    assert sorted(tmp_path.iterdir()) == before  # no run directory made

@@ -74,6 +74,17 @@ def private_splits(splits: DataSplits) -> DataSplits:
     return replace(splits, train=PrivateItems(splits.train, "training"), test=test)
 
 
+def refuse_partitions(config: Any, name: str) -> None:
+    """--partition or --alpha given with each client's own data: they split one shared dataset into the clients'
+    parts, which private data is already (one line, rather than ignoring them)."""
+    given = getattr(config, "model_fields_set", set())
+    for flag in ("partition", "alpha"):
+        if flag in given:
+            value = getattr(config, flag)
+            raise UserError(f"--{flag} {value} splits one dataset every rank reads into the clients' parts, and "
+                            f"--data {name} gives each client its own data (its factory takes rank): drop --{flag}")
+
+
 def agree(group, data: DataSplits) -> DataSplits:
     """The ranks' private data as one model sees it: the same task and sample shape on every rank (else one line
     naming the rank that differs), the most classes any client has."""

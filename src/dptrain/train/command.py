@@ -25,7 +25,7 @@ from dptrain.config import BUILTIN_LOSSES, TrainConfig, build_config, recorded, 
 from dptrain.data import sharding
 from dptrain.data.fingerprint import fingerprint
 from dptrain.data.kinds import DataSplits, load_data
-from dptrain.data.private import set_rank
+from dptrain.data.private import refuse_partitions, set_rank
 from dptrain.data.sampler import as_dataset, loader
 from dptrain.user_code import check_spec_file, load_callable
 from dptrain.errors import Interrupted, Preempted, UserError
@@ -138,6 +138,7 @@ def _validate(config: TrainConfig) -> tuple[torch.nn.Module, DataSplits]:
     check_loss(build_loss(config, data), config.loss, model, data)
     samples = len(data.train_set())
     if getattr(data.train_set(), "private", False):  # client 0's own data: no shard of a shared set to check
+        refuse_partitions(config, config.data)
         registry.load("strategy", config.strategy).check_before_spawn(config, model)
         return model, data
     sharding.check_workers(samples, config.workers)
