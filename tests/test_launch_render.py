@@ -478,6 +478,31 @@ def test_container_recipe_pins_the_torch_installed_here_and_shows_where_a_user_s
     assert definition.index("    # Your own packages") < definition.index("%environment")
 
 
+def test_container_recipe_installs_torch_from_the_index_given(tmp_path):
+    # PyTorch's CUDA builds come from its own index (a site may have a mirror): both recipes install from it
+    url = "https://download.pytorch.org/whl/cu124"
+    result = dptrain("container", "recipe", "--out", "image", "--torch", "torch==2.5.1", "--torch-index-url", url,
+                     cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    dockerfile = (tmp_path / "image" / "Dockerfile").read_text()
+    definition = (tmp_path / "image" / "dptrain.def").read_text()
+    assert f'RUN python -m pip install "torch==2.5.1" --index-url "{url}" && python -m pip install /opt/dptrain' in dockerfile
+    assert f'    python -m pip install "torch==2.5.1" --index-url "{url}"\n    python -m pip install /opt/dptrain\n' in definition
+    # without it, PyPI (no --index-url at all)
+    assert dptrain("container", "recipe", "--out", "plain", cwd=tmp_path).returncode == 0
+    assert "--index-url" not in (tmp_path / "plain" / "Dockerfile").read_text()
+
+
+@pytest.mark.parametrize("url", ["download.pytorch.org/whl/cu124", "https://x/y z", 'https://x/"; rm -rf ~ "'])
+def test_a_torch_index_that_is_not_a_url_is_refused_in_one_line(tmp_path, url):
+    result = dptrain("container", "recipe", "--out", "image", "--torch-index-url", url, cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"dptrain: error: --torch-index-url {url!r} is not a pip index URL; give one such as "
+        "https://download.pytorch.org/whl/cu124 (http, https or file; no spaces, quotes, $ or `)"]
+    assert not (tmp_path / "image").exists()
+
+
 def test_the_torch_pin_drops_the_local_suffix_and_is_plain_torch_without_one_installed(monkeypatch):
     import importlib.metadata
     from dptrain.launch.container_commands import installed_torch

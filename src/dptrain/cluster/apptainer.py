@@ -12,7 +12,7 @@ import subprocess
 from typing import Mapping, Sequence
 
 from dptrain.cluster.spec import JobSpec, bind_paths, quote, train_command
-from dptrain.cluster.udocker import SOURCE_FILES
+from dptrain.cluster.udocker import SOURCE_FILES, torch_install
 
 DEFAULT_BASE = "python:3.11-slim"
 IMAGE = "IMAGE.sif"  # what follows "apptainer:" in --container
@@ -37,9 +37,11 @@ def wrap(spec: JobSpec) -> str:
 
 
 def definition(base: str = DEFAULT_BASE, torch: str = "torch", *, wheel: str | None = None,
-               build: str = "apptainer build dptrain.sif dptrain.def") -> str:
+               build: str = "apptainer build dptrain.sif dptrain.def", torch_index_url: str | None = None) -> str:
     """An Apptainer definition installing dptrain from the source tree or, with `wheel`, from that
-    wheel. %files paths are relative to where `build` (shown in the header) runs."""
+    wheel (torch from `torch_index_url` when given). %files paths are relative to where `build`
+    (shown in the header) runs."""
+    pip_torch = torch_install(torch, torch_index_url)
     if wheel:
         where = (f"Its %files is the wheel\n# {wheel}, in the directory holding this file (no dptrain "
                  "source tree is needed).\n# In that directory:")
@@ -62,7 +64,7 @@ From: {base}
 
 %post
     export PIP_NO_CACHE_DIR=1
-    python -m pip install "{torch}"
+    python -m pip install {pip_torch}
     python -m pip install {target}
     # Your own packages (what your --data and --model files or your script import) go here, pinned, e.g.
     # python -m pip install scikit-learn==1.6.1

@@ -106,22 +106,31 @@ exec {real_proot} "$@"
 SOURCE_FILES = ("pyproject.toml", "README.md", "src")
 
 
+def torch_install(torch: str, index_url: Optional[str] = None) -> str:
+    """pip's arguments installing `torch`: from `index_url` when given (PyTorch's CUDA builds, e.g.
+    https://download.pytorch.org/whl/cu124, or a site's mirror), else from PyPI."""
+    return f'"{torch}"' + (f' --index-url "{index_url}"' if index_url else "")
+
+
 def dockerfile(base: str = DEFAULT_BASE, torch: str = "torch", *, wheel: Optional[str] = None,
-               build: str = "docker build -t dptrain .", ignore_file: str = ".dockerignore") -> str:
+               build: str = "docker build -t dptrain .", ignore_file: str = ".dockerignore",
+               torch_index_url: Optional[str] = None) -> str:
     """A Dockerfile installing dptrain from the source tree (the build context) or, with `wheel`
     (a file name in the build context), from that wheel. `build` is the command its header shows,
-    run in the build context; `ignore_file` names the ignore file written beside it."""
+    run in the build context; `ignore_file` names the ignore file written beside it; torch comes from
+    `torch_index_url` when given (`torch_install`)."""
+    pip_torch = torch_install(torch, torch_index_url)
     if wheel:
         context = (f"# The build context is the directory holding this file and {wheel}, all it copies\n"
                    "# (no dptrain source tree is needed). In that directory, on a machine with Docker:")
-        install = f"COPY {wheel} /opt/dptrain/\nRUN python -m pip install \"{torch}\" && python -m pip install /opt/dptrain/{wheel}"
+        install = f"COPY {wheel} /opt/dptrain/\nRUN python -m pip install {pip_torch} && python -m pip install /opt/dptrain/{wheel}"
         ignored = f"# {ignore_file}, beside this file, keeps anything else put in this directory out of the build context."
     else:
         context = ("# The build context is the dptrain source tree: only pyproject.toml, README.md and src/ are\n"
                    "# copied from it (with dptrain installed but no source tree, rerun the recipe with --wheel).\n"
                    "# In the source tree, on a machine with Docker:")
         install = ("COPY pyproject.toml README.md /opt/dptrain/\nCOPY src /opt/dptrain/src\n"
-                   f"RUN python -m pip install \"{torch}\" && python -m pip install /opt/dptrain")
+                   f"RUN python -m pip install {pip_torch} && python -m pip install /opt/dptrain")
         ignored = f"# {ignore_file}, beside this file, keeps .venv, runs/, .git and caches out of the build context"
         ignored += (".\n# BuildKit (Docker's builder since 23.0) reads it there; an older builder reads only a\n"
                     "# .dockerignore at the root of the source tree." if ignore_file != ".dockerignore" else ".")

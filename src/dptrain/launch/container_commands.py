@@ -43,6 +43,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     recipe.add_argument("--torch", default=installed_torch(),
                         help="PyTorch requirement to install (default: the version installed here without its local "
                              f"suffix such as +cpu, {installed_torch()}; 'torch', the newest, where none is)")
+    recipe.add_argument("--torch-index-url", default=None, metavar="URL",
+                        help="pip index to install torch from, e.g. https://download.pytorch.org/whl/cu124 for "
+                             "PyTorch's CUDA 12.4 builds, or a site's mirror (default: PyPI)")
     recipe.add_argument("--wheel", default=None, metavar="PATH",
                         help="install dptrain from this wheel (copied into --out, the build context) instead of a "
                              "source tree")
@@ -74,7 +77,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"dptrain: container {args.name} is ready; use {shlex.join(['dptrain', 'launch', '--container', f'udocker:{args.name}'])} ...")
         return 0
     if args.container_action == "recipe":
-        return recipe(Path(args.out), base=args.base, torch=args.torch,
+        return recipe(Path(args.out), base=args.base, torch=args.torch, torch_index_url=args.torch_index_url,
                       wheel=Path(args.wheel) if args.wheel else None, force=args.force)
     if args.container_action == "check":
         command = [*shlex.split(args.dptrain), "--version"]
@@ -108,12 +111,21 @@ def _shown(path: Path, base: Path) -> str:
     return str(path) if relative == ".." or relative.startswith(".." + os.sep) else relative
 
 
-def recipe(out: Path, *, base: str, torch: str, wheel: Optional[Path], force: bool) -> int:
+def check_index_url(url: Optional[str]) -> None:
+    """--torch-index-url must be a URL pip takes as an index, and one the recipe can quote as it is."""
+    if url is not None and not re.fullmatch(r"(https?|file)://[^\s\"'\\$`]+", url):
+        raise UserError(f"--torch-index-url {url!r} is not a pip index URL; give one such as "
+                        "https://download.pytorch.org/whl/cu124 (http, https or file; no spaces, quotes, $ or `)")
+
+
+def recipe(out: Path, *, base: str, torch: str, wheel: Optional[Path], force: bool,
+           torch_index_url: Optional[str] = None) -> int:
     """`dptrain container recipe`: write OUT/Dockerfile, its ignore file and OUT/dptrain.def; refuse
     to overwrite any file already there unless `force`. The build context is the dptrain source tree,
     or OUT itself with `wheel` (copied into OUT). The Dockerfile's ignore file is OUT/.dockerignore
     when OUT is the build context, else OUT/Dockerfile.dockerignore, the name BuildKit (Docker's
     builder since 23.0) looks for beside a Dockerfile that lies outside the context's root."""
+    check_index_url(torch_index_url)
     cwd = Path.cwd().resolve()
     out_dir = (cwd / out).resolve()
     wheel_name = None
@@ -132,9 +144,11 @@ def recipe(out: Path, *, base: str, torch: str, wheel: Optional[Path], force: bo
     docker_build = f"docker build -t dptrain -f {shlex.quote(_shown(out_dir / 'Dockerfile', context))} ."
     apptainer_build = f"apptainer build dptrain.sif {shlex.quote(_shown(out_dir / 'dptrain.def', context))}"
     files = {
-        "Dockerfile": udocker.dockerfile(base, torch, wheel=wheel_name, build=docker_build, ignore_file=ignore_name),
+        "Dockerfile": udocker.dockerfile(base, torch, wheel=wheel_name, build=docker_build, ignore_file=ignore_name,
+                                         torch_index_url=torch_index_url),
         ignore_name: udocker.dockerignore(wheel_name),
-        "dptrain.def": apptainer.definition(base, torch, wheel=wheel_name, build=apptainer_build),
+        "dptrain.def": apptainer.definition(base, torch, wheel=wheel_name, build=apptainer_build,
+                                            torch_index_url=torch_index_url),
     }
     copy_wheel = wheel is not None and wheel.resolve() != out_dir / wheel.name
     present = [name for name in (*files, *([wheel_name] if copy_wheel else [])) if (out_dir / name).exists()]
