@@ -63,6 +63,35 @@ def test_a_checkpoint_is_complete_when_every_member_its_manifest_names_wrote_its
     assert sorted(path.name for path in (tmp_path / "checkpoints").iterdir()) == ["epoch-000002"]
 
 
+def test_a_checkpoint_whose_workers_save_alone_is_complete_without_a_lost_workers_file_never_without_rank_0s(
+        tmp_path):
+    # async's workers save at their own epoch ends and rank 0 (the first member) holds the global model
+    for epoch in (1, 2, 3):
+        checkpoint_files.write_manifest(tmp_path, epoch, (0, 1, 2), "async", "abc", None, alone=True)
+    for rank in (0, 1, 2):
+        checkpoint_files.save(tmp_path, 1, rank, {"epoch": 1})
+    checkpoint_files.save(tmp_path, 2, 0, {"epoch": 2})
+    checkpoint_files.save(tmp_path, 2, 2, {"epoch": 2})
+    checkpoint_files.save(tmp_path, 3, 1, {"epoch": 3})  # epoch 3 has no file of rank 0: not complete
+    checkpoint_files.save(tmp_path, 3, 2, {"epoch": 3})
+    assert checkpoint_files.latest_complete(tmp_path, 3) == (2, [
+        "the checkpoint of epoch 3 was not finished; continuing from epoch 2",
+        "the checkpoint of epoch 2 has no file of job rank 1 (lost before saving; its workers save alone): it is "
+        "continued without it"])
+    saved = checkpoint_files.manifest(tmp_path, 2, 3)
+    assert saved["members"] == [0, 2] and saved["world_size"] == 2 and saved["lost_before_saving"] == [1]
+    assert checkpoint_files.manifest(tmp_path, 1, 3)["members"] == [0, 1, 2]
+    # a file that is there but corrupt is never taken for a lost worker's
+    path = tmp_path / "checkpoints" / "epoch-000002" / "rank-00002.pt"
+    path.write_bytes(path.read_bytes()[:-1] + b"x")
+    assert checkpoint_files.latest_complete(tmp_path, 3)[0] == 1
+    # a checkpoint of workers that save together (no "alone") still needs every member's file
+    checkpoint_files.write_manifest(tmp_path, 4, (0, 1), "sync", "abc", None)
+    checkpoint_files.save(tmp_path, 4, 0, {"epoch": 4})
+    assert checkpoint_files.manifest(tmp_path, 4, 2)["members"] == [0, 1]
+    assert checkpoint_files.latest_complete(tmp_path, 3)[0] == 1
+
+
 def test_keep_checkpoints_leaves_exactly_that_many(tmp_path):
     result = dptrain(*BASE, "--dataset", "digits", "--epochs", "4", "--keep-checkpoints", "2", "--out", "R",
                      cwd=tmp_path)
