@@ -76,7 +76,8 @@ What each column counts, per group (a case is one row of adversarial.json):
   alive (async's records, written by rank 0 as it goes, list rank 0 alone); a folder with a .metadata and no
   rank files is not counted by rank. A checkpoint the case damaged or planted is never the newest complete one.
 - samples lost or duplicated: cases whose final metrics.jsonl does not read each training row exactly once per
-  epoch: for every epoch recorded, the workers' samples (plus membership.rows_read_by_the_lost) must equal
+  epoch: for every epoch recorded, the workers' samples (plus membership.rows_read_by_the_lost, and async's
+  rows_made_up: rows of that epoch no worker's merge brought in, trained by the workers left at the end) must equal
   summary.json's data.train_samples (without summary.json: the data set's size learned from the other cases;
   the changed-data case only with its summary); an epoch recorded twice counts its rows again, an epoch
   missing between 1 and the last one recorded (all epochs when summary.json exists) counts its rows as lost.
@@ -415,6 +416,7 @@ def sample_accounting(records: list[dict], summary: Optional[dict], train_rows: 
         seen[epoch] = seen.get(epoch, 0) + 1
         rows = sum((worker.get("samples") or 0) for worker in record.get("workers") or [])
         rows += (record.get("membership") or {}).get("rows_read_by_the_lost", 0) or 0
+        rows += record.get("rows_made_up", 0) or 0  # async: rows of this epoch trained at the end instead
         if seen[epoch] > 1:
             duplicated += rows
             wrong.append({"epoch": epoch, "recorded_again": True, "rows": rows})

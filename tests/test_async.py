@@ -376,9 +376,20 @@ def test_one_round_over_two_real_ranks_is_the_nesterov_step_on_the_average_in_ei
     assert [results[rank][3] for rank in (first, 1 - first)] == [0, 1]  # the forced order did happen
 
 
-class LosingAsync(Async):
+class Concluding(Async):
+    """Records the global model that finish concluded (`concluded`), before the workers left make up the rows
+    that no merge brought in (dptrain.train.make_up)."""
+
+    def finish(self):
+        model = super().finish()
+        self.concluded = flat_state(model)
+        return model
+
+
+class LosingAsync(Concluding):
     """Live membership: rank 2 dies before it ever merges; ranks 0 and 1 merge once the service has left it
-    out (the store holds generation 1), rank 1 after rank 0, and record what they sent."""
+    out (the store holds generation 1), rank 1 after rank 0, and record what they sent and the global model
+    that finish concluded (before the rows rank 2 took with it are made up)."""
 
     def merge_now(self):
         if self.ctx.rank == 2:
@@ -400,22 +411,44 @@ def _losing_worker(rank, world):
     trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "cross-entropy", strategy, batch_size=8,
                       seed=5, verbose=False, min_workers=2)
     summary = trainer.fit((x, y), epochs=1)
-    return start, strategy.sent, flat_state(model), summary.workers, summary.strategy_results["merges"]
+    return (start, strategy.sent, flat_state(model), summary.workers, summary.strategy_results["merges"],
+            strategy.concluded, trainer.history)
 
 
 def test_after_a_worker_is_lost_the_global_model_averages_over_the_workers_left():
-    """Rank 2 of 3 dies unmerged: each merge then adds delta / 2, so the final model is the mean of the two
-    survivors' models, not start + (d0 + d1) / 3 as if rank 2's share were a zero change."""
+    """Rank 2 of 3 dies unmerged: each merge then adds delta / 2, so the global model is the mean of the two
+    survivors' models, not start + (d0 + d1) / 3 as if rank 2's share were a zero change. Then rank 2's share of
+    the epoch, which no merge brought in, is trained by the two workers left from that global model, half each
+    in batches of 8, and averaged: the final model equals that, redone here in one process."""
+    from dptrain.data.sharding import epoch_indices
+
     results = run_distributed(_losing_worker, 3, lost=(2,))
-    (start, sent0, final0, workers, merges), (_, sent1, final1, _, _) = results[0], results[1]
+    (start, sent0, final0, workers, merges, global0, history), (_, sent1, final1, _, _, global1, _) = results[:2]
     assert results[2] is None
-    assert torch.allclose(final0, (sent0 + sent1) / 2, atol=1e-6)
-    assert not torch.allclose(final0, start + (sent0 - start + sent1 - start) / 3, atol=1e-4)
+    assert torch.allclose(global0, (sent0 + sent1) / 2, atol=1e-6) and torch.equal(global0, global1)
+    assert not torch.allclose(global0, start + (sent0 - start + sent1 - start) / 3, atol=1e-4)
     assert torch.equal(final0, final1)
     assert workers == 2 and merges == [1, 1]
 
+    x, y = _data()
+    owed = epoch_indices(len(x), 2, 3, 0, seed=5)
+    assert history[0]["rows_made_up"] == len(owed) == 32
+    assert sum(worker["samples"] for worker in history[0]["workers"]) + len(owed) == len(x)
+    trained = []
+    for half in np.array_split(owed, 2):
+        model = _model()
+        torch.nn.utils.vector_to_parameters(global0.clone(), model.parameters())  # (views of its argument)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        for batch in np.array_split(half, -(-len(half) // 8)):
+            optimizer.zero_grad()
+            nn.functional.cross_entropy(model(torch.from_numpy(x[batch])), torch.from_numpy(y[batch])).backward()
+            optimizer.step()
+        trained.append(flat_state(model))
+    assert torch.allclose(final0, (trained[0] + trained[1]) / 2, atol=1e-6)
+    assert not torch.allclose(final0, global0, atol=1e-4)
 
-class LeaderLosingAsync(Async):
+
+class LeaderLosingAsync(Concluding):
     """Live membership over a served store: in epoch 1 the three ranks merge in the order 0, 1, 2; in epoch 2
     rank 0 dies (or freezes: `action`) as it is about to merge, and ranks 1 and 2 merge only once it did. A frozen
     rank 0 is woken by rank 2 after its last merge. Records each merge's base and what it sent."""
@@ -472,8 +505,8 @@ def _leader_losing_worker(rank, world, merge, action):
         summary = trainer.fit((x, y), epochs=2)
     except Evicted as evicted:  # rank 0, frozen and woken once the others took over
         return str(evicted)
-    return (strategy.bases, strategy.sent, flat_state(model), summary.workers, summary.strategy_results["merges"],
-            strategy.after)
+    return (strategy.bases, strategy.sent, strategy.concluded, summary.workers, summary.strategy_results["merges"],
+            strategy.after, trainer.history)
 
 
 @pytest.mark.parametrize("merge,action", [("delta", "kill"), ("delayed-nesterov", "kill"), ("delta", "freeze")])
@@ -494,7 +527,7 @@ def test_when_rank_0_is_lost_the_others_take_over_from_the_newest_global_model_a
         assert results[0] == ("rank 0: the other workers went on without this one and its merge service (they "
                               "judged it gone: no heartbeat, frozen or too slow) and took the global model over; "
                               "it stops")
-    (bases1, sent1, final1, workers, merges, _), (bases2, sent2, final2, _, _, _) = results[1], results[2]
+    (bases1, sent1, final1, workers, merges, _, history), (bases2, sent2, final2, _, _, _, _) = results[1:]
     assert [version for _, version in bases1] == [0, 2] and [version for _, version in bases2] == [0, 3]
     g2, g3 = bases1[1][0], bases2[1][0]
     delta = (sent1[1] - g2) + (sent2[1] - g3)
@@ -506,6 +539,8 @@ def test_when_rank_0_is_lost_the_others_take_over_from_the_newest_global_model_a
     assert not torch.allclose(final1, g3 + delta / 3, atol=1e-4)  # not merged as if rank 0 still counted
     assert torch.equal(final1, final2)
     assert workers == 2 and merges == [2, 2]
+    # rank 0's share of epoch 2, never merged, is trained by the two left at the end (test_async's make-up test)
+    assert [record.get("rows_made_up") for record in history] == [None, 32]
 
 
 def test_when_rank_0_is_lost_after_the_others_last_merged_they_take_over_as_they_wait_for_the_end():
@@ -514,7 +549,7 @@ def test_when_rank_0_is_lost_after_the_others_last_merged_they_take_over_as_they
     version 5, which rank 2 was given, and rank 0's last epoch is not in it."""
     results = run_distributed(_leader_losing_worker, 3, "delta", "kill-last", lost=(0,), served=True)
     assert results[0] is None
-    (_, _, final1, workers, merges, after1), (_, _, final2, _, _, after2) = results[1], results[2]
+    (_, _, final1, workers, merges, after1, _), (_, _, final2, _, _, after2, _) = results[1], results[2]
     assert after1[1] == 4 and after2[1] == 5
     assert torch.equal(final1, after2[0]) and torch.equal(final2, after2[0])
     assert workers == 2 and merges == [2, 2]

@@ -147,7 +147,9 @@ def test_async_resumes_on_more_workers_and_without_the_file_of_a_worker_lost_bef
     # their epoch-2 files are written: that checkpoint is complete without rank 1's file (async's workers save
     # alone; rank 0's holds the global model), whether the service had left rank 1 out when rank 0 wrote the
     # manifest or not. The same command again continues it on 3 workers, the third a copy of rank 0.
-    argv = [*BASE, "--strategy", "async", "--workers", "3", "--min-workers", "2", "--epochs", "4"]
+    # Rank 1 is slowed (5x its compute) so that ranks 0 and 2 save epoch 2 before it is lost: without that, ranks
+    # 1 and 2 could both be gone before rank 0 (which also evaluates) had saved, and the launcher stopped it.
+    argv = [*BASE, "--strategy", "async", "--workers", "3", "--min-workers", "2", "--epochs", "4", "--slow-worker", "1:5"]
     env = {"DPTRAIN_FAULT": "save-begin@1:2;save-end@0,2:2", "DPTRAIN_FAULT_ONCE": str(tmp_path / "fired")}
     assert dptrain(*argv, cwd=tmp_path, env=env).returncode != 0
     run = tmp_path / "R"
@@ -168,6 +170,13 @@ def test_async_resumes_on_more_workers_and_without_the_file_of_a_worker_lost_bef
     assert [len(record["workers"]) for record in history[2:]] == [3, 3]
     for record in history[2:]:  # the epochs after the resume: every row read once, over 3 workers again
         assert sum(worker["samples"] for worker in record["workers"]) == TRAIN_ROWS
+    # Before it, each worker once under its own rank (a copy of rank 0's file once recorded rank 0 three times,
+    # which made the epochs look whole); what no merge brought in was made up at the end, so the rows add up.
+    for record in history:
+        ranks = [worker["rank"] for worker in record["workers"]]
+        assert len(set(ranks)) == len(ranks), (record["epoch"], ranks)
+        read = sum(worker["samples"] for worker in record["workers"])
+        assert read + record.get("rows_made_up", 0) == TRAIN_ROWS, (record["epoch"], ranks, record.get("rows_made_up"))
     summary = json.loads((run / "summary.json").read_text())
     assert summary["workers"] == 3 and len(summary["merges"]) == 3
     assert (run / "model.pt").is_file() and summary["test_accuracy"] > 0.5

@@ -280,7 +280,7 @@ class PlanBatches(Sampler):
                 yield batch.tolist()
 
 
-class _Rows(Sampler):
+class FixedBatches(Sampler):
     """Fixed batches of rows (evaluation: a rank's contiguous slice, in order)."""
 
     def __init__(self, batches: list[list[int]]) -> None:
@@ -320,4 +320,4 @@ def evaluation_loader(dataset: Dataset, rank: int, world: int, batch_size: int, 
         rank, world = 0, 1
     start, stop = rank * n // world, (rank + 1) * n // world
     batches = [list(range(first, min(first + batch_size, stop))) for first in range(start, stop, batch_size)]
-    return loader(dataset, _Rows(batches), workers, pin_memory)
+    return loader(dataset, FixedBatches(batches), workers, pin_memory)

@@ -21,7 +21,6 @@ docs/how-to/async.md, "How it works".
 from __future__ import annotations
 
 import copy
-import json
 import time
 from dataclasses import asdict, replace
 from datetime import timedelta
@@ -34,9 +33,8 @@ from dptrain.data.sampler import EpochPlan, shard_plan
 from dptrain.errors import Preempted
 from dptrain.runtime.distributed import DistContext, PeerFailure
 from dptrain.runtime.group import first_line
-from dptrain.runtime import signed
 from dptrain.runtime.membership import STALL, Evicted, Membership
-from dptrain.runtime.store_keys import ASYNC_EPOCHS
+from dptrain.strategies.async_records import Share, TrainedShares
 from dptrain.strategies.async_takeover import (RankZeroWatch, ServiceLost, can_take_over, membership_of,
                                                newest_global, regroup_without_rank_0, stop_if_taken_over,
                                                takeover_key, took_over)
@@ -99,6 +97,9 @@ class Async(AsyncRules, Strategy):
         self._heard: Optional[Membership] = None
         self._taken: Optional[Membership] = None
         self._first: tuple[int, ...] = ()  # the ranks of the job the run started with
+        self.shares = TrainedShares()  # the plans of the epochs, and which worker's share of each was merged
+        self._merges_recorded = 0  # this worker's merges when it last recorded an epoch
+        self._began = False
         self._watch = RankZeroWatch()  # this worker's looks at whether the service's host is gone
 
     @classmethod
@@ -291,6 +292,7 @@ class Async(AsyncRules, Strategy):
             return None
         before = self._taken.members if self._taken is not None else self._first
         self._taken = heard
+        self.shares.change(epoch, heard.members)
         return replace(heard, left=tuple(rank for rank in before if rank not in heard.members))
 
     def epoch_plan(self, ctx: DistContext, n_samples: int, labels, batch_size: int, seed: int, shuffle: str,
@@ -312,6 +314,9 @@ class Async(AsyncRules, Strategy):
 
     # -- hooks ---------------------------------------------------------------------------------
     def trains_in_epoch(self, epoch: int) -> bool:
+        if not self._began:  # this attempt's first epoch (a resumed run's first after its checkpoint)
+            self.shares.begin(epoch, self.ctx.group.members)
+            self._began = True
         self._epoch = epoch
         return True
 
@@ -381,12 +386,14 @@ class Async(AsyncRules, Strategy):
     # -- agreement without a barrier ------------------------------------------------------------
     def gather_stats(self, stats):
         """Only this rank's numbers live (nobody waits); workers_history gathers everyone's at the end. They are
-        named by this worker's rank of the job (a take-over renumbers the group); with live membership they are
-        also put in the store at once, so that a worker lost later keeps the epochs it finished in the records."""
+        named by this worker's rank of the job (a take-over renumbers the group), and once a merge has brought
+        the epoch's work into the global model they go to the store too, so that a worker lost later keeps the
+        epochs it merged in the records (dptrain.strategies.async_records)."""
         mine = replace(stats, rank=self.ctx.group.members[self.ctx.rank])
-        if self.live and self.ctx.world_size > 1 and self.ctx.group.store is not None:
-            # (end_epoch just set _epoch to the epoch this worker starts next: the one ended, counted from 1)
-            signed.put(self.ctx.group.store, f"{ASYNC_EPOCHS}{mine.rank}/{self._epoch}", json.dumps(asdict(mine)))
+        merged, self._merges_recorded = self.merges > self._merges_recorded, self.merges
+        store = self.ctx.group.store if self.ctx.world_size > 1 else None
+        # (end_epoch just set _epoch to the epoch this worker starts next: the one ended, counted from 1)
+        self.shares.finished(self._epoch, asdict(mine), merged, store)
         return [mine]
 
     def agree_stop(self, requested: Optional[str]) -> Optional[str]:
@@ -406,25 +413,26 @@ class Async(AsyncRules, Strategy):
             self.service.join()
             self.service.conclude(STOP)
 
+    def untrained_shares(self, epochs: int) -> list[Share]:
+        """After finish (every worker left has merged all it trained): the shares of epochs 0..`epochs`-1 that no
+        merge brought into the global model, the same on every worker left. Rank 0 puts together the records:
+        the workers' own (gathered), its checkpoint's, and those of lost workers from the store."""
+        self.shares.all_merged()
+        for records in self.ctx.group.gather_objects("metrics", self.shares.state_dict()["records"]):
+            self.shares.add(records)
+        owed = None
+        if self.ctx.rank == 0:
+            self.shares.read_missing(self.ctx.group.store if len(self._first) > 1 else None, epochs)
+            owed = self.shares.untrained(epochs)
+        return [tuple(share) for share in self.ctx.group.gather_objects("untrained shares", owed)[0]]
+
     def workers_history(self, history: list[dict]) -> Optional[dict[int, list[dict]]]:
-        """Every worker's numbers of each epoch it finished, in the order of their ranks of the job: the workers
-        left gather theirs once at the end (live records hold only this rank's); those of a worker lost on the
-        way come from the store (`gather_stats`), for the epochs it finished before it was lost."""
-        lost = [rank for rank in self._first if rank not in self.ctx.group.members]
-        if self.ctx.world_size == 1 and not lost:
+        """Every worker's numbers of each epoch whose work it merged, in the order of their ranks of the job
+        (`untrained_shares` put them together); None where the run only ever had one worker."""
+        if all(len(members) == 1 for _, members in self.shares.plans):
             return None
-        # pairs, not a dict: JSON would make the epochs strings
-        mine = [[record["epoch"], record["workers"][0]] for record in history]
-        gathered = [dict(pairs) for pairs in self.ctx.group.gather_objects("metrics", mine)]
-        store = self.ctx.group.store
-        if lost and store is not None:
-            epochs = [record["epoch"] for record in history]
-            gathered += [{epoch: json.loads(said) for epoch in epochs
-                          if (said := signed.read(store, f"{ASYNC_EPOCHS}{rank}/{epoch}")) is not None}
-                         for rank in lost]
-        return {record["epoch"]: sorted((theirs[record["epoch"]] for theirs in gathered if record["epoch"] in theirs),
-                                        key=lambda worker: worker["rank"])
-                for record in history}
+        return {record["epoch"]: sorted(self.shares.records[record["epoch"]].values(), key=lambda w: w["rank"])
+                for record in history if self.shares.records.get(record["epoch"])}
 
     def state_dict(self) -> dict:
         # Async checkpoints are approximate: each rank saves at its own epoch end, rank 0 the
@@ -432,6 +440,9 @@ class Async(AsyncRules, Strategy):
         state = super().state_dict()
         state.update(base=self.base, base_version=self.base_version, merges=self.merges, refreshes=self.refreshes,
                      max_staleness_seen=self.max_staleness_seen, diverged=self._diverged)
+        if self.ctx is not None and self.ctx.rank == 0 and self.ctx.world_size > 1:  # the others' merged epochs
+            self.shares.read_missing(self.ctx.group.store, self._epoch)
+        state["shares"] = self.shares.state_dict()
         if self.compression != "none":
             state["feedback"] = self.feedback.state_dict()
         if self.global_model is not None:
@@ -444,6 +455,8 @@ class Async(AsyncRules, Strategy):
         self.base, self.base_version = state["base"].to(self.base.device), state["base_version"]
         self.merges, self.refreshes = state["merges"], state["refreshes"]
         self.max_staleness_seen, self._diverged = state["max_staleness_seen"], state["diverged"]
+        if "shares" in state:  # (a checkpoint of an older dptrain has none: its epochs are not accounted)
+            self.shares.load_state_dict(state["shares"])
         if self.compression != "none" and "feedback" in state:
             self.feedback.load_state_dict(state["feedback"])
         if self.global_model is not None and "global" in state:

@@ -255,6 +255,11 @@ class Strategy(StrategyRules):
         --kill-on-bad-exit the first rank to exit with 75 ends the others)."""
         self.ctx.group.any_rank("checkpoint before stopping", True)
 
+    def untrained_shares(self, epochs: int) -> list[tuple[int, int, int]]:
+        """After finish: the shares of the data, (epoch from 0, place, members), that no worker's training
+        brought into the final model, for the workers left to train now (barrier-free: async)."""
+        return []
+
     def workers_history(self, history: list[dict]) -> Optional[dict[int, list[dict]]]:
         """{epoch: every worker's numbers} when the live records lack them (barrier-free), else None."""
         return None

@@ -11,6 +11,7 @@ import warnings
 from dataclasses import replace
 from typing import Callable, Optional
 
+from dptrain.data import sharding
 from dptrain.data.sampler import EpochPlan, PlanBatches, Rest, labels_of, loader
 
 
@@ -98,6 +99,14 @@ class Planner:
             for _ in range(epoch * steps + (0 if rest is None else max(0, steps - rest))):
                 rebuilt.step()
         state.scheduler = rebuilt
+
+    def share_rows(self, epoch: int, place: int, members: int):
+        """The rows of `epoch` that the member at `place` of `members` reads under the shared sharding (None for a
+        stream, whose rows are not picked by index)."""
+        if getattr(self.train, "is_stream", False):
+            return None
+        return sharding.epoch_indices(len(self.train), place, members, epoch, self.seed, self.shuffle,
+                                      getattr(self.train, "block_size", None))
 
     def whole_epoch(self, epoch: int, members) -> Rest:
         """The rows of `epoch` as `members` share them: what the rest of an epoch is cut from."""

@@ -215,7 +215,15 @@ class Recorder:
     def complete(self, workers: dict[int, list[dict]]) -> None:
         """Fill in every worker's numbers {epoch: [worker stats]} where the live records held only one rank's."""
         for record in self.history:
-            record.update(aggregate([EpochStats(**worker) for worker in workers[record["epoch"]]]))
+            if workers.get(record["epoch"]):
+                record.update(aggregate([EpochStats(**worker) for worker in workers[record["epoch"]]]))
+        self.replace_history(self.history)
+
+    def made_up(self, rows: dict[int, int]) -> None:
+        """{epoch: rows of it trained at the end} (dptrain.train.make_up), in those epochs' records."""
+        for record in self.history:
+            if record["epoch"] in rows:
+                record["rows_made_up"] = record.get("rows_made_up", 0) + rows[record["epoch"]]
         self.replace_history(self.history)
 
     def last_evaluation(self) -> dict:

@@ -39,6 +39,7 @@ from dptrain.train.checks import Checks
 from dptrain.train.evaluation import EVAL_BATCH, Evaluator, summarise  # noqa: F401 - EVAL_BATCH, for callers
 from dptrain.train.live import membership_for, scale_lr
 from dptrain.train.loggers import Loggers
+from dptrain.train.make_up import after_finish
 from dptrain.train.preemption import StopSignals
 from dptrain.train.planner import Planner
 from dptrain.train.recorder import EpochStats, Recorder, Summary
@@ -314,9 +315,7 @@ class Trainer:
         self.live.end()
         final = ctx.group.bounded("finish", self.strategy.finish)
         self.live.lead()
-        if tuple(ctx.group.members) != (self.recorder.members or tuple(range(self.recorder.job_world))):
-            # async: a worker lost in the last epochs, after the others last shared the data out
-            self.recorder.follow(tuple(ctx.group.members))
+        evaluated = not after_finish(self, final, epochs) and evaluated  # the workers left: rows to make up
         wall = time.perf_counter() - self._started
         final_metrics = None
         if test is not None:

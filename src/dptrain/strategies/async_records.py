@@ -1,0 +1,112 @@
+"""async's account of who trained what: each worker's numbers of the epochs whose work reached the global model,
+kept across lost workers and resumes, and the shares of the data that no worker's merge brought in.
+
+Without a barrier an epoch's record holds one rank's numbers until the end. So each worker puts its numbers of
+an epoch in the store once its merge has brought that epoch's work into the global model, rank 0 keeps the
+others' in its checkpoints (a resumed run records what was trained before it), and at the end the workers
+left read them back. Every epoch is shared by the members of the plan in force then (the run's first workers,
+or the live ones from the epoch they took a loss at). A member's share of an epoch with no record of it never
+reached the global model: its worker was lost before merging it, or the run resumed from a checkpoint that
+worker had not written. The workers left train those rows at the end (`Trainer` makes them up), so every row of
+every epoch is trained once: docs/how-to/async.md, "Every row once".
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Optional
+
+from dptrain.runtime import signed
+from dptrain.runtime.store_keys import ASYNC_EPOCHS
+
+Share = tuple[int, int, int]  # (epoch from 0, place among the members then, how many members then)
+
+
+class TrainedShares:
+    """The plans of a run's epochs and the records of the shares trained (this worker's, and on rank 0 the
+    others' it read from the store); `untrained(epochs)`: the shares without a record."""
+
+    def __init__(self) -> None:
+        self.plans: list[tuple[int, tuple[int, ...]]] = []  # (first epoch from 0, ranks of the job sharing it)
+        self.records: dict[int, dict[int, dict]] = {}  # epoch (from 1) -> rank of the job -> its numbers
+        self._waiting: list[tuple[int, dict]] = []  # this worker's epochs not merged yet: (epoch from 1, numbers)
+
+    # -- plans -------------------------------------------------------------------------------------
+    def begin(self, epoch: int, members) -> None:
+        """This attempt trains from `epoch` over `members`: the plans before it are a checkpoint's."""
+        self.plans = [plan for plan in self.plans if plan[0] < epoch] + [(epoch, tuple(members))]
+
+    def change(self, epoch: int, members) -> None:
+        """From `epoch` on the data is shared over `members` (a loss taken)."""
+        self.plans = [plan for plan in self.plans if plan[0] < epoch] + [(epoch, tuple(members))]
+
+    def members_at(self, epoch: int) -> Optional[tuple[int, ...]]:
+        """The ranks of the job that shared `epoch` (from 0), or None where no plan is known (an older checkpoint)."""
+        found = None
+        for first, members in self.plans:
+            if first <= epoch:
+                found = members
+        return found
+
+    # -- records -----------------------------------------------------------------------------------
+    def finished(self, epoch: int, numbers: dict, merged: bool, store) -> None:
+        """This worker finished `epoch` (from 1) with `numbers`; `merged`: its work so far is in the global model
+        now, so its waiting epochs count as trained (and go to the store for rank 0 and the workers left)."""
+        self._waiting.append((epoch, numbers))
+        if merged:
+            self.all_merged(store)
+
+    def all_merged(self, store=None) -> None:
+        for epoch, numbers in self._waiting:
+            self.records.setdefault(epoch, {})[numbers["rank"]] = numbers
+            if store is not None:
+                signed.put(store, record_key(numbers["rank"], epoch), json.dumps(numbers))
+        self._waiting = []
+
+    def read_missing(self, store, epochs: int) -> None:
+        """Rank 0: the records of epochs 1..`epochs` that it lacks, from the store (absent ones stay absent)."""
+        if store is None:
+            return
+        for epoch in range(epochs):
+            members = self.members_at(epoch) or ()
+            have = self.records.get(epoch + 1, {})
+            for rank in members:
+                if rank not in have and (said := signed.read(store, record_key(rank, epoch + 1))) is not None:
+                    numbers = json.loads(said)
+                    if isinstance(numbers, dict) and numbers.get("rank") == rank:
+                        self.records.setdefault(epoch + 1, {})[rank] = numbers
+
+    def add(self, records: dict) -> None:
+        """Records another worker sent ({epoch: {rank: numbers}}, JSON's string keys allowed)."""
+        for epoch, by_rank in records.items():
+            for rank, numbers in by_rank.items():
+                self.records.setdefault(int(epoch), {})[int(rank)] = numbers
+
+    def untrained(self, epochs: int) -> list[Share]:
+        """The shares of epochs 0..`epochs`-1 that no record says were trained."""
+        owed = []
+        for epoch in range(epochs):
+            members = self.members_at(epoch)
+            if members is None:
+                continue
+            have = self.records.get(epoch + 1, {})
+            owed += [(epoch, place, len(members)) for place, rank in enumerate(members) if rank not in have]
+        return owed
+
+    # -- checkpoints --------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Plans and records (this worker's waiting epochs count: its file carries their work in its model)."""
+        records = {epoch: dict(by_rank) for epoch, by_rank in self.records.items()}
+        for epoch, numbers in self._waiting:
+            records.setdefault(epoch, {})[numbers["rank"]] = numbers
+        return {"plans": [[first, list(members)] for first, members in self.plans], "records": records}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.plans = [(int(first), tuple(int(rank) for rank in members)) for first, members in state["plans"]]
+        self.records, self._waiting = {}, []
+        self.add(state["records"])
+
+
+def record_key(rank: int, epoch: int) -> str:
+    """Where worker `rank` (of the job) puts its numbers of `epoch` (from 1) once they are merged."""
+    return f"{ASYNC_EPOCHS}{rank}/{epoch}"
