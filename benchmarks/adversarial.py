@@ -13,7 +13,7 @@ folder, deleted afterwards (--keep to keep them).
 
 Everything is done from outside, as a user or an attacker would: the CLI (`python -m dptrain train ...`, the
 same command again to resume), the fault points of DPTRAIN_FAULT (src/dptrain/faults.py: train-middle@RANK:EPOCH,
-DPTRAIN_FAULT_ACTION=freeze, DPTRAIN_FAULT_ONCE so that a resume does not fire it again), signals to the
+DPTRAIN_FAULT_ACTION=freeze; the resume runs without DPTRAIN_FAULT, so that it does not fire again), signals to the
 launcher, and the run directory's documented files (docs/reference/run-directory.md): metrics.jsonl,
 summary.json, model.pt, checkpoints/epoch-NNNNNN[-step-KKKKKK]/ with a SHA-256 beside each file, join.address.
 Every dptrain process a case starts carries DPTRAIN_BENCH_CASE in its environment; each invocation has a hard
@@ -549,8 +549,8 @@ def fault_case(case: Case, root: Path) -> dict:
 
     before = checkpoints(run, records, o["workers"], live)
     resume = None
-    if read_summary(run) is None:
-        resume = case.run("resume", argv, root, env)
+    if read_summary(run) is None:  # without the fault: of two ranks, the launcher may stop one before it fired
+        resume = case.run("resume", argv, root, case.env())
     learn_rows(run)
     return {"first_finished": resume is None,
             **evaluate(case, run, EPOCHS, o["workers"], before, resume, live=live)}
