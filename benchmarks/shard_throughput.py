@@ -1,6 +1,6 @@
 """Sharding side by side in one run: throughput against plain FSDP2, memory against DDP, sync against allreduce.
 
-    python benchmarks/shard_throughput.py benchmarks/results/shard_throughput.json --repeats 3   # ~4 min on 2 cores
+    python benchmarks/shard_throughput.py benchmarks/results/shard_throughput.json --repeats 3   # ~3 min on 2 cores
 
 On one model (the zoo's mlp, hidden widths `--hidden`) and one built-in data set (`--dataset`), with SGD
 (`--lr`, momentum 0.9), `--batch-size` rows per rank and step, `--epochs` epochs, one torch thread per rank, gloo
@@ -224,10 +224,9 @@ def memory_worker(spec: dict) -> None:
     import dptrain
     from dptrain.data import load_dataset
     from dptrain.models import build_model
-    from dptrain.runtime.sharded import local
 
     sys.path.insert(0, str(HERE))
-    from shard_memory import _resident, _trim
+    from shard_memory import _resident, _trim, held_bytes
 
     data = load_dataset(spec["dataset"], seed=0)
     torch.manual_seed(0)
@@ -244,12 +243,7 @@ def memory_worker(spec: dict) -> None:
     x = torch.from_numpy(data.x_train.to_numpy()[:spec["batch_size"]]).float()
     y = torch.from_numpy(data.y_train.to_numpy()[:spec["batch_size"]]).long()
     nn.functional.cross_entropy(module(x), y).backward()
-    held = {"params": sum(local(p).numel() * p.element_size() for p in module.parameters()),
-            "grads": sum(local(p.grad).numel() * p.grad.element_size() for p in module.parameters()
-                         if p.grad is not None),
-            "optimizer": sum(local(v).numel() * v.element_size() for state in optimizer.state.values()
-                             for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0),
-            "parameters": sum(p.numel() for p in module.parameters())}
+    held = {**held_bytes(module, optimizer), "parameters": sum(p.numel() for p in module.parameters())}
     _trim()
     rank = int(os.environ["RANK"])
     Path(f"{spec['out']}.rank-{rank}.json").write_text(json.dumps(
