@@ -63,10 +63,22 @@ def _trim() -> None:
         pass
 
 
+def held_bytes(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """The bytes this rank holds of `module`'s parameters, gradients and buffers and of `optimizer`'s state (its
+    shards, where they are sharded)."""
+    from dptrain.runtime.sharded import local
+
+    return {"params": sum(local(p).numel() * p.element_size() for p in module.parameters()),
+            "grads": sum(local(p.grad).numel() * p.grad.element_size() for p in module.parameters()
+                         if p.grad is not None),
+            "optimizer": sum(local(v).numel() * v.element_size() for state in optimizer.state.values()
+                             for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0),
+            "buffers": sum(b.numel() * b.element_size() for b in module.buffers())}
+
+
 def worker(size: int, out: str) -> None:
     """One rank: train, one more backward, count what it holds; rank by rank into OUT.rank-R.json."""
     import dptrain
-    from dptrain.runtime.sharded import local
 
     torch.manual_seed(0)
     model = Encoder()
@@ -84,12 +96,7 @@ def worker(size: int, out: str) -> None:
     # One more backward, so that the gradients exist (the loop frees them after each step). Unsharded, without
     # DDP: the same full-size gradients (DDP's buckets, another copy, are not counted).
     nn.functional.cross_entropy(module(x[:4]), y[:4]).backward()
-    held = {"params": sum(local(p).numel() * p.element_size() for p in module.parameters()),
-            "grads": sum(local(p.grad).numel() * p.grad.element_size() for p in module.parameters()
-                         if p.grad is not None),
-            "optimizer": sum(local(v).numel() * v.element_size() for state in optimizer.state.values()
-                             for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0),
-            "buffers": sum(b.numel() * b.element_size() for b in module.buffers())}
+    held = held_bytes(module, optimizer)
     _trim()
     rank = int(os.environ["RANK"])
     Path(f"{out}.rank-{rank}.json").write_text(json.dumps(
