@@ -1,0 +1,134 @@
+"""Shards read as a stream under live membership (--min-workers): after a worker is lost the rest of the epoch's
+samples are shared over the workers left, each unread sample read once (dptrain.data.streams: StreamRest)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+from cli_runner import run_dptrain
+from stream_data import SIZES, offsets, read_record, write_tars
+from test_shard_streams import _stream
+
+from dptrain.data import sharding
+from dptrain.data.streams import StreamReader, StreamRest, position_pieces, rank_segments, shard_order
+
+HERE = Path(__file__).parent
+N = sum(SIZES)
+
+
+# -- the rest of an epoch (pure, in one process) ---------------------------------------------------------------
+def test_positions_become_pieces_one_a_run_within_a_shard():
+    order = np.array([2, 0, 1])  # shards of 3, 4 and 5 samples laid end to end as 5 + 3 + 4
+    assert position_pieces([3, 4, 5], order, np.array([0, 1, 2, 4, 5, 6, 7, 11])) == [
+        (2, 0, 3), (2, 4, 5), (0, 0, 3), (1, 3, 4)]
+    assert position_pieces([3, 4, 5], order, np.arange(12)) == [(2, 0, 5), (0, 0, 3), (1, 0, 4)]
+    assert position_pieces([3, 4, 5], order, np.array([], dtype=np.int64)) == []
+
+
+def _read(rank, world, workers, epoch, shuffle, start=0, rest=None) -> list[list[int]]:
+    stream = _stream()
+    stream.plan(rank, world, workers, 4, 5, shuffle, rest)
+    reader = StreamReader(stream, workers)
+    reader.set_epoch(epoch, start)
+    batches = [x[:, 0].long().tolist() for x, _ in reader]
+    assert len(batches) == len(reader)
+    return batches
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("shuffle", ["global", "none"])
+def test_the_rest_after_a_commit_reads_every_sample_no_rank_had_read_once_even_after_a_second_change(workers,
+                                                                                                     shuffle):
+    # 3 ranks read 3 steps of epoch 1; ranks 0 and 2 of the job go on with the rest (1 step), then rank 0 alone
+    read = [i for rank in range(3) for batch in _read(rank, 3, workers, 1, shuffle)[:3] for i in batch]
+    rest = StreamRest.whole_stream(1, N, (0, 1, 2), 4, workers, 5, shuffle).after(3, (0, 2), 4)
+    assert rest.read_by((0, 1, 2)) == len(read) and rest.steps == sharding.steps_per_epoch(N - len(read), 2, 4)
+    read += [i for place in range(2) for batch in _read(place, 2, workers, 1, shuffle, 3, rest)[:1] for i in batch]
+    last = rest.after(4, (0,), 4)
+    read += [i for batch in _read(0, 1, workers, 1, shuffle, 4, last) for i in batch]
+    assert sorted(read) == list(range(N))
+    assert last.read_by((1,)) == rest.read_by((1,)) == 12  # rank 1 of the job, lost at the first change
+
+
+# -- over real processes --------------------------------------------------------------------------------------
+def _train(tmp_path, strategy, *extra):
+    data = write_tars(tmp_path / "shards")
+    (tmp_path / "record").mkdir()
+    env = {**os.environ, "STREAM_RECORD": str(tmp_path / "record"), "DPTRAIN_FAULT": "train-middle@1:2",
+           "DPTRAIN_FAULT_ONCE": str(tmp_path / "fired"),
+           "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
+    result = run_dptrain(["train", "--data", data, "--workers", 3, "--min-workers", 2, "--strategy", strategy,
+                          "--epochs", 2, "--model", f"{HERE / 'stream_data.py'}:recording", "--no-progress",
+                          "--device", "cpu", "--out", "run", *extra], cwd=tmp_path, env=env)
+    assert result.returncode == 0, result.stderr + result.stdout
+    assert "dptrain: worker rank 1 was killed by SIGKILL; the others go on without it" in result.stderr
+    history = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [[worker["rank"] for worker in record["workers"]] for record in history] == [[0, 1, 2], [0, 1]]
+    return result, history, read_record(tmp_path / "record", 3)
+
+
+def _tail(batches, samples) -> list[int]:
+    """The last batches of a rank's record that hold `samples` samples: what it read after the change."""
+    taken: list[int] = []
+    for batch in reversed(batches):
+        if len(taken) >= samples:
+            break
+        taken = batch + taken
+    assert len(taken) == samples
+    return taken
+
+
+def _assert_epoch_1_by_three(record, batch):
+    steps = sharding.steps_per_epoch(N, 3, batch)
+    assert sorted(i for batches in record for b in batches[:steps] for i in b) == list(range(N))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["sync", "allreduce"])
+def test_a_worker_lost_mid_epoch_is_redone_by_the_others_over_the_shards_each_sample_once(tmp_path, strategy):
+    result, history, record = _train(tmp_path, strategy, "--batch-size", 8)
+    assert "continuing from epoch 2 with 2 workers (ranks 0, 2 of the job; without rank 1)" in result.stdout
+    _assert_epoch_1_by_three(record, 8)
+    # epoch 2, redone from its start by ranks 0 and 2 of the job (0 and 1 of the new group): each the rule's part
+    order = shard_order(len(SIZES), 1, seed=0, shuffle="global")
+    starts = offsets()
+    for place, rank in enumerate((0, 2)):
+        mine = _tail(record[rank], N // 2)
+        assert sorted(mine) == sorted(starts[shard] + i for shard, first, stop
+                                      in rank_segments(list(SIZES), order, place, 2) for i in range(first, stop))
+    assert sorted(_tail(record[0], 40) + _tail(record[2], 40)) == list(range(N))
+    assert [worker["samples"] for worker in history[1]["workers"]] == [40, 40]
+
+
+@pytest.mark.slow
+def test_allreduce_goes_on_from_a_commit_with_the_unread_samples_of_the_shards_shared_over_the_others(tmp_path):
+    # batch 4: 7 steps an epoch on 3 workers; rank 1 is killed before its 4th step of epoch 2, the others go on
+    # from their commit at step 2 with what no rank had read by then (the shuffle buffer's draws replayed)
+    result, history, record = _train(tmp_path, "allreduce", "--batch-size", 4, "--commit-every-steps", 2)
+    change = history[1]["membership"]
+    assert change["continued_from_step"] == 2, change
+    assert "continuing from epoch 2 at step 2 of it (its last commit" in result.stdout
+    _assert_epoch_1_by_three(record, 4)
+    steps = sharding.steps_per_epoch(N, 3, 4)
+    before = [record[rank][steps:steps + 2] for rank in range(3)]  # the 2 steps of epoch 2 every rank kept
+    assert change["rows_read_by_the_lost"] == sum(map(len, before[1]))
+    read = [i for batches in before for batch in batches for i in batch]
+    for worker, rank in zip(history[1]["workers"], (0, 2)):
+        read += _tail(record[rank], worker["samples"] - sum(map(len, before[rank])))
+    assert sorted(read) == list(range(N))
+
+
+def test_async_with_min_workers_over_shards_is_refused_in_one_line(tmp_path):
+    data = write_tars(tmp_path / "shards")
+    result = run_dptrain(["train", "--data", data, "--workers", 2, "--min-workers", 2, "--strategy", "async",
+                          "--epochs", 1, "--batch-size", 8, "--no-progress", "--device", "cpu", "--out", "run"],
+                         cwd=tmp_path)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert ("--min-workers 2 with --strategy async: its workers share the data out again from an epoch each reaches "
+            "on its own, and shards read as a stream are shared out at an epoch all workers stand at; use sync, "
+            "streaming, hierarchical or allreduce, or drop --min-workers") in result.stderr
+    assert not (tmp_path / "run").exists()
