@@ -1,5 +1,6 @@
-"""Shards read as a stream under live membership (--min-workers): after a worker is lost the rest of the epoch's
-samples are shared over the workers left, each unread sample read once (dptrain.data.streams: StreamRest)."""
+"""Shards read as a stream under live membership (--min-workers): after a worker is lost (or leaves at an epoch
+end) the stream is planned again over the workers left, from the epoch's start or from allreduce's commit with
+the rest of the epoch's samples shared out, each unread sample read once (dptrain.data.streams: StreamRest)."""
 
 from __future__ import annotations
 
@@ -55,20 +56,35 @@ def test_the_rest_after_a_commit_reads_every_sample_no_rank_had_read_once_even_a
 
 
 # -- over real processes --------------------------------------------------------------------------------------
-def _train(tmp_path, strategy, *extra):
+def _train(tmp_path, strategy, *extra, epochs=2, action="kill"):
+    """A run of `strategy` over the shards, 3 workers, --min-workers 2, rank 1's fault halfway through epoch 2
+    (`action`: DPTRAIN_FAULT_ACTION): (the process, metrics.jsonl's records, each rank's batches)."""
     data = write_tars(tmp_path / "shards")
     (tmp_path / "record").mkdir()
     env = {**os.environ, "STREAM_RECORD": str(tmp_path / "record"), "DPTRAIN_FAULT": "train-middle@1:2",
-           "DPTRAIN_FAULT_ONCE": str(tmp_path / "fired"),
+           "DPTRAIN_FAULT_ONCE": str(tmp_path / "fired"), "DPTRAIN_FAULT_ACTION": action,
            "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
     result = run_dptrain(["train", "--data", data, "--workers", 3, "--min-workers", 2, "--strategy", strategy,
-                          "--epochs", 2, "--model", f"{HERE / 'stream_data.py'}:recording", "--no-progress",
+                          "--epochs", epochs, "--model", f"{HERE / 'stream_data.py'}:recording", "--no-progress",
                           "--device", "cpu", "--out", "run", *extra], cwd=tmp_path, env=env)
     assert result.returncode == 0, result.stderr + result.stdout
-    assert "dptrain: worker rank 1 was killed by SIGKILL; the others go on without it" in result.stderr
     history = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert [[worker["rank"] for worker in record["workers"]] for record in history] == [[0, 1, 2], [0, 1]]
     return result, history, read_record(tmp_path / "record", 3)
+
+
+def _killed(tmp_path, strategy, *extra):
+    result, history, record = _train(tmp_path, strategy, *extra)
+    assert "dptrain: worker rank 1 was killed by SIGKILL; the others go on without it" in result.stderr
+    assert [[worker["rank"] for worker in record["workers"]] for record in history] == [[0, 1, 2], [0, 1]]
+    assert history[1]["membership"]["members"] == [0, 2]
+    return result, history, record
+
+
+def _rule(epoch, place, world) -> list[int]:
+    """The samples of `epoch` the rule gives rank `place` of `world`."""
+    order, starts = shard_order(len(SIZES), epoch, seed=0, shuffle="global"), offsets()
+    return sorted(starts[shard] + i for shard, first, stop in rank_segments(list(SIZES), order, place, world)
+                  for i in range(first, stop))
 
 
 def _tail(batches, samples) -> list[int]:
@@ -90,25 +106,38 @@ def _assert_epoch_1_by_three(record, batch):
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["sync", "allreduce"])
 def test_a_worker_lost_mid_epoch_is_redone_by_the_others_over_the_shards_each_sample_once(tmp_path, strategy):
-    result, history, record = _train(tmp_path, strategy, "--batch-size", 8)
+    result, history, record = _killed(tmp_path, strategy, "--batch-size", 8)
     assert "continuing from epoch 2 with 2 workers (ranks 0, 2 of the job; without rank 1)" in result.stdout
     _assert_epoch_1_by_three(record, 8)
     # epoch 2, redone from its start by ranks 0 and 2 of the job (0 and 1 of the new group): each the rule's part
-    order = shard_order(len(SIZES), 1, seed=0, shuffle="global")
-    starts = offsets()
     for place, rank in enumerate((0, 2)):
-        mine = _tail(record[rank], N // 2)
-        assert sorted(mine) == sorted(starts[shard] + i for shard, first, stop
-                                      in rank_segments(list(SIZES), order, place, 2) for i in range(first, stop))
+        assert sorted(_tail(record[rank], N // 2)) == _rule(1, place, 2)
     assert sorted(_tail(record[0], 40) + _tail(record[2], 40)) == list(range(N))
     assert [worker["samples"] for worker in history[1]["workers"]] == [40, 40]
+
+
+@pytest.mark.slow
+def test_a_worker_leaving_at_an_epoch_end_leaves_the_next_epochs_shards_to_the_others_by_the_rule(tmp_path):
+    result, history, record = _train(tmp_path, "sync", "--batch-size", 8, epochs=3, action="stop")
+    assert "rank 1 left after epoch 2 on request (SIGUSR1); continuing with 2 workers (ranks 0, 2 of the job)" in (
+        result.stdout + result.stderr)
+    assert [[worker["rank"] for worker in record["workers"]] for record in history] == [[0, 1, 2]] * 2 + [[0, 1]]
+    assert history[2]["membership"]["members"] == [0, 2]
+    steps = sharding.steps_per_epoch(N, 3, 8)
+    for epoch in (0, 1):
+        assert sorted(i for batches in record for b in batches[epoch * steps:(epoch + 1) * steps] for i in b) == (
+            list(range(N)))
+    assert len(record[1]) == 2 * steps and len(record[0]) == len(record[2]) == 2 * steps + sharding.steps_per_epoch(
+        N, 2, 8)
+    for place, rank in enumerate((0, 2)):
+        assert sorted(i for b in record[rank][2 * steps:] for i in b) == _rule(2, place, 2)
 
 
 @pytest.mark.slow
 def test_allreduce_goes_on_from_a_commit_with_the_unread_samples_of_the_shards_shared_over_the_others(tmp_path):
     # batch 4: 7 steps an epoch on 3 workers; rank 1 is killed before its 4th step of epoch 2, the others go on
     # from their commit at step 2 with what no rank had read by then (the shuffle buffer's draws replayed)
-    result, history, record = _train(tmp_path, "allreduce", "--batch-size", 4, "--commit-every-steps", 2)
+    result, history, record = _killed(tmp_path, "allreduce", "--batch-size", 4, "--commit-every-steps", 2)
     change = history[1]["membership"]
     assert change["continued_from_step"] == 2, change
     assert "continuing from epoch 2 at step 2 of it (its last commit" in result.stdout
