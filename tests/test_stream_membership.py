@@ -161,3 +161,33 @@ def test_async_with_min_workers_over_shards_is_refused_in_one_line(tmp_path):
             "on its own, and shards read as a stream are shared out at an epoch all workers stand at; use sync, "
             "streaming, hierarchical or allreduce, or drop --min-workers") in result.stderr
     assert not (tmp_path / "run").exists()
+
+
+EPOCHS = 60  # of 0.2 to 0.25 s: the new worker enters after its start-up, a few seconds
+
+
+@pytest.mark.slow
+def test_a_worker_joining_in_place_of_a_lost_one_reads_its_part_of_the_shards_from_the_epoch_it_enters(tmp_path):
+    data = write_tars(tmp_path / "shards")
+    (tmp_path / "record").mkdir()
+    env = {**os.environ, "STREAM_RECORD": str(tmp_path / "record"), "DPTRAIN_FAULT": "train-middle@1:2",
+           "STREAM_STEP_SECONDS": "0.05", "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
+    result = run_dptrain(["train", "--data", data, "--workers", "2:3", "--strategy", "sync", "--epochs", EPOCHS,
+                          "--batch-size", 8, "--model", f"{HERE / 'stream_data.py'}:recording", "--no-progress",
+                          "--device", "cpu", "--out", "run"], cwd=tmp_path, env=env)
+    assert result.returncode == 0, result.stderr + result.stdout
+    assert "dptrain: starting worker rank 3 in place of rank 1" in result.stderr
+    history = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    worlds = [len(record["workers"]) for record in history]
+    first = next(i for i, record in enumerate(history) if record.get("membership", {}).get("joined"))
+    assert history[first]["membership"]["members"] == [0, 2, 3] and worlds == [3] + [2] * (first - 1) + [3] * (
+        EPOCHS - first)
+    record = read_record(tmp_path / "record", 4)
+    steps = {world: sharding.steps_per_epoch(N, world, 8) for world in (2, 3)}
+    after = [sum(steps[world] for world in worlds[epoch:]) for epoch in range(EPOCHS + 1)]  # lines from epoch e on
+    assert len(record[3]) == after[first]  # the joiner reads from the epoch it entered at on
+    members = {epoch: ((0, 2) if worlds[epoch] == 2 else (0, 2, 3)) for epoch in range(1, EPOCHS)}
+    for epoch in range(1, EPOCHS):  # epoch 2 (index 1) as redone by the survivors, the others as run
+        lines = {rank: record[rank][len(record[rank]) - after[epoch]:][:steps[worlds[epoch]]] for rank in members[epoch]}
+        for place, rank in enumerate(members[epoch]):
+            assert sorted(i for batch in lines[rank] for i in batch) == _rule(epoch, place, worlds[epoch]), epoch
