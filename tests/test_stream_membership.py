@@ -191,3 +191,17 @@ def test_a_worker_joining_in_place_of_a_lost_one_reads_its_part_of_the_shards_fr
         lines = {rank: record[rank][len(record[rank]) - after[epoch]:][:steps[worlds[epoch]]] for rank in members[epoch]}
         for place, rank in enumerate(members[epoch]):
             assert sorted(i for batch in lines[rank] for i in batch) == _rule(epoch, place, worlds[epoch]), epoch
+
+
+@pytest.mark.slow
+def test_a_checkpoint_within_an_epoch_of_shards_is_not_resumed_on_another_number_of_workers(tmp_path):
+    data = write_tars(tmp_path / "shards")
+    argv = ["train", "--data", data, "--epochs", 2, "--batch-size", 8, "--model", "mlp", "--no-progress",
+            "--device", "cpu", "--out", "run", "--checkpoint-every-steps", 2]
+    # 5 steps an epoch on 2 workers: killed after step 9, the newest checkpoint is step 4 of epoch 2
+    killed = run_dptrain([*argv, "--workers", 2], cwd=tmp_path, env={**os.environ, "DPTRAIN_FAULT": "step@0,1:9"})
+    assert killed.returncode != 0
+    again = run_dptrain([*argv, "--workers", 3, "--resume"], cwd=tmp_path)
+    assert again.returncode == 2 and "Traceback" not in again.stderr, again.stderr
+    assert ("this checkpoint within an epoch was written by another number of workers, and shards read as a stream "
+            "go on within an epoch only on the same number; resume with as many workers") in again.stderr
