@@ -3,11 +3,12 @@ model that records which samples it trained on.
 
 Sample i holds x = [i, sin i, cos i, i mod 3] and y = i mod 3, so its id travels with it; `Recording` (a
 `--model stream_data.py:recording`) appends each training batch's ids, one line a batch, to
-$STREAM_RECORD/rank{RANK}.txt."""
+$STREAM_RECORD/rank{RANK}.txt (and takes $STREAM_STEP_SECONDS longer a batch: epochs long enough for a joiner)."""
 
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -53,9 +54,11 @@ class Recording(nn.Module):
         super().__init__()
         self.linear = nn.Linear(features, outputs)
         self.file = Path(os.environ["STREAM_RECORD"]) / f"rank{os.environ.get('RANK', '0')}.txt"
+        self.seconds = float(os.environ.get("STREAM_STEP_SECONDS", "0"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.training:
+            time.sleep(self.seconds)
             with open(self.file, "a") as handle:
                 handle.write(" ".join(str(int(i)) for i in x[:, 0].tolist()) + "\n")
         return self.linear(x / 80.0)

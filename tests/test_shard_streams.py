@@ -179,8 +179,10 @@ def test_fit_reads_an_iterable_dataset_given_to_it_as_a_stream(tmp_path, monkeyp
 
 @pytest.mark.parametrize("strategy, keywords, line", [
     ("Auto", {}, "--strategy auto times map-style batches; with shards name the strategy (e.g. allreduce)"),
-    ("AllReduce", {"min_workers": 1}, "--min-workers 1 shares an epoch's rest out over the workers left, which "
-                                      "shards read as a stream do not support yet; drop --min-workers"),
+    ("Async", {"min_workers": 1}, "--min-workers 1 with --strategy async: its workers share the data out again "
+                                  "from an epoch each reaches on its own, and shards read as a stream are shared out at "
+                                  "an epoch all workers stand at; use sync, streaming, hierarchical or allreduce, or "
+                                  "drop --min-workers"),
 ])
 def test_fit_refuses_a_stream_where_dptrain_train_does(strategy, keywords, line, tmp_path, monkeypatch):
     from stream_data import Counting, recording

@@ -13,7 +13,7 @@ DataLoader's worker processes, pinned memory and prefetching when asked for.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Iterator, Optional, Union
 
 import numpy as np
@@ -65,17 +65,23 @@ class Rest:
     def after(self, done: int, members, batch_size: int) -> "Rest":
         """What is left of the epoch once `done` of its steps are done (`done` at or after this rest's start),
         shared out over `members` (ranks of the job): every row not read yet, once; none read twice."""
-        taken = done - self.done
         left, read = [], dict(self.read)
-        for rank, part in zip(self.members, self.parts):
-            pieces = sharding.batches(part, self.steps)
-            read[rank] = read.get(rank, 0) + sum(len(piece) for piece in pieces[:taken])
-            left.extend(pieces[taken:])
+        for place, (rank, part) in enumerate(zip(self.members, self.parts)):
+            taken, unread = self.unread(place, part, done - self.done)
+            read[rank] = read.get(rank, 0) + taken
+            left.append(unread)
         rows = np.concatenate(left) if left else np.empty(0, dtype=np.int64)
         world = len(members)
         steps = sharding.steps_per_epoch(len(rows), world, batch_size) if len(rows) else 0
-        return Rest(self.epoch, done, tuple(np.array_split(rows, world)), steps, tuple(members),
-                    tuple(sorted(read.items())))
+        return replace(self, done=done, parts=tuple(np.array_split(rows, world)), steps=steps,
+                       members=tuple(members), read=tuple(sorted(read.items())))
+
+    def unread(self, place: int, part: np.ndarray, taken: int) -> tuple[int, np.ndarray]:
+        """(how many rows of `part`, the member at `place`'s, its first `taken` steps of this rest read; the rows
+        of `part` they left unread, in order)."""
+        pieces = sharding.batches(part, self.steps)
+        left = pieces[taken:]
+        return sum(len(piece) for piece in pieces[:taken]), (np.concatenate(left) if left else part[:0])
 
     def read_by(self, ranks) -> int:
         """Rows of the epoch read before this rest by `ranks` (of the job)."""

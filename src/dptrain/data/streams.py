@@ -23,6 +23,14 @@ The rule, for epoch e over W ranks with L loader workers each and batch B (pure 
 So the batches depend on --loader-workers (as every IterableDataset's do), not on anything else. A
 run resumed within an epoch (--checkpoint-every-steps) replays the worker's part up to its step and goes
 on from there: the same samples in the same batches as an uninterrupted run.
+
+After a membership change (--min-workers: a worker lost, one leaving or joining at an epoch end) the rule
+is applied again over the new world W' from the epoch the workers go on with: from its start (the strategies
+that redo a lost worker's epoch, and every change at an epoch end) rank r of W' reads positions
+[r*N//W', (r+1)*N//W'). From a commit within the epoch (allreduce's --commit-every-steps) the workers go on
+with its rest (`StreamRest`): every position no rank had read in the steps before the commit (found by
+replaying rules 3 to 5 on positions: the shuffle buffer's draws do not depend on what it holds), laid in
+order and cut over W' as in rule 2, read by rules 3 to 5 with shuffle numbers of the rest's own.
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ from __future__ import annotations
 import hashlib
 import os
 from dataclasses import dataclass
+from itertools import groupby
 from typing import Any, Callable, Iterable, Iterator, Optional
 
 import numpy as np
@@ -37,6 +46,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from dptrain.data import sharding
+from dptrain.data.sampler import Rest
 from dptrain.errors import UserError
 
 SHUFFLE_BUFFER = 1024  # samples held by each loader worker's shuffle buffer
@@ -78,6 +88,29 @@ def _cut(pieces: list[tuple[int, int, int]], start: int, stop: int) -> list[tupl
     return out
 
 
+def position_pieces(counts: list[int], order: np.ndarray, positions: np.ndarray) -> list[tuple[int, int, int]]:
+    """The samples at `positions` (ascending) of the shards laid end to end in `order`, as (shard, first, stop)
+    pieces: one a run of consecutive positions within a shard."""
+    positions = np.asarray(positions, dtype=np.int64)
+    if not len(positions):
+        return []
+    ends = np.cumsum([counts[shard] for shard in order])
+    slot = np.searchsorted(ends, positions, side="right")  # the place in `order` of each position's shard
+    local = positions - (ends[slot] - np.asarray([counts[shard] for shard in order])[slot])
+    breaks = np.flatnonzero((np.diff(positions) != 1) | (np.diff(slot) != 0)) + 1
+    return [(int(order[slot[run[0]]]), int(local[run[0]]), int(local[run[-1]]) + 1)
+            for run in np.split(np.arange(len(positions)), breaks)]
+
+
+def reading_rng(seed: int, epoch: int, rank: int, role: int, shuffle: str,
+                rest_from: int = 0) -> Optional[np.random.Generator]:
+    """The shuffle buffer's random numbers of loader worker `role` of `rank` in `epoch` (None: --shuffle none); in
+    the rest of an epoch shared out again from its step `rest_from` (> 0), numbers of that rest's own."""
+    if shuffle == "none":
+        return None
+    return np.random.default_rng(sharding.derive_seed(seed, epoch, rank, role, *((rest_from,) if rest_from else ())))
+
+
 def batch_sizes(samples: int, steps: int) -> list[int]:
     """The sizes of a rank's `steps` batches of `samples` (np.array_split's, as for map-style data)."""
     return [len(part) for part in np.array_split(np.arange(samples), steps)]
@@ -114,6 +147,45 @@ def shuffled(samples: Iterable, buffer: int, rng: Optional[np.random.Generator])
         yield held[index]
 
 
+def read_first(positions: np.ndarray, steps: int, done: int, workers: int,
+               rng: Callable[[int], Optional[np.random.Generator]]) -> np.ndarray:
+    """The positions a rank reading `positions` in `steps` steps (rules 3 to 5: `workers` loader workers, worker
+    role r's shuffle buffer drawing from `rng(r)`) had read in its first `done` steps. The buffer's draws do not
+    depend on what it holds, so shuffling the positions replays the order the samples came in."""
+    workers, sizes, read = max(1, workers), batch_sizes(len(positions), steps), []
+    for role in range(workers):
+        [(_, first, stop)], mine = worker_part([(0, 0, len(positions))], sizes, role, workers)
+        taken = sum(mine[:sum(1 for step in range(done) if step % workers == role)])
+        came = shuffled(iter(range(stop - first)), SHUFFLE_BUFFER, rng(role))
+        read.append(positions[first:stop][np.fromiter(came, dtype=np.int64, count=stop - first)[:taken]])
+    return np.concatenate(read)
+
+
+@dataclass(frozen=True)
+class StreamRest(Rest):
+    """The rest of a stream's epoch `epoch` after its first `done` steps (allreduce's commits), shared out over
+    `members`: `parts` are positions of the epoch's shards laid end to end (rule 2), each member's ascending;
+    read by the rules' batches, loader workers (`workers`) and shuffle buffer (`seed`, `shuffle`)."""
+
+    workers: int = 0
+    seed: int = 0
+    shuffle: str = "global"
+
+    @classmethod
+    def whole_stream(cls, epoch: int, samples: int, members, batch_size: int, workers: int, seed: int,
+                     shuffle: str) -> "StreamRest":
+        """All of epoch `epoch` as `members` read it by the rule: member r positions [r*N//W, (r+1)*N//W)."""
+        world = len(members)
+        parts = tuple(np.arange(r * samples // world, (r + 1) * samples // world) for r in range(world))
+        return cls(epoch, 0, parts, sharding.steps_per_epoch(samples, world, batch_size), tuple(members), (),
+                   workers, seed, shuffle)
+
+    def unread(self, place: int, part: np.ndarray, taken: int) -> tuple[int, np.ndarray]:
+        read = read_first(part, self.steps, taken, self.workers,
+                          lambda role: reading_rng(self.seed, self.epoch, place, role, self.shuffle, self.done))
+        return len(read), np.setdiff1d(part, read)
+
+
 # -- the stream ---------------------------------------------------------------------------------------------
 class ShardedStream(IterableDataset):
     """Training data as shards of known sizes and `read(shard)`, an iterator of that shard's (x, y) samples in
@@ -129,18 +201,30 @@ class ShardedStream(IterableDataset):
         self.labels: Optional[np.ndarray] = None  # every sample's label in file order, where known
         self.rank, self.world, self.workers, self.steps, self.seed, self.shuffle = 0, 1, 0, 1, 0, "global"
         self.epoch = self.start = 0
+        self.rest: Optional[StreamRest] = None  # the rest of an epoch shared out again over this world
 
     def __len__(self) -> int:
         return sum(shard.samples for shard in self.shards)
 
-    def plan(self, rank: int, world: int, workers: int, batch_size: int, seed: int, shuffle: str) -> int:
-        """Fix this rank's reading; returns the steps of every epoch (the same on every rank)."""
+    def plan(self, rank: int, world: int, workers: int, batch_size: int, seed: int, shuffle: str,
+             rest: Optional[StreamRest] = None) -> int:
+        """Fix this rank's reading; returns the steps of every epoch (the same on every rank). `rest`: the rest of
+        an epoch shared out over this world (this rank reads its part `rest.parts[rank]` in that epoch)."""
         self.rank, self.world, self.workers, self.seed, self.shuffle = rank, world, workers, seed, shuffle
         self.steps = sharding.steps_per_epoch(len(self), world, batch_size)
+        self.rest = rest
         return self.steps
 
     def set_epoch(self, epoch: int, start: int = 0) -> None:
         self.epoch, self.start = epoch, start
+
+    def _rest(self) -> Optional[StreamRest]:
+        return self.rest if self.rest is not None and self.rest.epoch == self.epoch else None
+
+    def remaining(self) -> int:
+        """The steps of the epoch from its start on (of its rest, where one is shared out)."""
+        rest = self._rest()
+        return (rest.done + rest.steps if rest is not None else self.steps) - self.start
 
     def segments(self, epoch: int, rank: Optional[int] = None) -> list[tuple[int, int, int]]:
         """A rank's (shard, first, stop) pieces of `epoch` (this rank's by default)."""
@@ -152,13 +236,19 @@ class ShardedStream(IterableDataset):
         info = get_worker_info()
         workers = info.num_workers if info is not None else 1
         worker = info.id if info is not None else 0
-        role = (worker + self.start) % workers  # the first batch fetched (worker 0's) is step `start`'s
-        segments = self.segments(self.epoch)
-        sizes = batch_sizes(sum(stop - first for _, first, stop in segments), self.steps)
+        rest = self._rest()
+        segments, steps, begun = self.segments(self.epoch), self.steps, 0
+        if rest is not None:  # its steps from rest.done on: this rank's part of what no rank had read by then
+            order = shard_order(len(self.shards), self.epoch, self.seed, self.shuffle)
+            segments = position_pieces([shard.samples for shard in self.shards], order, rest.parts[self.rank])
+            steps, begun = rest.steps, rest.done
+        if not steps:
+            return
+        role = (worker + self.start - begun) % workers  # the first batch fetched (worker 0's) is step `start`'s
+        sizes = batch_sizes(sum(stop - first for _, first, stop in segments), steps)
         pieces, mine = worker_part(segments, sizes, role, workers)
-        skip = sum(1 for step in range(self.start) if step % workers == role)
-        rng = None if self.shuffle == "none" else np.random.default_rng(
-            sharding.derive_seed(self.seed, self.epoch, self.rank, role))
+        skip = sum(1 for step in range(self.start - begun) if step % workers == role)
+        rng = reading_rng(self.seed, self.epoch, self.rank, role, self.shuffle, begun)
         samples = shuffled(self._pieces(pieces), SHUFFLE_BUFFER, rng)
         for _ in range(sum(mine[:skip])):  # a resumed epoch: the batches before its start, read and dropped
             next(samples)
@@ -167,12 +257,18 @@ class ShardedStream(IterableDataset):
             yield self.collate(batch) if self.collate is not None else batch
 
     def _pieces(self, pieces: list[tuple[int, int, int]]) -> Iterator:
-        for index, first, stop in pieces:
-            shard, read = self.shards[index], 0
+        """The samples of `pieces`; pieces of one shard that follow each other (ascending) in one read of it."""
+        for index, same in groupby(pieces, key=lambda piece: piece[0]):
+            wanted = [(first, stop) for _, first, stop in same]
+            shard, read, stop = self.shards[index], 0, wanted[-1][1]
+            ranges = iter(wanted)
+            first, end = next(ranges)
             for position, sample in enumerate(self.read(shard)):
                 if position >= stop:
                     break
                 read = position + 1
+                while position >= end:
+                    first, end = next(ranges)
                 if position >= first:
                     yield sample
             if read < stop:
@@ -207,19 +303,25 @@ class ShardedStream(IterableDataset):
         return {"rows": len(self), "sha256": digest.hexdigest()}
 
 
-def refuse_stream_run(strategy: str, own_partitions: bool, other_world: bool, min_workers=None) -> None:
+def refuse_stream_run(strategy: str, own_partitions: bool, other_world: bool, min_workers=None,
+                      merges: bool = False) -> None:
     """One line for what a stream cannot do yet: a strategy with partitions of its own (fedavg: give each client
     its own data instead, a factory taking `rank`), --strategy auto (it times map-style batches), live membership
-    and the rest of an epoch on another number of workers (the rest of the shards is not shared out again)."""
+    where the workers meet only in merges (`merges`: async shares the data out again from an epoch each worker
+    reaches on its own, where a stream's plan is made over the world all ranks train in at once) and the rest of
+    an epoch resumed on another number of workers (`other_world`). Live membership of the others is planned
+    again over the new world: from the next epoch's start, or from a commit with the rest shared (StreamRest)."""
     if own_partitions:
         raise UserError(f"--strategy {strategy} keeps its own partitions of map-style data, and shards are read as a "
                         "stream; give each client its own data (a --data factory taking rank), or use allreduce, "
                         "sync, streaming or async")
     if strategy == "auto":
         raise UserError("--strategy auto times map-style batches; with shards name the strategy (e.g. allreduce)")
-    if min_workers is not None:
-        raise UserError(f"--min-workers {min_workers} shares an epoch's rest out over the workers left, which "
-                        "shards read as a stream do not support yet; drop --min-workers")
+    if min_workers is not None and merges:
+        raise UserError(f"--min-workers {min_workers} with --strategy {strategy}: its workers share the data out "
+                        "again from an epoch each reaches on its own, and shards read as a stream are shared out "
+                        "at an epoch all workers stand at; use sync, streaming, hierarchical or allreduce, or drop "
+                        "--min-workers")
     if other_world:
         raise UserError("this checkpoint within an epoch was written by another number of workers, and shards read "
                         "as a stream go on within an epoch only on the same number; resume with as many workers")
@@ -237,7 +339,7 @@ class StreamReader:
         self.stream.set_epoch(epoch, start)
 
     def __len__(self) -> int:
-        return self.stream.steps - self.stream.start
+        return self.stream.remaining()
 
     def __iter__(self) -> Iterator:
         return iter(self.loader)

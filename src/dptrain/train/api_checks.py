@@ -48,7 +48,7 @@ def check_trainer_arguments(model: Any, optimizer: Any, loss: Any, strategy: Any
 def fit_data(train: Any, test: Any, strategy: Any, membership: Any) -> tuple:
     """Trainer.fit's train and test as Datasets (dptrain.data.sampler.as_dataset). Shards read as a stream are
     refused in one line where they cannot go yet, as `dptrain train` refuses them: --strategy auto, live
-    membership (`membership`: the Trainer's MembershipOptions; dptrain.data.streams.refuse_stream_run)."""
+    membership with async (`membership`: the Trainer's MembershipOptions; dptrain.data.streams.refuse_stream_run)."""
     from dptrain.data.sampler import as_dataset
     from dptrain.data.stream_splits import as_stream
 
@@ -60,7 +60,8 @@ def fit_data(train: Any, test: Any, strategy: Any, membership: Any) -> tuple:
     train, test = made(train, "training"), (made(test, "test") if test is not None else None)
     if getattr(train, "is_stream", False):
         from dptrain.data.streams import refuse_stream_run
-        refuse_stream_run(getattr(strategy, "name", "allreduce"), False, False, membership.min_workers)
+        refuse_stream_run(getattr(strategy, "name", "allreduce"), False, False, membership.min_workers,
+                          merges=strategy is not None and not strategy.meets_at_epoch_ends)
     return train, test
 
 

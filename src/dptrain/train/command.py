@@ -144,8 +144,9 @@ def _validate(config: TrainConfig) -> tuple[torch.nn.Module, DataSplits]:
     sharding.check_workers(samples, config.workers)
     if getattr(data.train_set(), "is_stream", False):
         from dptrain.data.streams import refuse_stream_run
-        refuse_stream_run(config.strategy, registry.load("strategy", config.strategy).own_partitions, False,
-                          config.min_workers)
+        chosen = registry.load("strategy", config.strategy)
+        refuse_stream_run(config.strategy, chosen.own_partitions, False, config.min_workers,
+                          merges=chosen.meeting.at == "merges")
     registry.load("strategy", config.strategy).check_before_spawn(config, model)
     if config.batch_size > samples // config.workers:
         raise UserError(f"--batch-size {config.batch_size} is larger than a worker's shard of "

@@ -117,7 +117,8 @@ class FixedMembership:
 class LiveMembership(FixedMembership):
     """--min-workers: the run goes on without lost or departing workers, down to min_workers, and admits
     joiners (see the module's docstring). `whole_epoch(epoch, members)`: the rows of `epoch` as `members`
-    share them (dptrain.data.sampler.Rest); `forget_model()`: drop what holds the old group's module."""
+    share them (dptrain.data.sampler.Rest; over shards, positions: dptrain.data.streams.StreamRest);
+    `forget_model()`: drop what holds the old group's module."""
 
     def __init__(self, ctx, recorder, options: MembershipOptions, *, timeout: float, seed: int, out,
                  batch_size: int, whole_epoch: Callable, forget_model: Callable[[], None]) -> None:

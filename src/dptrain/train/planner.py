@@ -67,10 +67,10 @@ class Planner:
     def _plan_stream(self, stream, rest: Optional[Rest]) -> EpochPlan:
         """A stream's plan (dptrain.data.streams): the same steps on every rank, computed from the shard sizes."""
         from dptrain.data.streams import StreamReader, refuse_stream_run
-        refuse_stream_run(self.strategy.name, False, rest is not None)
         agree_on_shards(stream, self.ctx.group.gather_objects("the shards", stream.fingerprint()))
+        ours = rest is not None and rest.members == tuple(self.ctx.group.members)  # (else an older world's)
         steps = stream.plan(self.ctx.rank, self.ctx.world_size, self.loader_workers, self.batch_size, self.seed,
-                            self.shuffle)
+                            self.shuffle, rest if ours else None)
         # The strategy sees its plan as for map-style data (streaming counts its steps); one that keeps partitions
         # of its own asks for the labels (refused) or plans other steps than the stream's
         def own_partitions():
@@ -109,6 +109,19 @@ class Planner:
                                       getattr(self.train, "block_size", None))
 
     def whole_epoch(self, epoch: int, members) -> Rest:
-        """The rows of `epoch` as `members` share them: what the rest of an epoch is cut from."""
+        """The rows of `epoch` as `members` share them (a stream's positions: StreamRest): what the rest of an
+        epoch is cut from."""
+        if getattr(self.train, "is_stream", False):
+            from dptrain.data.streams import StreamRest
+            return StreamRest.whole_stream(epoch, len(self.train), members, self.batch_size, self.loader_workers,
+                                           self.seed, self.shuffle)
         return Rest.whole(epoch, len(self.train), members, self.batch_size, self.seed, self.shuffle,
                           getattr(self.train, "block_size", None))
+
+    def rest_on_resume(self, epoch: int, members, done: int) -> Rest:
+        """The rest of `epoch` after its first `done` steps by `members` (a checkpoint's writers), shared over this
+        world; refused for a stream (dptrain.data.streams.refuse_stream_run)."""
+        if getattr(self.train, "is_stream", False):
+            from dptrain.data.streams import refuse_stream_run
+            refuse_stream_run(self.strategy.name, False, True)
+        return self.whole_epoch(epoch, members).after(done, tuple(self.ctx.group.members), self.batch_size)

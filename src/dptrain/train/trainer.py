@@ -372,8 +372,7 @@ class Trainer:
         if members != list(ctx.group.members):
             self.recorder.resume_without(min(len(members), ctx.world_size))
         if position and len(members) != ctx.world_size:  # (never taken after rows were shared out again)
-            rest = self.planner.whole_epoch(saved["epoch"], members)
-            state.rest = rest.after(position["steps"], tuple(ctx.group.members), self.step_batch)
+            state.rest = self.planner.rest_on_resume(saved["epoch"], members, position["steps"])
         # a copy draws its own random numbers within the epoch too (its source's stay its source's)
         rng = checkpoint_files.rng_state() if saved["copy"] else saved["rng"]
         state.position = Position.from_saved(position, rng) if position else None
