@@ -142,6 +142,16 @@ def test_the_strategies_that_share_the_data_read_each_sample_once_from_shards(tm
 
 
 @pytest.mark.slow
+def test_a_worker_slowed_with_slow_worker_times_its_compute_on_the_first_samples_of_the_shards(tmp_path):
+    """--slow-worker times a rank's own steps on its first batches: an IterableDataset has no rows to index, so
+    they are the shards' first samples in file order (this crashed with a DataLoader traceback)."""
+    result = _train(tmp_path, write_tars(tmp_path / "shards"), 2, 0, "--epochs", 1, "--slow-worker", "1:2")
+    assert result.returncode == 0, result.stderr + result.stdout
+    assert "Traceback" not in result.stderr
+    assert "dptrain: rank 1: --slow-worker 2: its own compute is " in result.stderr
+
+
+@pytest.mark.slow
 def test_fedavg_over_shards_is_refused_in_one_line(tmp_path):
     stderr = _refused(tmp_path, write_tars(tmp_path / "shards"), "--strategy", "fedavg")
     assert "--strategy fedavg keeps its own partitions of map-style data, and shards are read as a stream" in stderr

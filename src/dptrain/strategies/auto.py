@@ -147,7 +147,12 @@ def measure_compute(step: Step, model: torch.nn.Module, optimizer: torch.optim.O
     try:
         with torch.random.fork_rng(devices=devices):
             model.train()
-            batches = iter(loader(train, rows))
+            if getattr(train, "is_stream", False):  # shards (an IterableDataset): its first samples in file order
+                x_all, y_all = train.probe(batch_size * len(rows))[0]
+                picks = torch.arange(batch_size * len(rows)) % len(y_all)
+                batches = iter([(x_all[pick], y_all[pick]) for pick in picks.split(min(batch_size, len(y_all)))])
+            else:
+                batches = iter(loader(train, rows))
 
             def one_step() -> int:  # reading the batch is part of a step, as in the Trainer
                 x, y = next(batches)
