@@ -47,8 +47,9 @@ def snapshot(run: Path) -> dict:
     return {str(path): (path.stat().st_mtime_ns, path.stat().st_size) for path in sorted(run.rglob("*"))}
 
 
-@pytest.mark.parametrize("strategy", [["sync"], ["allreduce", "--commit-every-steps", "5"], ["streaming"]],
-                         ids=["sync", "allreduce", "streaming"])
+@pytest.mark.parametrize("strategy", [["sync"], ["allreduce", "--commit-every-steps", "5"], ["streaming"],
+                                      ["hierarchical", "--ranks-per-node", "1"]],
+                         ids=["sync", "allreduce", "streaming", "hierarchical"])
 def test_the_survivors_checkpoints_resume_on_the_whole_world_again(tmp_path, strategy):
     # Rank 1 is killed in epoch 2 and the others go on; both are killed as they begin epoch 4's checkpoint.
     argv = [*BASE, "--strategy", *strategy, "--workers", "3", "--min-workers", "2", "--epochs", "6"]
@@ -105,8 +106,7 @@ def test_a_checkpoint_within_an_epoch_resumes_on_another_number_of_workers_readi
 @pytest.mark.parametrize("strategy, why", [
     (["fedavg", "--partition", "dirichlet"],
      "its dirichlet partitions give each client data of its own, which iid ones do not"),
-    (["hierarchical", "--ranks-per-node", "1"], "its groups of ranks are made per node"),
-], ids=["fedavg-dirichlet", "hierarchical"])
+], ids=["fedavg-dirichlet"])
 def test_a_strategy_that_cannot_resume_on_another_number_of_workers_says_so_in_one_line(tmp_path, strategy, why):
     argv = [*BASE, "--strategy", *strategy, "--epochs", "3"]
     env = {"DPTRAIN_FAULT": "save-begin@0:2", "DPTRAIN_FAULT_ONCE": str(tmp_path / "fired")}
@@ -118,7 +118,27 @@ def test_a_strategy_that_cannot_resume_on_another_number_of_workers_says_so_in_o
     assert refused.stderr.strip().splitlines() == [
         f"dptrain: error: run directory 'R' holds a run of {name} on 2 workers, 3 now: {name} cannot resume on "
         f"another number of workers ({why}); give --workers 2 to continue it (allreduce, sync, streaming, async and "
-        "fedavg with iid partitions resume on any number), or --out a new directory"]
+        "fedavg with iid partitions resume on any number, hierarchical at an epoch end), or --out a new directory"]
+    assert snapshot(tmp_path / "R") == before
+
+
+def test_hierarchical_resumes_a_checkpoint_within_an_epoch_only_on_the_workers_that_wrote_it(tmp_path):
+    # Within an epoch each node's replica differs from the others' (they meet at the period's end), and the nodes
+    # are laid out anew on another number of workers: refused in one line, nothing touched.
+    argv = [*BASE, "--strategy", "hierarchical", "--ranks-per-node", "2", "--checkpoint-every-steps", "3",
+            "--epochs", "3"]
+    steps = sharding.steps_per_epoch(TRAIN_ROWS, 4, 32)
+    env = {"DPTRAIN_FAULT": f"step@0:{steps + 7}", "DPTRAIN_FAULT_ONCE": str(tmp_path / "fired")}
+    assert dptrain(*argv, "--workers", "4", cwd=tmp_path, env=env).returncode != 0
+    before = snapshot(tmp_path / "R")
+    refused = dptrain(*argv, "--workers", "2", cwd=tmp_path)
+    assert refused.returncode == 2
+    assert refused.stderr.strip().splitlines() == [
+        "dptrain: error: the checkpoint of step 6 of epoch 2 in 'R' was written by 4: job ranks 0, 1, 2, 3, and "
+        "hierarchical cannot resume on another number of workers (2 now): a checkpoint within an epoch holds each "
+        "node's replica apart from the others', and the nodes are laid out anew on another number of workers; give "
+        "--workers 4 to continue it (allreduce, sync, streaming, async and fedavg with iid partitions resume on any "
+        "number, hierarchical at an epoch end)"]
     assert snapshot(tmp_path / "R") == before
 
 
@@ -134,7 +154,7 @@ def test_fedavg_resumes_a_checkpoint_within_an_epoch_only_on_the_workers_that_wr
         "dptrain: error: the checkpoint of step 6 of epoch 2 in 'R' was written by 2: job ranks 0, 1, and fedavg "
         "cannot resume on another number of workers (3 now): a checkpoint within an epoch holds each client's place "
         "in its own partition, one at an epoch end does not; give --workers 2 to continue it (allreduce, sync, "
-        "streaming, async and fedavg with iid partitions resume on any number)"]
+        "streaming, async and fedavg with iid partitions resume on any number, hierarchical at an epoch end)"]
     assert snapshot(tmp_path / "R") == before
     again = dptrain(*argv, "--workers", "2", cwd=tmp_path)
     assert again.returncode == 0, again.stderr

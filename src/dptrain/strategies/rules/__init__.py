@@ -25,7 +25,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 
 # What the refusal of another number of workers says works instead (the strategies whose rules allow it).
-RESUME_ON_ANY_NUMBER = "allreduce, sync, streaming, async and fedavg with iid partitions resume on any number"
+RESUME_ON_ANY_NUMBER = ("allreduce, sync, streaming, async and fedavg with iid partitions resume on any number, "
+                        "hierarchical at an epoch end")
 
 
 class StrategyRules:

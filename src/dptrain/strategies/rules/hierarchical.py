@@ -15,7 +15,14 @@ class HierarchicalRules(StrategyRules):
                                                                       "form node k), instead of the host names and the "
                                                                       "launcher's local world size")
 
-    no_other_world = "its groups of ranks are made per node"
+    @classmethod
+    def other_world_refused(cls, config: Any, within_epoch: bool = False) -> Optional[str]:
+        # At an epoch end a worker's state serves a new one as under sync: the nodes are laid out anew over the
+        # new world at setup, and each node's DDP starts from its leader's state.
+        if within_epoch:
+            return ("a checkpoint within an epoch holds each node's replica apart from the others', and the nodes are "
+                    "laid out anew on another number of workers")
+        return None
 
     @classmethod
     def check(cls, config: Any) -> None:
