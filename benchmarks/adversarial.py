@@ -5,6 +5,8 @@ foreign checkpoints, changed data, a full disk and signals, each against real `p
     python benchmarks/adversarial.py --quick         # a representative subset (17 cases)
     python benchmarks/adversarial.py --jobs 2        # cases two at a time
     python benchmarks/adversarial.py --cases kill-sync --list   # the cases whose name holds a word, not run
+    python benchmarks/adversarial.py --cases hierarchical --replace-in benchmarks/results/adversarial
+                                                     # those cases again, in place of their rows of an earlier run
 
 Writes benchmarks/results/adversarial.md (the table, and a line per case) and adversarial.json (every case's
 details: each invocation's argv, exit, wall time, epoch lines, the checkpoints seen before and after the resume,
@@ -902,20 +904,37 @@ def table(records: list[dict]) -> list[str]:
     return lines
 
 
-def report(records: list[dict], mode: str, seconds: float, jobs: int) -> str:
+def git_head() -> str:
     head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    return head.stdout.strip() or "?"
+
+
+def report(records: list[dict], mode: str, seconds: float, jobs: int) -> str:
+    commits = sorted({r.get("commit", "?") for r in records})
     lines = [f"# Adversarial matrix ({mode}, {len(records)} cases, {seconds / 60:.1f} min, --jobs {jobs})", "",
-             f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, commit {head.stdout.strip() or '?'}, "
-             f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the end. "
-             "Each column counts cases (benchmarks/adversarial.py's docstring says what each measures); goal: 0 in "
-             "every column but runs.", "", *table(records), "", "## Cases", "",
-             "| case | seconds | exits | problems |", "|---|---:|---|---|"]
+             f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, commit{'s' if len(commits) > 1 else ''} "
+             f"{', '.join(commits)} (each case's below), {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} "
+             "at the end. Each column counts cases (benchmarks/adversarial.py's docstring says what each measures); "
+             "goal: 0 in every column but runs.", "", *table(records), "", "## Cases", "",
+             "| case | commit | seconds | exits | problems |", "|---|---|---:|---|---|"]
     for r in records:
         exits = ", ".join(f"{i['name']} {'hung' if i['hung'] else i['exit']}" for i in r["invocations"])
         error = " (benchmark error: see the JSON)" if "error" in r["result"] else ""
         skipped = f" (skipped: {r['result']['skipped']})" if "skipped" in r["result"] else ""
-        lines.append(f"| {r['case']} | {r['seconds']} | {exits} | {problems(r['verdict'])}{error}{skipped} |")
+        lines.append(f"| {r['case']} | {r.get('commit', '?')} | {r['seconds']} | {exits} | "
+                     f"{problems(r['verdict'])}{error}{skipped} |")
     return "\n".join(lines) + "\n"
+
+
+def replace_in(earlier: Path, records: list[dict], mode: str, seconds: float) -> tuple[list[dict], str, float]:
+    """An earlier run's cases (PREFIX.json; their commit from its record, or its .md's header) with those run now
+    in place of theirs."""
+    before = json.loads(earlier.with_suffix(".json").read_text())
+    found = re.search(r"commit (\w+)", earlier.with_suffix(".md").read_text()) if earlier.with_suffix(".md").exists() else None
+    commit = found[1] if found else "?"
+    fresh = {r["case"]: r for r in records}
+    merged = [fresh.pop(r["case"], {"commit": commit, **r}) for r in before["cases"]] + list(fresh.values())
+    return merged, f"{before['mode']}, {len(records)} of them run again", before["seconds"] + seconds
 
 
 def main() -> int:
@@ -926,6 +945,9 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=OUT, help="PREFIX of PREFIX.md and PREFIX.json")
     parser.add_argument("--keep", action="store_true", help="keep the run directories (printed at the end)")
     parser.add_argument("--list", action="store_true", help="list the chosen cases and stop")
+    parser.add_argument("--replace-in", type=Path, metavar="PREFIX",
+                        help="an earlier run's PREFIX.json: the chosen cases replace their rows of it, its others are "
+                             "kept (each row names the commit it ran at); written to --out")
     args = parser.parse_args()
     cases = all_cases()
     if args.quick:
@@ -953,6 +975,11 @@ def main() -> int:
     order = {case.name: i for i, case in enumerate(cases)}
     records.sort(key=lambda r: order[r["case"]])
     seconds = time.monotonic() - began
+    head = git_head()
+    for record in records:
+        record["commit"] = head
+    if args.replace_in:
+        records, mode, seconds = replace_in(args.replace_in, records, mode, seconds)
     text = report(records, mode, seconds, args.jobs)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".md").write_text(text)
