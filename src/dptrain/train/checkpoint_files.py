@@ -71,14 +71,23 @@ def save(run_dir: Path, epoch: At, rank: int, state: dict[str, Any]) -> Path:
     """Write the state of `rank` (of the job) for `epoch` (counted from 1, or a point within an epoch) atomically,
     with its checksum."""
     directory = _epoch_dir(run_dir, epoch)
-    make_dirs(directory)
     buffer = io.BytesIO()
     torch.save(state, buffer)
     data = buffer.getvalue()
     path = _rank_file(directory, rank)
-    # Checksum first: a file without a valid checksum beside it is never trusted.
-    atomic_write_bytes(_checksum_file(path), hashlib.sha256(data).hexdigest().encode())
-    atomic_write_bytes(path, data)
+    for attempt in range(3):
+        make_dirs(directory)
+        try:
+            # Checksum first: a file without a valid checksum beside it is never trusted.
+            atomic_write_bytes(_checksum_file(path), hashlib.sha256(data).hexdigest().encode())
+            atomic_write_bytes(path, data)
+            return path
+        except (OSError, UserError):
+            # async's workers save alone at their own epoch ends, and rank 0 may prune a checkpoint older than
+            # the newest complete ones while a slower worker writes into it: made again, it stays incomplete
+            # (no manifest) and is pruned again later. Any other failure is the disk's, said as it was.
+            if directory.is_dir() or attempt == 2:
+                raise
     return path
 
 
