@@ -135,18 +135,18 @@ def fsdp_settings(precision: str = "fp32", offload: bool = False) -> dict:
     return settings
 
 
-def shard_model(model: nn.Module, optimizer: torch.optim.Optimizer, inside: Group, count: Callable[[int], None],
-                *, unit: Optional[str], share: float, across: Optional[Group] = None, settings: Optional[dict] = None,
-                recompute: bool = False) -> nn.Module:
-    """Shard `model` in place over `inside` (each unit, then the root) and point `optimizer` at the sharded
-    parameters; every collective FSDP makes goes through `inside` (and `across`: the gradients' all-reduce
-    between replica groups, HSDP), counted by `count`. The model must be the same on every rank of `inside`
-    already (FSDP keeps each rank's own part of its own copy). `settings`: fully_shard's other keywords
-    (`fsdp_settings`); `recompute`: each unit's activations recomputed in the backward (activation
-    checkpointing, torch's composable `checkpoint`)."""
+def shard_model(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], inside: Group,
+                count: Callable[[int], None], *, unit: Optional[str], share: float, across: Optional[Group] = None,
+                settings: Optional[dict] = None, recompute: bool = False) -> nn.Module:
+    """Shard `model` in place over `inside` (each unit, then the root) and point `optimizer` (None for a model
+    that is only evaluated) at the sharded parameters; every collective FSDP makes goes through `inside` (and
+    `across`: the gradients' all-reduce between replica groups, HSDP), counted by `count`. The model must be
+    the same on every rank of `inside` already (FSDP keeps each rank's own part of its own copy). `settings`:
+    fully_shard's other keywords (`fsdp_settings`); `recompute`: each unit's activations recomputed in the
+    backward (activation checkpointing, torch's composable `checkpoint`)."""
     from torch.distributed.fsdp import fully_shard
 
-    if any(optimizer.state.values()):
+    if optimizer is not None and any(optimizer.state.values()):
         raise RuntimeError("the optimizer must be sharded before its first step")
     names = {id(parameter): name for name, parameter in model.named_parameters()}
     mesh = mesh_of(inside)
@@ -159,7 +159,7 @@ def shard_model(model: nn.Module, optimizer: torch.optim.Optimizer, inside: Grou
     for module in wrapped + [model]:
         fully_shard(module, mesh=mesh, reshard_after_forward=True, **(settings or {}))
     sharded = dict(model.named_parameters())
-    for param_group in optimizer.param_groups:
+    for param_group in optimizer.param_groups if optimizer is not None else []:
         param_group["params"] = [sharded[names[id(parameter)]] for parameter in param_group["params"]]
     ranks = inside.world_size * (across.world_size if across is not None else 1)
     SeamAllGather, SeamReduceScatter = _seam_collectives()

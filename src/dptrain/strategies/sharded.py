@@ -61,6 +61,14 @@ class ShardedReplicas:
                            settings=fsdp_settings(options.shard_precision, options.shard_offload),
                            recompute=options.shard_checkpoint)
 
+    def shard_alike(self, module: nn.Module, count: Callable[[int], None]) -> nn.Module:
+        """Shard a copy of the model (one that is only evaluated, no optimizer: streaming's global model) in place
+        as `shard` shards the model, so that each rank holds the same part of both; its values are the caller's
+        to set, shard by shard."""
+        options = self.options
+        return shard_model(module, None, self.inside, count, unit=options.shard_unit, share=DEFAULT_UNIT_SHARE,
+                           settings=fsdp_settings(options.shard_precision, options.shard_offload))
+
     def plan(self, ctx: DistContext, n_samples: int, batch_size: int, seed: int, shuffle: str,
              block_size: Optional[int]) -> EpochPlan:
         return replica_plan(n_samples, ctx.rank, ctx.world_size, self.size, batch_size, seed, shuffle, block_size)

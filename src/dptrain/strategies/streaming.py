@@ -55,6 +55,14 @@ changed evaluates it (collectively). The replicas themselves differ by their loc
 `comm_bytes`: the initial broadcast of the model, the bytes of every flat tensor handed to an
 all-reduce (one per dtype per send), and the final average. Optimizer state stays per worker.
 
+Sharded replica groups (--shard hybrid, dptrain.strategies.sharded). The model is sharded inside each group of
+S ranks and g alike (a second sharded module, no optimizer), so a rank holds 1/S of both. The fragments are cut
+from the whole tensors before sharding (the same parameters on every rank, and as on an unsharded run); a send
+carries this rank's shards of its fragment's tensors, all-reduced over the ranks holding the same shards in the
+other groups (`across`), and the final average likewise: no average gathers a whole model. So a hybrid run of R
+groups computes what an unsharded streaming run of R workers with S x the batch does, in float rounding. A
+checkpoint holds this rank's shards of the replica, its optimizer and g.
+
 Live membership (--min-workers). A lost worker's part of the epoch goes, with any average in flight: the
 others go back to their state at that epoch's start (g included, the same on each) and redo it (`rebind`).
 
@@ -80,8 +88,11 @@ from dptrain.data.sampler import EpochPlan
 from dptrain.errors import UserError
 from dptrain.runtime.distributed import DistContext
 from dptrain.strategies.base import Strategy, check_period
+from dptrain.runtime.group import Group
+from dptrain.runtime.sharded import state_holder
 from dptrain.strategies.collectives import average_module, broadcast_module, module_state, unflatten_into
 from dptrain.strategies.rules.streaming import StreamingRules
+from dptrain.strategies.sharded import Shardable
 
 
 @dataclass
@@ -124,15 +135,23 @@ def split_fragments(tensors: list[torch.Tensor], fragments: int) -> list[list[in
     return groups
 
 
+def _tensors(module: nn.Module) -> list[torch.Tensor]:
+    """`module`'s parameters (this rank's shards of a sharded one) and buffers, in module_state's order."""
+    floating, integer = module_state(module)
+    return floating + integer
+
+
 def check_fragments(model: nn.Module, fragments: int) -> None:
     """Raise the UserError of split_fragments when `model` has fewer tensors than `fragments` (before workers start)."""
     floating, integer = module_state(model)
     split_fragments(floating + integer, fragments)
 
 
-class Streaming(StreamingRules, Strategy):
+class Streaming(Shardable, StreamingRules, Strategy):
     """Weight averaging every K steps (or E epochs) overlapped with D steps of training, with the
-    delay correction w <- mean(w_s) + (w_now - w_s); optionally one of F fragments per period."""
+    delay correction w <- mean(w_s) + (w_now - w_s); optionally one of F fragments per period. With a sharded
+    model (`shard_as`), each rank averages its shards of a fragment with the ranks holding the same shards in
+    the other replica groups, and g is held sharded as the model is (see "Sharded replica groups" above)."""
 
     name = "streaming"
 
@@ -167,8 +186,9 @@ class Streaming(StreamingRules, Strategy):
 
     @classmethod
     def check_before_spawn(cls, config, model: nn.Module) -> None:
-        """--fragments needs as many tensors as fragments."""
+        """--fragments needs as many tensors as fragments (and --shard-unit a module of the model)."""
         check_fragments(model, config.fragments)
+        super().check_before_spawn(config, model)
 
     # -- the schedule ----------------------------------------------------------------------------
     def epoch_plan(self, ctx: DistContext, n_samples: int, labels: Callable[[], np.ndarray], batch_size: int,
@@ -194,12 +214,30 @@ class Streaming(StreamingRules, Strategy):
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, ctx: DistContext) -> nn.Module:
         super().setup(model, optimizer, ctx)
+        if self.shard_options is not None:
+            return self._shard_setup_global(model, optimizer, ctx)
         if ctx.world_size > 1:
             self.comm_bytes += broadcast_module(model, group=self.ctx.group)
             floating, integer = module_state(model)
             self._groups = split_fragments(floating + integer, self.fragments)
             self._global_model = copy.deepcopy(model)  # g: the last global model, equal on every rank
         return model
+
+    def _shard_setup_global(self, model: nn.Module, optimizer: torch.optim.Optimizer, ctx: DistContext) -> nn.Module:
+        """Shard the model inside its replica group, and g alike: each rank holds its part of both. The fragments
+        are cut from the whole tensors, before sharding, so that a fragment is the same parameters on every rank
+        (and on an unsharded run of the same model); each rank sends its shards of them."""
+        self._groups = split_fragments(_tensors(model), self.fragments)
+        global_model = copy.deepcopy(model)
+        model = self._shard_setup(model, optimizer, ctx, average_gradients=False)  # rank 0's model, sharded
+        self._global_model = self.replicas.shard_alike(global_model, self._add_bytes)
+        self._copy_into_global(model)
+        return model
+
+    @property
+    def _across(self) -> Group:
+        """The ranks this rank averages with: all of them, or with a sharded model those holding its shards."""
+        return self.replicas.across if self.replicas is not None else self.ctx.group
 
     def rebind(self, ctx: DistContext) -> nn.Module:
         """The average in flight (on the old group, from a state the run has gone back from) is dropped; g and
@@ -287,10 +325,10 @@ class Streaming(StreamingRules, Strategy):
                 else:
                     flat = snapshot.to(torch.uint8) if kind == "bool" else snapshot
                     op = "max"
-                own = flat.clone()
-                send = _Send(kind, live, global_, flat, own)
-                send.work, sent = self.ctx.group.all_reduce_async(flat, op)
-                self.comm_bytes += sent
+                send = _Send(kind, live, global_, flat, flat.clone())
+                if flat.numel():  # a rank may hold no shard of a fragment's tensors, nor then its peers across
+                    send.work, sent = self._across.all_reduce_async(flat, op)
+                    self.comm_bytes += sent
                 pending.sends.append(send)
         self._pending = pending
 
@@ -301,10 +339,11 @@ class Streaming(StreamingRules, Strategy):
         waited = 0.0
         for send in pending.sends:
             begun = time.perf_counter()
-            self.ctx.group.wait(send.work, "an average")
+            if send.work is not None:
+                self._across.wait(send.work, "an average")
             waited += time.perf_counter() - begun
         self.waited_seconds += waited
-        world = self.ctx.world_size
+        world = self._across.world_size
         with torch.no_grad():
             for send in pending.sends:
                 if send.kind == "float":
@@ -341,12 +380,16 @@ class Streaming(StreamingRules, Strategy):
 
     def _final_average(self) -> None:
         """One blocking average of the whole model; afterwards every replica (and g) is the same."""
-        self.comm_bytes += average_module(self.model, self.ctx.group)
-        with torch.no_grad():
-            for global_, live in zip(self._global_model.state_dict().values(), self.model.state_dict().values()):
-                global_.copy_(live)
+        self.comm_bytes += average_module(self.model, self._across)
+        self._copy_into_global(self.model)
         self._diverged = False
         self._final_averaged = True
+
+    def _copy_into_global(self, model: nn.Module) -> None:
+        """g <- `model`, tensor by tensor (each rank its own shards of a sharded model)."""
+        with torch.no_grad():
+            for global_, live in zip(_tensors(self._global_model), _tensors(model)):
+                global_.copy_(live)
 
     # -- checkpoints and summaries ---------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -354,7 +397,8 @@ class Streaming(StreamingRules, Strategy):
         state = super().state_dict()
         state.update(averages=self.averages, sends=self._sends, diverged=self._diverged,
                      waited_seconds=self.waited_seconds,
-                     global_model={k: v.detach().clone() for k, v in self._global_model.state_dict().items()}
+                     global_model={key: value.detach().clone() for key, value
+                                   in state_holder(self._global_model).state_dict().items()}
                      if self._global_model is not None else {})
         return state
 
@@ -363,9 +407,9 @@ class Streaming(StreamingRules, Strategy):
         self.averages, self._sends, self._diverged = state["averages"], state["sends"], state["diverged"]
         self.waited_seconds = state["waited_seconds"]
         if self._global_model is not None and state["global_model"]:
-            self._global_model.load_state_dict(state["global_model"])
+            state_holder(self._global_model).load_state_dict(state["global_model"])
         elif self._global_model is not None:  # written by a worker alone, resumed on several: each copies its model
-            self._global_model.load_state_dict(self.model.state_dict())
+            state_holder(self._global_model).load_state_dict(state_holder(self.model).state_dict())
         elif state["global_model"]:  # a joiner, alone until `rebind` (dptrain.train.live): g for then
             self._joined_global = state["global_model"]
 
@@ -374,4 +418,4 @@ class Streaming(StreamingRules, Strategy):
 
     def describe(self) -> dict:
         return {"name": self.name, "every": self.every, "every_steps": self.every_steps,
-                "overlap_steps": self.overlap_steps, "fragments": self.fragments}
+                "overlap_steps": self.overlap_steps, "fragments": self.fragments, **self.sharding()}

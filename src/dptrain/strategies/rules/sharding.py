@@ -14,10 +14,12 @@ from typing import Any, Optional
 
 SHARD_MODES = ("none", "full", "hybrid")
 SHARD_PRECISIONS = ("fp32", "bf16")  # bf16: parameters all-gathered and computed in bf16, gradients reduced in fp32
-SHARDED_STRATEGIES = ("allreduce", "sync")  # the others are refused with --shard (not built yet)
+SHARDED_STRATEGIES = ("allreduce", "sync", "streaming")  # the others are refused with --shard (not built yet)
+AVERAGING_ACROSS = ("sync", "streaming")  # average across replica groups: --shard hybrid only (full makes one)
 DEFAULT_UNIT_SHARE = 0.05  # without --shard-unit: each child module holding at least this share of the parameters
-REFUSED_LINE = ("--shard full/hybrid runs with --strategy allreduce or sync (sync: --outer none, --compression "
-                "none, --optimizer-state keep, no --allreduce-epochs; hybrid only); not with --min-workers, "
+REFUSED_LINE = ("--shard full/hybrid runs with --strategy allreduce, sync or streaming (sync and streaming: hybrid "
+                "only; sync: --outer none, --compression none, --optimizer-state keep, no --allreduce-epochs); "
+                "not with --min-workers, "
                 "--monitor, --amp fp16 or --nnodes (a lost rank loses its group's shard, no second copy is kept)")
 
 
@@ -110,9 +112,9 @@ def sharding_refused(config: Any) -> Optional[str]:
     refused = []
     if config.strategy not in SHARDED_STRATEGIES:
         refused.append(f"--strategy {config.strategy}")
+    if config.strategy in AVERAGING_ACROSS and shard == "full":
+        refused.append(f"--strategy {config.strategy} with --shard full (one replica group: nothing to average)")
     if config.strategy == "sync":
-        if shard == "full":
-            refused.append("--strategy sync with --shard full (one replica group: nothing to average)")
         for key, plain in (("outer", "none"), ("compression", "none"), ("optimizer_state", "keep"),
                            ("allreduce_epochs", 0)):
             if getattr(config, key, plain) != plain:

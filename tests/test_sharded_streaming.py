@@ -1,0 +1,137 @@
+"""streaming across sharded replica groups (--shard hybrid): the same weights and evaluations as the unsharded
+streaming run of as many replicas with S x the batch, each fragment sent as this rank's shards of its tensors
+(the bytes counted, per rank), a checkpoint that resumes bit for bit, and one-line refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from distributed import run_distributed, toy_data
+from dptrain.errors import UserError
+from dptrain.strategies.streaming import Streaming, split_fragments
+from dptrain.train.trainer import Trainer
+from test_train_cli import dptrain
+
+N, BATCH, SEED, SIZE = 64, 4, 0, 2
+RELATIVE = 1e-6  # the float tolerance of the equalities (sums in another order)
+HYBRID = {"shard": "hybrid", "shard_size": SIZE}
+# Averages every 2 steps, each landing 1 step later, one of 3 fragments each time: the replicas and g differ
+# between averages, and every fragment is sent by shards.
+SCHEDULE = {"every_steps": 2, "overlap_steps": 1, "fragments": 3}
+
+
+def _model():
+    # No BatchNorm: its statistics over a rank's half of a step's rows are not those over the whole step.
+    torch.manual_seed(3)
+    return nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 3))
+
+
+def _train(rank, world, schedule, batch, epochs, sharded, out=None, resume=False):
+    """Train with momentum SGD (its state is sharded too), evaluating g after each epoch; the full state on rank
+    0, the test losses, this rank's bytes."""
+    from dptrain.runtime.sharded import full_state
+
+    x, y = toy_data(N)
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5)
+    strategy = Streaming(**schedule)
+    trainer = Trainer(model, optimizer, "cross-entropy", strategy, batch_size=batch, seed=SEED, verbose=False,
+                      progress=False, out=out, resume=resume, checkpoint_every=1 if out else 0, **sharded)
+    trainer.fit((x, y), toy_data(32), epochs=epochs)
+    losses = [record["test_loss"] for record in trainer.recorder.history]
+    return full_state(strategy.finish()), losses, strategy.comm_bytes
+
+
+def _relative(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).abs().max() / b[k].abs().max()) for k in a)
+
+
+def _shard_bytes(parameter: torch.Tensor, place: int) -> int:
+    """The bytes of rank `place`'s shard of `parameter` in a group of SIZE ranks: FSDP2 chunks the rows as
+    torch.chunk does (ceil(rows / S) each, the last ones fewer or none)."""
+    rows = parameter.shape[0]
+    chunk = -(-rows // SIZE)
+    held = max(0, min(rows, (place + 1) * chunk) - place * chunk)
+    return held * parameter[0].numel() * parameter.element_size()
+
+
+def test_hybrid_streaming_equals_unsharded_streaming_and_sends_each_fragment_by_shards():
+    epochs = 2
+    unsharded = run_distributed(_train, 2, SCHEDULE, SIZE * BATCH, epochs, {})
+    hybrid = run_distributed(_train, 4, SCHEDULE, BATCH, epochs, HYBRID)
+    assert _relative(hybrid[0][0], unsharded[0][0]) < RELATIVE
+    # g (what is evaluated) is the same too: it differs from the replicas after an overlapped average.
+    assert len(hybrid[0][1]) == epochs
+    assert all(abs(a - b) <= RELATIVE * abs(b) for a, b in zip(hybrid[0][1], unsharded[0][1]))
+    assert all(rank[1] == hybrid[0][1] for rank in hybrid)
+
+    # Bytes, rank by rank: rank 0's broadcast of the whole model; each step, FSDP's all-gather of a unit's
+    # shard before its forward and before its backward and the reduce-scatter of its padded gradient; each
+    # evaluation (g after each epoch, the final model after its final average), one all-gather of its shards;
+    # across the groups, per send this rank's shards of that send's
+    # fragment, and at the end its shards of the whole model (the last send's fragment left the replicas
+    # apart). Fragment j % 3 is sent j-th, cut from the whole tensors as on the unsharded run.
+    parameters = list(_model().parameters())
+    whole = sum(p.numel() * p.element_size() for p in parameters)
+    padded = sum(-(-p.shape[0] // SIZE) * SIZE * p[0].numel() * 4 for p in parameters)
+    fragments = split_fragments(parameters, SCHEDULE["fragments"])
+    steps = epochs * (N // 2 // (SIZE * BATCH))
+    sends = [fragments[send % len(fragments)] for send in range(steps // SCHEDULE["every_steps"])]
+    assert len(sends) == 4 and fragments == [[0], [1, 2], [3, 4, 5]]
+    for rank, (_, _, sent) in enumerate(hybrid):
+        place = rank % SIZE
+        across = sum(_shard_bytes(parameters[i], place) for fragment in sends for i in fragment)
+        across += sum(_shard_bytes(p, place) for p in parameters)
+        assert sent == whole + steps * 2 * padded + (epochs + 1) * padded // SIZE + across, rank
+    # ... which are the unsharded run's sends split over the shards: rank 0 and rank 1 sent them between them.
+    full_sends = sum(parameters[i].numel() * 4 for fragment in sends for i in fragment) + whole
+    assert [sent for _, _, sent in unsharded] == [whole + full_sends] * 2
+    parts = [hybrid[place][2] - whole - steps * 2 * padded - (epochs + 1) * padded // SIZE for place in range(SIZE)]
+    assert sum(parts) == full_sends and parts[0] != parts[1]
+
+
+def test_a_hybrid_streaming_checkpoint_resumes_bit_for_bit(tmp_path):
+    whole = run_distributed(_train, 4, SCHEDULE, BATCH, 2, HYBRID, str(tmp_path / "whole"))[0]
+    run_distributed(_train, 4, SCHEDULE, BATCH, 1, HYBRID, str(tmp_path / "cut"))
+    saved = torch.load(tmp_path / "cut" / "checkpoints" / "epoch-000001" / "rank-00001.pt", weights_only=True)
+    assert saved["model"]["0.weight"].shape == (8, 6)  # rank 1's half of the 16 x 6 weight
+    assert saved["strategy"]["global_model"]["0.weight"].shape == (8, 6)  # and of g's
+    resumed = run_distributed(_train, 4, SCHEDULE, BATCH, 2, HYBRID, str(tmp_path / "cut"), True)[0]
+    assert all(torch.equal(resumed[0][key], whole[0][key]) for key in whole[0])
+    assert resumed[1] == whole[1]  # g evaluated after epoch 2 the same
+
+
+def _one_group(rank, world):
+    x, y = toy_data(N)
+    model = _model()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "cross-entropy", Streaming(),
+                      batch_size=BATCH, verbose=False, progress=False, shard="full")
+    try:
+        trainer.fit((x, y), epochs=1)
+    except UserError as error:
+        return str(error)
+    return None
+
+
+def test_streaming_over_one_replica_group_is_refused_from_python_too():
+    lines = run_distributed(_one_group, 2)
+    assert lines[0] is not None and lines[0].startswith("--shard full makes one replica group of all 2 ranks: "
+                                                        "streaming has nothing to average across groups")
+
+
+@pytest.mark.parametrize("args,line", [
+    (["--shard", "full", "--strategy", "streaming"],
+     "--shard full is refused with --strategy streaming with --shard full (one replica group: nothing to average)"),
+    (["--shard", "hybrid", "--strategy", "streaming", "--min-workers", "1"], "--shard hybrid is refused with "
+                                                                               "--min-workers"),
+])
+def test_what_sharded_streaming_refuses_is_one_line_before_anything_runs(tmp_path, args, line):
+    out = tmp_path / "run"
+    result = dptrain("train", "--dataset", "digits", "--epochs", "1", "--out", str(out), *args, cwd=tmp_path)
+    assert result.returncode == 2
+    assert line in result.stderr and "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert not out.exists()
