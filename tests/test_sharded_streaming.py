@@ -93,6 +93,15 @@ def test_hybrid_streaming_equals_unsharded_streaming_and_sends_each_fragment_by_
     assert sum(parts) == full_sends and parts[0] != parts[1]
 
 
+def test_hybrid_streaming_with_epoch_periods_equals_unsharded_streaming():
+    # The average sent 2 steps before each epoch's end and applied at it (the epoch-end drain), 2 fragments.
+    schedule = {"every": 1, "overlap_steps": 2, "fragments": 2}
+    unsharded = run_distributed(_train, 2, schedule, SIZE * BATCH, 2, {})[0]
+    hybrid = run_distributed(_train, 4, schedule, BATCH, 2, HYBRID)[0]
+    assert _relative(hybrid[0], unsharded[0]) < RELATIVE
+    assert all(abs(a - b) <= RELATIVE * abs(b) for a, b in zip(hybrid[1], unsharded[1]))
+
+
 def test_a_hybrid_streaming_checkpoint_resumes_bit_for_bit(tmp_path):
     whole = run_distributed(_train, 4, SCHEDULE, BATCH, 2, HYBRID, str(tmp_path / "whole"))[0]
     run_distributed(_train, 4, SCHEDULE, BATCH, 1, HYBRID, str(tmp_path / "cut"))
