@@ -17,7 +17,7 @@ from dptrain.data import sharding
 from dptrain.errors import UserError
 from dptrain.strategies import FedAvg, Sync
 from dptrain.train.trainer import Trainer
-from test_train_cli import dptrain
+from test_sharded import test_what_sharding_refuses_is_one_line_before_anything_runs as refused_in_one_line
 
 N, BATCH = 64, 4
 RELATIVE = 1e-6  # the float tolerance of the equalities (sums in another order)
@@ -38,7 +38,7 @@ _fedavg = partial(FedAvg, partition="dirichlet", alpha=0.5, proximal_mu=0.1, out
 
 def _train(rank, world, make, batch, epochs, sharded, seed, out=None, resume=False):
     """Train with momentum SGD; (the full state on rank 0, the sizes of this rank's anchor tensors and of its
-    parameter shards, the strategy's summary)."""
+    parameter shards, the strategy's summary, the bytes this rank handed to collectives)."""
     from dptrain.runtime.sharded import full_state, local
 
     x, y = toy_data(N)
@@ -51,7 +51,8 @@ def _train(rank, world, make, batch, epochs, sharded, seed, out=None, resume=Fal
     final = strategy.finish()
     anchor = [a.numel() for a in strategy.averager.anchor]
     shards = [local(p).numel() for p in final.parameters()]
-    return full_state(final), anchor, shards, strategy.summary() if hasattr(strategy, "summary") else {}
+    summary = strategy.summary() if hasattr(strategy, "summary") else {}
+    return full_state(final), anchor, shards, summary, strategy.comm_bytes
 
 
 def _relative(a: dict, b: dict) -> float:
@@ -64,8 +65,9 @@ def test_hybrid_sync_with_an_outer_step_equals_the_unsharded_run_and_keeps_its_a
     unsharded = run_distributed(_train, 2, _sync_outer, 2 * BATCH, 2, {}, 0)
     hybrid = run_distributed(_train, 4, _sync_outer, BATCH, 2, HYBRID, 0)
     assert _relative(hybrid[0][0], unsharded[0][0]) < RELATIVE
-    plain = run_distributed(_train, 2, partial(Sync, every_steps=2), 2 * BATCH, 2, {}, 0)[0][0]
-    assert _relative(plain, unsharded[0][0]) > 1e-3  # the outer step changed the weights: it really ran
+    plain = run_distributed(_train, 4, partial(Sync, every_steps=2), BATCH, 2, HYBRID, 0)
+    assert _relative(plain[0][0], hybrid[0][0]) > 1e-3  # the outer step changed the weights: it really ran
+    assert [each[4] for each in hybrid] == [each[4] for each in plain]  # and handed nothing more to collectives
     whole = [p.numel() for p in _model().parameters()]
     for rank in range(4):  # each rank's anchor is its own parameter shards: half the rows of each
         anchor, shards = hybrid[rank][1], hybrid[rank][2]
@@ -83,6 +85,18 @@ def test_hybrid_fedavg_equals_unsharded_fedavg_of_one_client_per_replica_group()
     assert all(hybrid[rank][3]["partition_sizes"] == [24, 40] for rank in range(4))
     assert _relative(hybrid[0][0], unsharded[0][0]) < RELATIVE
     assert hybrid[0][2] != [p.numel() for p in _model().parameters()]  # really sharded
+
+
+@pytest.mark.parametrize("make,seed", [
+    (partial(FedAvg, partition="dirichlet", optimizer_state="average", outer="nesterov"), FEDAVG_SEED),
+    (partial(Sync, every_steps=2, optimizer_state="reset", outer="adam"), 0),
+], ids=["fedavg-average", "sync-reset"])
+def test_the_workers_optimizer_state_is_averaged_or_reset_shard_by_shard_as_unsharded(make, seed):
+    # The momentum buffers are shards: averaged (weighted by the groups' samples) with the ranks holding the same
+    # shards, or dropped at every average, as the unsharded workers' whole ones are.
+    unsharded = run_distributed(_train, 2, make, 2 * BATCH, 2, {}, seed)[0][0]
+    hybrid = run_distributed(_train, 4, make, BATCH, 2, HYBRID, seed)[0][0]
+    assert _relative(hybrid, unsharded) < RELATIVE
 
 
 @pytest.mark.parametrize("sizes,size,batch", [([24, 40], 2, 4), ([203, 77, 1000], 4, 5), ([9, 13], 3, 1)])
@@ -130,22 +144,19 @@ def test_a_sharded_outer_or_fedavg_checkpoint_resumes_bit_for_bit_with_its_ancho
 @pytest.mark.parametrize("args,line", [
     (["--strategy", "fedavg", "--shard", "full"], "--shard full is refused with --strategy fedavg with --shard full "
                                                   "(one replica group: nothing to average)"),
-    (["--strategy", "fedavg", "--shard", "hybrid", "--optimizer-state", "reset"],
-     "--shard hybrid is refused with --optimizer-state reset"),
+    (["--strategy", "fedavg", "--shard", "hybrid", "--compression", "int8"],
+     "--shard hybrid is refused with --compression int8"),
+    (["--strategy", "sync", "--shard", "hybrid", "--allreduce-epochs", "1"],
+     "--shard hybrid is refused with --allreduce-epochs 1"),
     (["--strategy", "sync", "--shard", "hybrid", "--outer", "nesterov", "--compression", "fp16"],
      "--shard hybrid is refused with --compression fp16"),
 ])
 def test_what_sharded_sync_and_fedavg_refuse_is_one_line_before_anything_runs(tmp_path, args, line):
-    out = tmp_path / "run"
-    result = dptrain("train", "--dataset", "digits", "--epochs", "1", "--out", str(out), *args, cwd=tmp_path)
-    assert result.returncode == 2
-    assert line in result.stderr and "Traceback" not in result.stderr
-    assert len(result.stderr.strip().splitlines()) == 1
-    assert not out.exists()
+    refused_in_one_line(tmp_path, args, line)  # exit code 2, that line alone, nothing written
 
 
 @pytest.mark.parametrize("strategy,line", [
-    (lambda: FedAvg(optimizer_state="average"), "--shard hybrid is refused with --optimizer-state average: "),
+    (lambda: FedAvg(compression="bf16"), "--shard hybrid is refused with --compression bf16: "),
     (lambda: Sync(outer="adam", compression="int8"), "--shard hybrid is refused with --compression int8: "),
 ])
 def test_from_python_the_same_settings_are_refused_in_the_same_line(strategy, line):

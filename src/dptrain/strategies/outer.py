@@ -212,7 +212,8 @@ class Averager:
 # -- the inner (worker) optimizer's state at an average -------------------------------------------
 
 def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    """Floating state tensors (momentum, Adam moments) in parameter order, so ranks line up."""
+    """Floating state tensors (momentum, Adam moments) in parameter order, so ranks line up; of a sharded model,
+    this rank's shards of them (sharing their storage), averaged with the ranks holding the same shards."""
     tensors = []
     for group in optimizer.param_groups:
         for param in group["params"]:
@@ -220,7 +221,8 @@ def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
             for key in sorted(state):
                 value = state[key]
                 if torch.is_tensor(value) and value.is_floating_point() and value.dim() > 0:
-                    tensors.append(value)
+                    with torch.no_grad():
+                        tensors.append(local(value))
     return tensors
 
 
