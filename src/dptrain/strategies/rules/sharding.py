@@ -17,8 +17,8 @@ SHARD_PRECISIONS = ("fp32", "bf16")  # bf16: parameters all-gathered and compute
 SHARDED_STRATEGIES = ("allreduce", "sync", "fedavg")  # the others are refused with --shard (not built yet)
 DEFAULT_UNIT_SHARE = 0.05  # without --shard-unit: each child module holding at least this share of the parameters
 REFUSED_LINE = ("--shard full/hybrid runs with --strategy allreduce, sync or fedavg (sync, fedavg: hybrid only, "
-                "--compression none, no --allreduce-epochs); not with --min-workers, "
-                "--monitor, --amp fp16 or --nnodes (a lost rank loses its group's shard, no second copy is kept)")
+                "--compression none; sync: no --allreduce-epochs); not with --min-workers, --monitor, --amp fp16 "
+                "or --nnodes (a lost rank loses its group's shard, no second copy is kept)")
 # sync's and fedavg's settings that sharding takes only at these values (the others are not built for shards yet)
 AVERAGING_PLAIN = {"compression": "none", "allreduce_epochs": 0}
 
