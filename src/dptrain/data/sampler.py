@@ -108,10 +108,30 @@ def replica_plan(n_samples: int, rank: int, world: int, size: int, batch_size: i
     sharding.check_workers(n_samples, world)
     steps = max(1, min(sharding.steps_per_epoch(n_samples, replicas, size * batch_size),
                        n_samples // replicas // size))
+    return _split_steps(lambda epoch: sharding.epoch_indices(n_samples, group, replicas, epoch, seed, shuffle,
+                                                             block_size), steps, size, place)
+
+
+def partition_replica_plan(partition: np.ndarray, group: int, size: int, place: int, batch_size: int,
+                           seed: int) -> EpochPlan:
+    """Rank `place` of replica group `group` (of `size` ranks) reading the group's fixed `partition` (fedavg's
+    client `group`, its model sharded): what unsharded client `group` reads with `size` x `batch_size` rows a
+    step (`partition_plan`, the same permutation each epoch), each step's rows split over the group's ranks as
+    `replica_plan` splits them. At least `size` rows a step, so that no rank of the group goes without."""
+    if len(partition) < size:
+        raise UserError(f"client {group}'s partition holds {len(partition)} samples, fewer than the {size} ranks of "
+                        f"its replica group (--shard-size {size}); give more data, fewer clients or a smaller "
+                        f"--shard-size")
+    whole = partition_plan(partition, group, size * batch_size, seed)
+    return _split_steps(whole.rows, max(1, min(whole.steps, len(partition) // size)), size, place)
+
+
+def _split_steps(rows: Callable[[int], np.ndarray], steps: int, size: int, place: int) -> EpochPlan:
+    """The plan of the rank at `place` of a group of `size` ranks that reads `rows(epoch)` in `steps` steps
+    together, each step's rows split over the group, this rank taking the place-th part."""
 
     def batches(epoch: int) -> list[np.ndarray]:
-        rows = sharding.epoch_indices(n_samples, group, replicas, epoch, seed, shuffle, block_size)
-        return [np.array_split(step, size)[place] for step in sharding.batches(rows, steps)]
+        return [np.array_split(step, size)[place] for step in sharding.batches(rows(epoch), steps)]
 
     return EpochPlan(steps, lambda epoch: np.concatenate(batches(epoch)), batches=batches)
 

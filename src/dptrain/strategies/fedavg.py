@@ -19,6 +19,12 @@ Client options:
 - `optimizer_state`: `keep` (each client's optimizer state carries over to its next round, the
   default), `reset` (fresh optimizer state every round: classic FedAvg) or `average` (the
   sample-weighted mean over the clients; needs every client in every round).
+
+With a sharded model (`--shard hybrid`, dptrain.strategies.sharded) each replica group of S ranks is one
+client: the clients are partitioned over the groups, a group's S ranks read its partition together (each
+step's rows split over them, dptrain.data.sampler.partition_replica_plan), and the server step runs shard by
+shard among the ranks holding the same shard (`across`), each weighted by its group's samples; FedProx's pull
+and the outer optimizer's anchor are this rank's shards.
 """
 
 from __future__ import annotations
@@ -31,17 +37,22 @@ from torch import nn
 
 from dptrain.data.partition import PARTITIONERS, partition
 from dptrain.data.sampler import EpochPlan, partition_plan
+from dptrain.errors import UserError
 from dptrain.runtime.distributed import DistContext
+from dptrain.runtime.group import Group
+from dptrain.runtime.sharded import local
 from dptrain.strategies.base import Meeting, Strategy
 from dptrain.strategies.collectives import broadcast_module
 from dptrain.strategies.compression import COMPRESSIONS
 from dptrain.strategies.outer import OPTIMIZER_STATES, Averager, OuterOptimizer, settle_optimizer_state
 from dptrain.strategies.rules.fedavg import FedAvgRules
 from dptrain.strategies.rules.outer import outer_settings
+from dptrain.strategies.rules.sharding import AVERAGING_PLAIN, averaging_refused
+from dptrain.strategies.sharded import Shardable
 
 
-class FedAvg(FedAvgRules, Strategy):
-    """Federated averaging over fixed client partitions."""
+class FedAvg(Shardable, FedAvgRules, Strategy):
+    """Federated averaging over fixed client partitions (a sharded model: one client per replica group)."""
 
     name = "fedavg"
     meeting = Meeting("epoch ends", averages_checked=True)
@@ -100,26 +111,50 @@ class FedAvg(FedAvgRules, Strategy):
 
     def epoch_plan(self, ctx: DistContext, n_samples: int, labels, batch_size: int, seed: int,
                    shuffle: str, block_size=None) -> EpochPlan:
-        """This client's partition for the whole run, permuted each epoch (`shuffle` does not apply)."""
+        """This client's partition for the whole run, permuted each epoch (`shuffle` does not apply); a sharded
+        model's, its replica group's partition, each step's rows split over the group."""
+        groups = self.replica_groups(ctx)
+        if groups is not None:
+            return groups.partition_plan(self.partition(labels(), groups.replicas, seed)[groups.index], batch_size,
+                                         seed)
         return partition_plan(self.partition(labels(), ctx.world_size, seed)[ctx.rank], ctx.rank, batch_size, seed)
 
     def private_plan(self, ctx: DistContext, n_samples: int, batch_size: int, seed: int) -> EpochPlan:
         """This client's own data, all of it, permuted each epoch; the clients' sizes as each reports its own
         (the weights of the average)."""
+        if self.shard_options is not None:
+            raise UserError(f"each rank's own data (a --data factory taking rank) is refused with --shard "
+                            f"{self.shard_options.shard}: the ranks of a replica group read one client's partition "
+                            f"together; give one data set (--dataset or --data) or drop --shard")
         self.seed = seed
         self.parts = [np.arange(size) for size in ctx.group.gather_objects("each client's samples", n_samples)]
         return partition_plan(self.parts[ctx.rank], ctx.rank, batch_size, seed)
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, ctx: DistContext) -> nn.Module:
         super().setup(model, optimizer, ctx)
-        if ctx.world_size > 1:
+        train_model = model
+        if self.shard_options is not None:
+            train_model = self._shard_setup(model, optimizer, ctx, average_gradients=False)
+        elif ctx.world_size > 1:
             self.comm_bytes += broadcast_module(model, group=self.ctx.group)
         self.averager.attach(model)
-        return model
+        return train_model
+
+    def refused_with_sharding(self, shard: str) -> Optional[str]:
+        """The settings a sharded fedavg refuses (dptrain.strategies.rules.sharding), given from Python."""
+        return averaging_refused(self.name, shard, {key: getattr(self, key, plain)
+                                                    for key, plain in AVERAGING_PLAIN.items()})
+
+    def _clients(self) -> tuple[int, int, Group]:
+        """(this rank's client, how many clients, the group the server step runs over): each rank, or with a
+        sharded model each replica group, and then the ranks holding this rank's shard in every group."""
+        if self.replicas is not None:
+            return self.replicas.index, self.replicas.replicas, self.replicas.across
+        return self.ctx.rank, self.ctx.world_size, self.ctx.group
 
     def clients_in_round(self, round_index: int) -> list[int]:
         """The clients sampled for a round: the same on every rank, reproducible from the seed."""
-        world = self.ctx.world_size
+        world = self._clients()[1]
         count = max(1, round(self.clients_per_round * world))
         if count == world:
             return list(range(world))
@@ -127,7 +162,7 @@ class FedAvg(FedAvgRules, Strategy):
         return sorted(int(c) for c in rng.choice(world, size=count, replace=False))
 
     def trains_in_epoch(self, epoch: int) -> bool:
-        return self.ctx.rank in self.clients_in_round(epoch // self.local_epochs)
+        return self._clients()[0] in self.clients_in_round(epoch // self.local_epochs)
 
     def after_backward(self, model: nn.Module) -> None:
         """FedProx: the gradient of mu/2 |w - w_global|^2 joins the loss's gradient."""
@@ -138,7 +173,8 @@ class FedAvg(FedAvgRules, Strategy):
                         continue
                     if param.grad is None:  # unused by this loss, still pulled towards the global model
                         param.grad = torch.zeros_like(param)
-                    param.grad.add_(param - global_param, alpha=self.proximal_mu)
+                    # (sharded: this rank's shards of the gradient and the parameter, the anchor's shard)
+                    local(param.grad).add_(local(param) - global_param, alpha=self.proximal_mu)
 
     def after_step(self, step: int) -> None:
         self._diverged = True
@@ -164,9 +200,10 @@ class FedAvg(FedAvgRules, Strategy):
         """The server step: the sample-weighted mean change of the participating clients, then the
         outer optimizer; then the clients' optimizer state is kept, reset or averaged."""
         participants = self.clients_in_round(round_index)
-        weight = float(len(self.parts[self.ctx.rank])) if self.ctx.rank in participants else 0.0
-        self.comm_bytes += self.averager.average(self.model, self.ctx.group, weight)
-        self.comm_bytes += settle_optimizer_state(self.optimizer, self.optimizer_state, self.ctx.group, weight)
+        client, _, group = self._clients()
+        weight = float(len(self.parts[client])) if client in participants else 0.0
+        self.comm_bytes += self.averager.average(self.model, group, weight)
+        self.comm_bytes += settle_optimizer_state(self.optimizer, self.optimizer_state, group, weight)
         self.rounds += 1
         self.participation.append(participants)
         self._diverged = False
@@ -192,4 +229,4 @@ class FedAvg(FedAvgRules, Strategy):
                 "outer_lr": self.outer_lr, "outer_momentum": self.outer_momentum,
                 "outer_betas": list(self.outer_betas), "outer_eps": self.outer_eps,
                 "compression": self.compression, "proximal_mu": self.proximal_mu,
-                "optimizer_state": self.optimizer_state}
+                "optimizer_state": self.optimizer_state, **self.sharding()}

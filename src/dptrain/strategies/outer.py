@@ -10,7 +10,9 @@ One average, on every rank at once:
               floating buffers (BatchNorm statistics) take `plain`, integer buffers the max
 
 Every rank runs the same outer step on the same numbers, so every rank ends with the identical
-global model, and the anchor becomes that model.
+global model, and the anchor becomes that model. With a sharded model (dptrain.strategies.sharded) a rank
+averages, and steps, only its own shards, with the ranks holding the same shards: the anchor and the outer
+optimizer's state are shards too.
 
 How the mean is formed:
 - compression `none`: the replicas themselves are averaged with one all_reduce per dtype
@@ -44,6 +46,7 @@ import torch
 from torch import nn
 
 from dptrain.runtime.group import Group
+from dptrain.runtime.sharded import local
 from dptrain.strategies.collectives import (average_module, average_tensors, max_tensors, module_state,
                                             unflatten_into, weighted_average_module, weighted_average_tensors)
 from dptrain.strategies.compression import COMPRESSIONS, ErrorFeedback, compressed_mean
@@ -120,6 +123,14 @@ class OuterOptimizer:
                     mine.copy_(saved)
 
 
+def global_parameters(model: nn.Module) -> list[torch.Tensor]:
+    """The parameters the outer step acts on: this rank's shards of a sharded model (dptrain.runtime.sharded.local,
+    sharing their storage), so that its anchor and momentum are shards too and no rank holds a whole model; every
+    outer step is coordinate by coordinate, so stepping shard by shard is stepping the whole."""
+    with torch.no_grad():
+        return [local(parameter) for parameter in model.parameters()]
+
+
 class Averager:
     """The whole pipeline of one average (see the module docstring), for sync and fedavg alike.
 
@@ -146,7 +157,7 @@ class Averager:
         """`model` is the global model now (equal on every rank): make it the anchor."""
         if not self.uses_anchor:
             return
-        self.outer.attach(list(model.parameters()))
+        self.outer.attach(global_parameters(model))
         if self.compression != "none":
             self._buffer_anchor = [t.detach().clone() for t in module_state(model)[0][len(self.anchor):]]
 
@@ -163,7 +174,7 @@ class Averager:
             else:
                 sent = weighted_average_module(model, weight, group)
         if self.uses_anchor:
-            self.outer.step(list(model.parameters()))
+            self.outer.step(global_parameters(model))
             if self.compression != "none":
                 with torch.no_grad():
                     for anchor, buffer in zip(self._buffer_anchor, module_state(model)[0][len(self.anchor):]):
@@ -201,7 +212,8 @@ class Averager:
 # -- the inner (worker) optimizer's state at an average -------------------------------------------
 
 def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    """Floating state tensors (momentum, Adam moments) in parameter order, so ranks line up."""
+    """Floating state tensors (momentum, Adam moments) in parameter order, so ranks line up; of a sharded model,
+    this rank's shards of them (sharing their storage), averaged with the ranks holding the same shards."""
     tensors = []
     for group in optimizer.param_groups:
         for param in group["params"]:
@@ -209,7 +221,8 @@ def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
             for key in sorted(state):
                 value = state[key]
                 if torch.is_tensor(value) and value.is_floating_point() and value.dim() > 0:
-                    tensors.append(value)
+                    with torch.no_grad():
+                        tensors.append(local(value))
     return tensors
 
 

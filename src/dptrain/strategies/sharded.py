@@ -5,12 +5,15 @@ group g (S = --shard-size, default the ranks of one node). Inside a group the mo
 (dptrain.runtime.sharded): each rank holds 1/S of the parameters, gradients and optimizer state. Across the
 groups, rank j of each group holds the same shard, and the strategy communicates among those ranks
 (`across`, a Group): allreduce all-reduces each step's reduce-scattered gradient shard over it (HSDP),
-sync averages the parameter shards over it every period, shard by shard, never gathering a whole model.
+sync averages the parameter shards over it every period, shard by shard, never gathering a whole model (an outer
+step, `--outer`, acts on the shards too: its anchor and momentum are this rank's shards), and fedavg makes each
+replica group one client, its average weighted by the group's samples, shard by shard over `across` too.
 
 Which rows a rank reads: replica group g reads what unsharded worker g of W/S would read with S times the
 batch, each step's rows split over the group's ranks (dptrain.data.sampler.replica_plan). So a sharded run
 of R replica groups computes what an unsharded run of R workers with S x --batch-size does (in float
-rounding), and every row is read once an epoch.
+rounding), and every row is read once an epoch. Under fedavg, replica group g reads client g's fixed partition
+so (dptrain.data.sampler.partition_replica_plan): what unsharded client g reads with S times the batch.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from dptrain.data.sampler import EpochPlan, replica_plan
+from dptrain.data.sampler import EpochPlan, partition_replica_plan, replica_plan
 from dptrain.errors import UserError
 from dptrain.runtime.distributed import DistContext
 from dptrain.runtime.env import detect
@@ -39,6 +42,7 @@ class ShardedReplicas:
         self.size = options.size(world, detect().local_world_size)
         self.replicas = world // self.size
         size = self.size
+        self.index, self.place = ctx.rank // size, ctx.rank % size  # this rank's replica group, its place in it
         if self.replicas == 1:
             self.inside = ctx.group
         else:
@@ -73,6 +77,10 @@ class ShardedReplicas:
              block_size: Optional[int]) -> EpochPlan:
         return replica_plan(n_samples, ctx.rank, ctx.world_size, self.size, batch_size, seed, shuffle, block_size)
 
+    def partition_plan(self, partition, batch_size: int, seed: int) -> EpochPlan:
+        """This rank's part of its replica group's fixed `partition` (fedavg: the group is one client)."""
+        return partition_replica_plan(partition, self.index, self.size, self.place, batch_size, seed)
+
     def describe(self) -> dict:
         options = self.options
         return {"shard": options.shard, "shard_size": self.size, "replica_groups": self.replicas,
@@ -97,11 +105,23 @@ class Shardable:
 
     def shard_as(self, options: Optional[ShardOptions]) -> None:
         self.shard_options = options if options is not None and options.sharded else None
+        refused = self.refused_with_sharding(options.shard) if self.shard_options is not None else None
+        if refused is not None:
+            raise UserError(f"--shard {options.shard} is refused with {refused}: {REFUSED_LINE}")
+
+    def refused_with_sharding(self, shard: str) -> Optional[str]:
+        """What of this strategy's settings `--shard shard` refuses (as the flag and value), or None."""
+        return None
+
+    def replica_groups(self, ctx: DistContext) -> Optional[ShardedReplicas]:
+        """The replica groups (made at the first call, on every rank), or None when the model is not sharded."""
+        if self.replicas is None and self.shard_options is not None:
+            self.replicas = ShardedReplicas(self.shard_options, ctx)
+        return self.replicas
 
     def _shard_setup(self, model: nn.Module, optimizer, ctx: DistContext, average_gradients: bool) -> nn.Module:
         """Set up sharded replica groups and shard `model` (every rank of the job calls it)."""
-        if self.replicas is None:  # (epoch_plan made them already, on every rank)
-            self.replicas = ShardedReplicas(self.shard_options, ctx)
+        self.replica_groups(ctx)  # (epoch_plan may have made them already, on every rank)
         if self.replicas.replicas == 1 and not average_gradients:
             raise UserError(f"--shard {self.shard_options.shard} makes one replica group of all {ctx.world_size} "
                             f"ranks: {self.name} has nothing to average across groups; give --shard hybrid with a "
@@ -109,9 +129,7 @@ class Shardable:
         return self.replicas.shard(model, optimizer, ctx, self._add_bytes, average_gradients)
 
     def epoch_plan(self, ctx, n_samples, labels, batch_size, seed, shuffle, block_size=None) -> EpochPlan:
-        if self.replicas is None and self.shard_options is not None:  # planned before setup: the groups first
-            self.replicas = ShardedReplicas(self.shard_options, ctx)
-        if self.replicas is None:
+        if self.replica_groups(ctx) is None:  # (planned before setup: the groups are made here first)
             return super().epoch_plan(ctx, n_samples, labels, batch_size, seed, shuffle, block_size)
         return self.replicas.plan(ctx, n_samples, batch_size, seed, shuffle, block_size)
 

@@ -26,7 +26,6 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from dptrain.errors import UserError
 from dptrain.runtime.distributed import DistContext
 from dptrain.strategies.base import Meeting, Strategy, check_period
 from dptrain.strategies.collectives import broadcast_module, broadcast_tensors, module_state, tensor_bytes
@@ -34,7 +33,7 @@ from dptrain.strategies.compression import COMPRESSIONS
 from dptrain.strategies.outer import OPTIMIZER_STATES, OUTERS, Averager, OuterOptimizer, settle_optimizer_state
 from dptrain.strategies.rules.outer import outer_settings
 from dptrain.strategies.rules.sync import SyncRules
-from dptrain.strategies.rules.sharding import REFUSED_LINE
+from dptrain.strategies.rules.sharding import AVERAGING_PLAIN, averaging_refused
 from dptrain.strategies.sharded import Shardable
 
 __all__ = ["OPTIMIZER_STATES", "OUTERS", "Sync"]
@@ -44,7 +43,8 @@ class Sync(Shardable, SyncRules, Strategy):
     """Synchronous weight averaging at epoch ends (every `every` epochs) or local SGD
     (every `every_steps` steps), optionally after `allreduce_epochs` epochs of per-step
     gradient all-reduce (post-local SGD). With a sharded model (`shard_as`), the replica groups average their
-    parameter shards, each rank over the ranks holding its shard (dptrain.strategies.sharded)."""
+    parameter shards, each rank over the ranks holding its shard, and an outer step acts on the shards
+    (dptrain.strategies.sharded)."""
 
     name = "sync"
     meeting = Meeting("epoch ends", averages_checked=True)
@@ -90,7 +90,6 @@ class Sync(Shardable, SyncRules, Strategy):
         super().setup(model, optimizer, ctx)
         train_model = model
         if self.shard_options is not None:
-            self._check_sharded()
             train_model = self._shard_setup(model, optimizer, ctx, average_gradients=False)
         elif ctx.world_size > 1 and self.allreduce_epochs > 0:
             train_model = self._wrap(model, ctx)
@@ -181,12 +180,9 @@ class Sync(Shardable, SyncRules, Strategy):
         self.comm_bytes += self.averager.average(self.model, group)
         self.comm_bytes += settle_optimizer_state(self.optimizer, self.optimizer_state, group)
 
-    def _check_sharded(self) -> None:
+    def refused_with_sharding(self, shard: str) -> str | None:
         """The settings a sharded sync refuses (dptrain.strategies.rules.sharding), given from Python."""
-        plain = {"outer": "none", "compression": "none", "optimizer_state": "keep", "allreduce_epochs": 0}
-        for key, value in plain.items():
-            if getattr(self, key) != value:
-                raise UserError(f"--shard is refused with {key} {getattr(self, key)}: {REFUSED_LINE}")
+        return averaging_refused(self.name, shard, {key: getattr(self, key) for key in AVERAGING_PLAIN})
 
     def state_dict(self) -> dict:
         state = super().state_dict()

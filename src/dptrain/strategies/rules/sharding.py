@@ -14,13 +14,14 @@ from typing import Any, Optional
 
 SHARD_MODES = ("none", "full", "hybrid")
 SHARD_PRECISIONS = ("fp32", "bf16")  # bf16: parameters all-gathered and computed in bf16, gradients reduced in fp32
-SHARDED_STRATEGIES = ("allreduce", "sync", "streaming")  # the others are refused with --shard (not built yet)
-AVERAGING_ACROSS = ("sync", "streaming")  # average across replica groups: --shard hybrid only (full makes one)
+SHARDED_STRATEGIES = ("allreduce", "sync", "streaming", "fedavg")  # the others are refused with --shard (not built yet)
+AVERAGING_ACROSS = ("sync", "streaming", "fedavg")  # average across replica groups: --shard hybrid only (full makes one)
 DEFAULT_UNIT_SHARE = 0.05  # without --shard-unit: each child module holding at least this share of the parameters
-REFUSED_LINE = ("--shard full/hybrid runs with --strategy allreduce, sync or streaming (sync and streaming: hybrid "
-                "only; sync: --outer none, --compression none, --optimizer-state keep, no --allreduce-epochs); "
-                "not with --min-workers, "
+REFUSED_LINE = ("--shard full/hybrid runs with --strategy allreduce, sync, streaming or fedavg (sync, streaming, "
+                "fedavg: hybrid only, --compression none; sync: no --allreduce-epochs); not with --min-workers, "
                 "--monitor, --amp fp16 or --nnodes (a lost rank loses its group's shard, no second copy is kept)")
+# sync's and fedavg's settings that sharding takes only at these values (the others are not built for shards yet)
+AVERAGING_PLAIN = {"compression": "none", "allreduce_epochs": 0}
 
 
 @dataclass
@@ -102,6 +103,17 @@ def size_problem(shard: str, size: int, world: int, given: bool) -> Optional[str
     return None
 
 
+def averaging_refused(strategy: str, shard: str, settings: dict) -> Optional[str]:
+    """What of sync's or fedavg's `settings` (option name -> value) sharding refuses, as the flag and its value,
+    or None: the same words from the command line (`sharding_refused`) and from Python (the strategy's shard_as)."""
+    if shard == "full":
+        return f"--strategy {strategy} with --shard full (one replica group: nothing to average)"
+    for key, plain in AVERAGING_PLAIN.items():
+        if settings.get(key, plain) != plain:
+            return f"--{key.replace('_', '-')} {settings[key]}"
+    return None
+
+
 def sharding_refused(config: Any) -> Optional[str]:
     """Why `config` (a TrainConfig) cannot shard as asked, in one line, or None."""
     shard = config.shard
@@ -112,13 +124,12 @@ def sharding_refused(config: Any) -> Optional[str]:
     refused = []
     if config.strategy not in SHARDED_STRATEGIES:
         refused.append(f"--strategy {config.strategy}")
-    if config.strategy in AVERAGING_ACROSS and shard == "full":
+    if config.strategy in ("sync", "fedavg"):
+        why = averaging_refused(config.strategy, shard, {key: getattr(config, key, plain)
+                                                         for key, plain in AVERAGING_PLAIN.items()})
+        refused += [why] if why is not None else []
+    elif config.strategy in AVERAGING_ACROSS and shard == "full":
         refused.append(f"--strategy {config.strategy} with --shard full (one replica group: nothing to average)")
-    if config.strategy == "sync":
-        for key, plain in (("outer", "none"), ("compression", "none"), ("optimizer_state", "keep"),
-                           ("allreduce_epochs", 0)):
-            if getattr(config, key, plain) != plain:
-                refused.append(f"--{key.replace('_', '-')} {getattr(config, key)}")
     elif getattr(config, "compression", "none") != "none":
         refused.append(f"--compression {config.compression}")
     if config.min_workers is not None:
