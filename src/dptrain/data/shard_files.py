@@ -33,24 +33,26 @@ COLUMN_PAIRS = (("x", "y"), ("image", "label"), ("input", "label"), ("features",
 _DROPPED_STAGES = {"single_node_only", "split_by_node", "split_by_worker", "_shuffle", "detshuffle", "shuffle"}
 
 
-def open_shards(data: str, base: Path = Path(), stage_to: Optional[str] = None, log=lambda line: None,
+def open_shards(data: str, base: Path = Path(), stage_to: Optional[str] = None,
                 timeout: float = 300.0) -> ShardedStream:
     """The stream --data names, with every sample's label (from the tar index, or the Parquet column y); with
-    `stage_to`, its shards copied there first and read from there (dptrain.data.staging)."""
+    `stage_to`, its shards copied there in the background as training begins, each read from there once its
+    copy is complete (dptrain.data.staging)."""
     paths = shard_paths(data, base)
+    staging, where = None, lambda path: path
     if stage_to is not None:
-        from dptrain.data.staging import stage
-        staged = stage(paths, stage_to, timeout)
-        log(staged.line(stage_to))
-        paths = staged.paths
+        from dptrain.data.staging import Staging
+        staging = Staging(paths, stage_to, timeout)
+        where = staging.where  # a resumed run counts its shards in the copies too
     if paths[0].endswith(".tar"):
-        indexed = [tar_index(path) for path in paths]
+        indexed = [tar_index(where(path)) for path in paths]
         stream = ShardedStream([Shard(path, count) for path, (count, _) in zip(paths, indexed)], read_tar, data,
-                               _collate())
+                               _collate(), staging)
         stream.labels = np.asarray([label for _, labels in indexed for label in labels], dtype=np.int64)
         return stream
-    stream = ShardedStream([Shard(path, parquet_rows(path, data)) for path in paths], read_parquet, data, _collate())
-    stream.labels = np.concatenate([parquet_labels(path) for path in paths])
+    stream = ShardedStream([Shard(path, parquet_rows(where(path), data)) for path in paths], read_parquet, data,
+                           _collate(), staging)
+    stream.labels = np.concatenate([parquet_labels(where(path)) for path in paths])
     return stream
 
 

@@ -102,6 +102,18 @@ def position_pieces(counts: list[int], order: np.ndarray, positions: np.ndarray)
             for run in np.split(np.arange(len(positions)), breaks)]
 
 
+def copy_order(counts: list[int], epoch: int, seed: int, shuffle: str, ranks: range, world: int) -> list[int]:
+    """The shards in the order `ranks` (one node's) first read them in `epoch` and then `epoch + 1`: each rank's
+    next shard in turn (--stage-to copies them so: each rank's first shard first)."""
+    order: dict[int, None] = {}
+    for read in (epoch, epoch + 1):
+        shards = shard_order(len(counts), read, seed, shuffle)
+        lists = [[shard for shard, _, _ in rank_segments(counts, shards, rank, world)] for rank in ranks]
+        for turn in range(max(map(len, lists), default=0)):
+            order.update((part[turn], None) for part in lists if turn < len(part))
+    return list(order)
+
+
 def reading_rng(seed: int, epoch: int, rank: int, role: int, shuffle: str,
                 rest_from: int = 0) -> Optional[np.random.Generator]:
     """The shuffle buffer's random numbers of loader worker `role` of `rank` in `epoch` (None: --shuffle none); in
@@ -195,9 +207,12 @@ class ShardedStream(IterableDataset):
     is_stream = True
 
     def __init__(self, shards: list[Shard], read: Callable[[Shard], Iterable], name: str,
-                 collate: Optional[Callable] = None) -> None:
+                 collate: Optional[Callable] = None, staging=None) -> None:
         self.shards, self.read, self.name = list(shards), read, name
         self.collate = collate
+        self.staging = staging  # --stage-to (dptrain.data.staging): each shard read from its copy once complete
+        if staging is not None:
+            self.read = _FromCopies(read, staging)
         self.labels: Optional[np.ndarray] = None  # every sample's label in file order, where known
         self.rank, self.world, self.workers, self.steps, self.seed, self.shuffle = 0, 1, 0, 1, 0, "global"
         self.epoch = self.start = 0
@@ -217,6 +232,9 @@ class ShardedStream(IterableDataset):
 
     def set_epoch(self, epoch: int, start: int = 0) -> None:
         self.epoch, self.start = epoch, start
+        if self.staging is not None:  # the first epoch read begins: the copy begins, in the node's reading order
+            self.staging.start(copy_order([shard.samples for shard in self.shards], epoch, self.seed, self.shuffle,
+                                          _node_ranks(self.rank, self.world), self.world))
 
     def _rest(self) -> Optional[StreamRest]:
         return self.rest if self.rest is not None and self.rest.epoch == self.epoch else None
@@ -301,6 +319,25 @@ class ShardedStream(IterableDataset):
         for shard in self.shards:
             digest.update(f"{os.path.basename(shard.name)}\0{shard.samples}\n".encode())
         return {"rows": len(self), "sha256": digest.hexdigest()}
+
+
+def _node_ranks(rank: int, world: int) -> range:
+    """The ranks of this process's node, as the launcher's LOCAL_RANK and LOCAL_WORLD_SIZE say (all, where not)."""
+    local, size = os.environ.get("LOCAL_RANK"), os.environ.get("LOCAL_WORLD_SIZE")
+    if local is None or size is None:
+        return range(world)
+    first = max(0, rank - int(local))
+    return range(first, min(world, first + int(size)))
+
+
+class _FromCopies:
+    """A reader of shards that opens each one's --stage-to copy when it is complete, its original otherwise."""
+
+    def __init__(self, read: Callable[[Shard], Iterable], staging) -> None:
+        self.reader, self.staging = read, staging
+
+    def __call__(self, shard: Shard) -> Iterable:
+        return self.reader(Shard(self.staging.where(shard.name), shard.samples))
 
 
 def refuse_stream_run(strategy: str, own_partitions: bool, other_world: bool, min_workers=None,
