@@ -247,14 +247,20 @@ def gathered(model: nn.Module) -> Iterator[None]:
             module.set_reshard_after_forward(True, recurse=False)
 
 
-def full_state(model: nn.Module, wanted: bool = True) -> dict:
-    """`model`'s whole state_dict on the CPU, on rank 0 of the job when the model is sharded (every rank must
-    call it then: the shards are gathered; the other ranks get {}); a plain model's where `wanted`, else {}."""
+def full_state(model: nn.Module, wanted: Optional[bool] = None) -> dict:
+    """`model`'s whole state_dict on the CPU where `wanted` (the rank that writes the results; None: rank 0 of the
+    job), else {}. A sharded model's is gathered, one tensor at a time, in each replica group (every rank must call
+    it then): the rank that writes may be in any group once a group was lost (--min-workers), not only rank 0's."""
     if not is_sharded(model):
-        return {key: value.detach().cpu() for key, value in model.state_dict().items()} if wanted else {}
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return {key: value.detach().cpu() for key, value in model.state_dict().items()} if wanted in (None, True) \
+            else {}
+    keep = dist.get_rank() == 0 if wanted is None else wanted
+    state = {}
+    for key, value in model.state_dict().items():
+        whole = value.full_tensor() if hasattr(value, "full_tensor") else value  # a DTensor's all-gather
+        if keep:
+            state[key] = whole.detach().cpu()
+    return state
 
 
 def shard_bytes(model: nn.Module) -> int:

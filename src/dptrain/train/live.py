@@ -232,6 +232,7 @@ class LiveMembership(FixedMembership):
         if not self.strategy.meets_at_epoch_ends:
             return self.strategy.agree_stop(requested)
         room = (self.options.max_workers or self.recorder.job_world) - ctx.world_size
+        room = 0 if self.strategy.live_unit > 1 else room  # no replica group joins a sharded run yet
         ready = protocol.ready_joiners(ctx.group.store, room) if ctx.is_main and ctx.group.store is not None else ()
         if ctx.world_size == 1:
             self._admitting = ready
