@@ -5,6 +5,7 @@ every row read once in every epoch; --shard full and what is not built are refus
 from __future__ import annotations
 
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -22,7 +23,7 @@ BATCH, SEED = 32, 0
 def _argv(strategy: str, out) -> list[str]:
     return ["train", "--dataset", "digits", "--strategy", strategy, "--workers", "6", "--shard", "hybrid",
             "--shard-size", "2", "--min-workers", "2", "--epochs", "3", "--batch-size", str(BATCH), "--lr", "0.05",
-            "--timeout", "60", "--no-progress", "--out", str(out)]
+            "--timeout", "60", "--keep-checkpoints", "3", "--no-progress", "--out", str(out)]
 
 
 @pytest.fixture(scope="module")
@@ -113,6 +114,25 @@ def test_the_survivors_hold_equal_shards_and_model_pt_is_their_model(killed_runs
     for key, whole in model.items():
         halves = torch.cat([saved[first]["model"][key], saved[first + 1]["model"][key]])
         assert torch.equal(halves[:whole.shape[0]], whole)
+
+
+def test_the_survivors_end_where_the_epoch_1_checkpoint_resumed_on_their_4_ranks_ends(killed_runs, tmp_path):
+    """What the 2 groups left go on from is their own state of epoch 1's end: the allreduce run's model.pt is, bit
+    for bit, that of its epoch-1 checkpoint (written by the 6 ranks) resumed on 4 ranks in groups of 2."""
+    run, _, _ = killed_runs["allreduce"]
+    copy = tmp_path / "resumed"
+    shutil.copytree(run, copy)
+    for name in ("epoch-000002", "epoch-000003"):
+        shutil.rmtree(copy / "checkpoints" / name)
+    for name in ("model.pt", "summary.json"):
+        (copy / name).unlink()
+    argv = _argv("allreduce", copy)
+    argv[argv.index("--workers") + 1] = "4"
+    result = dptrain(*argv, cwd=tmp_path, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert [len(record["workers"]) for record in _records(copy)] == [6, 4, 4]
+    resumed, survived = (torch.load(path / "model.pt", weights_only=True) for path in (copy, run))
+    assert resumed.keys() == survived.keys() and all(torch.equal(resumed[key], survived[key]) for key in survived)
 
 
 def test_a_worker_cannot_join_a_sharded_run_yet_and_is_told_so_in_one_line(killed_runs):

@@ -186,7 +186,9 @@ def prepare_run_dir(config: TrainConfig, out: str, world: int, model: torch.nn.M
                                      lambda within: rules.other_world_refused(config, within))
             if refused:
                 raise UserError(refused)
-            load_model_state(model, checkpoint_files.load(run_dir, epoch, saved["members"][0])["model"], epoch, out)
+            if config.shard == "none":  # a sharded run's files hold shards: each rank checks its own as it restores
+                load_model_state(model, checkpoint_files.load(run_dir, epoch, saved["members"][0])["model"], epoch,
+                                 out)
     paths = {key: settings[key] for key in ("data", "model", "loss")}
     text = to_yaml(config.model_copy(update={**paths, "out": str(run_dir), "resume": False, "workers": world}))
     saved_config = run_dir / "config.yaml"
