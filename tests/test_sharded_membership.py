@@ -11,9 +11,11 @@ import numpy as np
 import pytest
 import torch
 
+from distributed import run_distributed, toy_data
 from dptrain.config import build_config
 from dptrain.data.sampler import replica_plan
 from dptrain.errors import UserError
+from dptrain.strategies.rules.sharding import FULL_LIVE_REFUSED
 from test_train_cli import dptrain
 
 TRAIN_ROWS = 1437  # digits: 1797 rows, 20 % held out
@@ -156,6 +158,27 @@ def test_full_sharding_is_refused_with_min_workers_in_one_line(tmp_path):
         "only copy of each shard, so a lost rank loses the model (no second copy is kept); give --shard hybrid "
         "--shard-size S, where --min-workers counts replica groups")
     assert not out.exists()
+
+
+def _full_with_min_workers(rank, world):
+    from torch import nn
+
+    from dptrain.strategies import AllReduce
+    from dptrain.train.trainer import Trainer
+
+    x, y = toy_data(16)
+    model = nn.Linear(6, 3)
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "cross-entropy", AllReduce(),
+                      batch_size=4, verbose=False, progress=False, shard="full", min_workers=1)
+    try:
+        trainer.fit((x, y))
+    except UserError as exc:
+        return str(exc)
+    return None
+
+
+def test_the_python_api_refuses_full_sharding_with_min_workers_too():
+    assert run_distributed(_full_with_min_workers, 2) == [FULL_LIVE_REFUSED] * 2
 
 
 @pytest.mark.parametrize("values, why", [

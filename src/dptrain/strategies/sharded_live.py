@@ -25,14 +25,13 @@ from dptrain.errors import UserError
 from dptrain.runtime.distributed import DistContext
 from dptrain.runtime.group import PeerFailure
 from dptrain.runtime.sharded import divide_gradients
+from dptrain.strategies.rules.sharding import FULL_LIVE_REFUSED
 
 
 def refuse_live(options) -> None:
     """--min-workers with `options` (a ShardOptions): refused with --shard full (one replica group: no second copy)."""
     if options.shard == "full":
-        raise UserError("--shard full is refused with --min-workers: its one replica group holds the only copy of "
-                        "each shard, so a lost rank loses the model (no second copy is kept); give --shard hybrid "
-                        "--shard-size S, where --min-workers counts replica groups")
+        raise UserError(FULL_LIVE_REFUSED)
 
 
 def regroup_replicas(replicas, ctx: DistContext, model: nn.Module) -> None:

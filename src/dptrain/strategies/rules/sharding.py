@@ -16,6 +16,9 @@ SHARD_MODES = ("none", "full", "hybrid")
 SHARD_PRECISIONS = ("fp32", "bf16")  # bf16: parameters all-gathered and computed in bf16, gradients reduced in fp32
 SHARDED_STRATEGIES = ("allreduce", "sync")  # the others are refused with --shard (not built yet)
 LIVE_SHARDED = ("allreduce", "sync")  # those that go on without a lost replica group (--shard hybrid --min-workers)
+FULL_LIVE_REFUSED = ("--shard full is refused with --min-workers: its one replica group holds the only copy of each "
+                     "shard, so a lost rank loses the model (no second copy is kept); give --shard hybrid --shard-size "
+                     "S, where --min-workers counts replica groups")
 DEFAULT_UNIT_SHARE = 0.05  # without --shard-unit: each child module holding at least this share of the parameters
 REFUSED_LINE = ("--shard full/hybrid runs with --strategy allreduce or sync (sync: --outer none, --compression "
                 "none, --optimizer-state keep, no --allreduce-epochs; hybrid only); not with --monitor, --amp fp16 "
@@ -144,9 +147,7 @@ def live_refused(config: Any) -> Optional[str]:
     replica groups: a lost rank loses its group's shards (no second copy), so the group leaves whole and the
     others go on (dptrain.strategies.sharded)."""
     if config.shard == "full":
-        return ("--shard full is refused with --min-workers: its one replica group holds the only copy of each "
-                "shard, so a lost rank loses the model (no second copy is kept); give --shard hybrid --shard-size S, "
-                "where --min-workers counts replica groups")
+        return FULL_LIVE_REFUSED
     why = None
     if config.strategy not in LIVE_SHARDED:
         why = f"--strategy {config.strategy} (allreduce or sync only)"
