@@ -35,6 +35,8 @@ class ShardedReplicas:
     """This rank's replica group (`inside`, S ranks) and its peers in the other groups (`across`, None with one
     group); `shard` shards the model inside the group."""
 
+    reduce_across: Optional[AcrossReduce] = None  # the gradient shards' all-reduce across the groups (HSDP)
+
     def __init__(self, options: ShardOptions, ctx: DistContext) -> None:
         world = ctx.world_size
         self.options = options
@@ -48,8 +50,6 @@ class ShardedReplicas:
             self.inside = ctx.group.split(blocks, name="this rank's replica group")
         stripes = [list(range(place, world, size)) for place in range(size)]
         self.across = ctx.group.split(stripes, name="the replica groups") if self.replicas > 1 else None
-
-    reduce_across: Optional[AcrossReduce] = None  # the gradient shards' all-reduce across the groups (HSDP)
 
     def shard(self, model: nn.Module, optimizer: torch.optim.Optimizer, ctx: DistContext,
               count: Callable[[int], None], average_gradients: bool, live: bool = False) -> nn.Module:
