@@ -39,6 +39,7 @@ from dptrain.runtime.launcher import NOT_RESTARTED, launch_local, stop_while_sta
 from dptrain.runtime.prestart import prestart, quiet_cpp_logs_of_children
 from dptrain.runtime.spawn import Ranks
 from dptrain.strategies import build_strategy
+from dptrain.strategies.rules.sharding import kept_ranks
 from dptrain.train.optim import build_optimizer
 from dptrain.train import checkpoint_files, loggers
 from dptrain.train.rundir import (JOIN_FILE, check_not_busy, check_run_dir, default_run_dir, lock_run_dir, open_run_dir,
@@ -185,7 +186,9 @@ def prepare_run_dir(config: TrainConfig, out: str, world: int, model: torch.nn.M
                                      lambda within: rules.other_world_refused(config, within))
             if refused:
                 raise UserError(refused)
-            load_model_state(model, checkpoint_files.load(run_dir, epoch, saved["members"][0])["model"], epoch, out)
+            if config.shard == "none":  # a sharded run's files hold shards: each rank checks its own as it restores
+                load_model_state(model, checkpoint_files.load(run_dir, epoch, saved["members"][0])["model"], epoch,
+                                 out)
     paths = {key: settings[key] for key in ("data", "model", "loss")}
     text = to_yaml(config.model_copy(update={**paths, "out": str(run_dir), "resume": False, "workers": world}))
     saved_config = run_dir / "config.yaml"
@@ -283,7 +286,7 @@ def spawn_workers(config: TrainConfig, model: torch.nn.Module, prestarted: Optio
         quiet_cpp_logs_of_children()
         for attempt in range(config.max_restarts + 1):
             code = launch_local(config.workers, argv, config.timeout, prestarted if attempt == 0 else None,
-                                may_lose=config.workers - config.min_workers if config.min_workers else 0,
+                                may_lose=config.workers - kept_ranks(config) if config.min_workers else 0,
                                 grace=config.grace if config.grace is not None else config.timeout, replacements=config.workers if config.replace_workers else 0,
                                 join_file=run_dir / JOIN_FILE if config.min_workers else None)
             if code == Interrupted.exit_code:  # Ctrl-C: the workers are stopped; say where the run stands
