@@ -30,7 +30,7 @@ from dptrain.runtime.env import detect
 from dptrain.runtime.sharded import (AcrossReduce, LocalOptimizerShards, LocalShards, fsdp_settings, shard_model,
                                      units_of)
 from dptrain.strategies.collectives import broadcast_module
-from dptrain.strategies.rules.sharding import DEFAULT_UNIT_SHARE, ShardOptions
+from dptrain.strategies.rules.sharding import DEFAULT_UNIT_SHARE, REFUSED_LINE, ShardOptions
 from dptrain.strategies.sharded_live import refuse_live, regroup_replicas
 
 
