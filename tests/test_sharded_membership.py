@@ -160,16 +160,18 @@ def test_full_sharding_is_refused_with_min_workers_in_one_line(tmp_path):
     assert not out.exists()
 
 
-def _full_with_min_workers(rank, world):
+def _full_with_min_workers(rank, world, strategy="AllReduce", shard="full"):
     from torch import nn
 
-    from dptrain.strategies import AllReduce
+    import dptrain
     from dptrain.train.trainer import Trainer
 
     x, y = toy_data(16)
     model = nn.Linear(6, 3)
-    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "cross-entropy", AllReduce(),
-                      batch_size=4, verbose=False, progress=False, shard="full", min_workers=1)
+    sizes = {"shard_size": 2} if shard == "hybrid" else {}
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "cross-entropy",
+                      getattr(dptrain, strategy)(), batch_size=4, verbose=False, progress=False,
+                      shard=shard, min_workers=1, **sizes)
     try:
         trainer.fit((x, y))
     except UserError as exc:
@@ -179,6 +181,16 @@ def _full_with_min_workers(rank, world):
 
 def test_the_python_api_refuses_full_sharding_with_min_workers_too():
     assert run_distributed(_full_with_min_workers, 2) == [FULL_LIVE_REFUSED] * 2
+
+
+def _streaming_with_min_workers(rank, world):
+    return _full_with_min_workers(rank, world, "Streaming", "hybrid")
+
+
+def test_the_python_api_refuses_a_strategy_not_built_to_lose_a_replica_group():
+    assert run_distributed(_streaming_with_min_workers, 4) == [
+        "--shard hybrid with --min-workers (counted in replica groups) is refused with --strategy streaming "
+        "(allreduce or sync only)"] * 4
 
 
 @pytest.mark.parametrize("values, why", [
