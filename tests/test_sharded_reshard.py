@@ -1,0 +1,159 @@
+"""A sharded checkpoint continued with replica groups of another size (dptrain.train.reshard): each rank reads its
+rows of one writing group's files, the weights and optimizer state after resume are the writer's bit for bit, the
+run then goes on as the unsharded run it stands for (float tolerance), and what is not resharded is one line."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from torch import nn
+
+from distributed import run_distributed, toy_data
+from dptrain.errors import UserError
+from dptrain.strategies import AllReduce, Sync
+from dptrain.train.reshard import rows
+from dptrain.train.trainer import Trainer
+
+N, BATCH, SEED = 64, 4, 0
+RELATIVE = 1e-6  # the float tolerance of a continuation (the same sums over other ranks, in another order)
+FULL, HYBRID, NONE = {"shard": "full"}, {"shard": "hybrid", "shard_size": 2}, {}
+
+
+def _model():
+    torch.manual_seed(3)
+    return nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 3))
+
+
+def _run(rank, world, batch, epochs, sharded, out, resume):
+    """AllReduce with momentum, a checkpoint each epoch; the full weights on rank 0 (every rank unsharded), the
+    full momentum of each parameter gathered on every rank, and the files this rank's resume read."""
+    from dptrain.runtime.sharded import full_state
+
+    x, y = toy_data(N)
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    trainer = Trainer(model, optimizer, "cross-entropy", AllReduce(), batch_size=batch, seed=SEED, verbose=False,
+                      progress=False, out=out, resume=resume, checkpoint_every=1, keep_checkpoints=5, **sharded)
+    trainer.fit((x, y), epochs=epochs)
+    momentum = []
+    for group in optimizer.param_groups:
+        for parameter in group["params"]:
+            buffer = optimizer.state[parameter]["momentum_buffer"]
+            momentum.append(buffer.full_tensor() if hasattr(buffer, "full_tensor") else buffer.clone())
+    return full_state(trainer.strategy.finish()), momentum, trainer.checkpointer.read_from
+
+
+def _written(run, epoch, ranks):
+    """The whole weights and momentum a replica group (its job ranks, in place order) saved: its shards joined."""
+    files = [torch.load(run / "checkpoints" / f"epoch-{epoch:06d}" / f"rank-{rank:05d}.pt", weights_only=True)
+             for rank in ranks]
+    model = {key: torch.cat([f["model"][key] for f in files]) for key in files[0]["model"]}
+    momentum = [torch.cat([f["optimizer"]["state"][index]["momentum_buffer"] for f in files])
+                for index in sorted(files[0]["optimizer"]["state"])]
+    return model, momentum
+
+
+def _cut(run, copy, after):
+    """A copy of `run` as if killed right after the checkpoint of epoch `after` (no later checkpoint, no model.pt)."""
+    shutil.copytree(run, copy)
+    for later in (copy / "checkpoints").iterdir():
+        if later.name > f"epoch-{after:06d}":
+            shutil.rmtree(later)
+    for name in ("model.pt", "summary.json"):
+        (copy / name).unlink()
+    return copy
+
+
+def _same(a, b):
+    return a.keys() == b.keys() and all(torch.equal(a[key], b[key]) for key in a)
+
+
+def _relative(a, b):
+    return max(float((a[k] - b[k]).abs().max() / b[k].abs().max()) for k in b)
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory):
+    """--shard full on 4 ranks for 2 epochs, and --shard hybrid --shard-size 2 on 4 for 1."""
+    root = tmp_path_factory.mktemp("written")
+    full = run_distributed(_run, 4, BATCH, 2, FULL, str(root / "full"), False)
+    run_distributed(_run, 4, BATCH, 1, HYBRID, str(root / "hybrid"), False)
+    return root, full
+
+
+def test_torch_chunk_rows_are_fsdp2s_shards():
+    # FSDP2 shards by torch.chunk, an empty chunk for a rank past the last row (_fsdp_common._chunk_with_empty)
+    for n in (1, 3, 5, 6, 8, 16):
+        for size in (1, 2, 3, 4, 8):
+            chunks = list(torch.arange(n).chunk(size)) + [torch.arange(0)] * size
+            assert [tuple(range(*rows(n, size, place))) for place in range(size)] == \
+                   [tuple(chunk.tolist()) for chunk in chunks[:size]]
+
+
+def test_the_writers_files_are_its_shards_and_join_into_model_pt(written):
+    root, _ = written
+    model, _ = _written(root / "hybrid", 1, [0, 1])
+    assert _same(model, torch.load(root / "hybrid" / "model.pt", weights_only=True))
+    # the other replica group holds the same state (allreduce)
+    assert _same(_written(root / "hybrid", 1, [2, 3])[0], model)
+
+
+@pytest.mark.parametrize("writer,reader,world,batch,read_from", [
+    ("full", HYBRID, 4, BATCH, [[0, 1], [2, 3], [0, 1], [2, 3]]),  # full on 4 -> hybrid, 2 groups of 2
+    ("full", FULL, 2, 2 * BATCH, [[0, 1], [2, 3]]),  # full on 4 -> full on 2
+    ("full", NONE, 1, 4 * BATCH, [[0, 1, 2, 3]]),  # full on 4 -> unsharded, one worker
+    ("hybrid", FULL, 4, BATCH, [[0], [0], [1], [1]]),  # hybrid of 2 on 4 -> full on 4: one group's files only
+    ("hybrid", NONE, 4, BATCH, [[0, 1], [2, 3], [0, 1], [2, 3]]),  # -> unsharded on 4: group r mod 2's files
+])
+def test_a_resharded_resume_is_the_writers_state_bit_for_bit_read_from_one_groups_rows(
+        tmp_path, written, writer, reader, world, batch, read_from):
+    root, _ = written
+    run = _cut(root / writer, tmp_path / "run", 1)
+    ranks = run_distributed(_run, world, batch, 1, reader, str(run), True)  # resumed at epoch 1: nothing trains
+    model, momentum = _written(root / writer, 1, [0, 1, 2, 3] if writer == "full" else [0, 1])
+    assert _same(ranks[0][0], model)
+    assert all(len(mine) == len(momentum) and all(torch.equal(a, b) for a, b in zip(mine, momentum))
+               for _, mine, _ in ranks)
+    assert [read for _, _, read in ranks] == read_from
+
+
+@pytest.mark.parametrize("reader,world,batch", [(FULL, 2, 2 * BATCH), (NONE, 1, 4 * BATCH)])
+def test_a_resharded_run_goes_on_as_the_writer_would_have(tmp_path, written, reader, world, batch):
+    # One replica group of 4 ranks x 4 rows reads what one of 2 x 8 or one unsharded worker x 16 reads: the epoch
+    # after the resume computes the writer's second epoch, momentum and all, in float rounding.
+    root, full = written
+    run = _cut(root / "full", tmp_path / "run", 1)
+    resumed = run_distributed(_run, world, batch, 2, reader, str(run), True)[0][0]
+    assert _relative(resumed, full[0][0]) < RELATIVE
+    assert _same(torch.load(run / "model.pt", weights_only=True), resumed)
+
+
+def _refused(rank, world, out, sharded):
+    x, y = toy_data(N)
+    model = _model()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "cross-entropy", Sync(outer="sgd"),
+                      batch_size=BATCH, seed=SEED, verbose=False, progress=False, out=out, resume=True,
+                      checkpoint_every=1, **sharded)
+    try:
+        trainer.fit((x, y), epochs=2)
+    except UserError as refused:
+        return str(refused)
+    return None
+
+
+def _outer(rank, world, out):
+    x, y = toy_data(N)
+    model = _model()
+    Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "cross-entropy", Sync(outer="sgd"), batch_size=BATCH,
+            seed=SEED, verbose=False, progress=False, out=out, checkpoint_every=1, **HYBRID).fit((x, y), epochs=1)
+
+
+def test_a_strategy_state_of_shards_is_not_resharded_and_says_so_in_one_line(tmp_path):
+    run_distributed(_outer, 4, str(tmp_path / "run"))  # --outer's anchor and momentum: this rank's shards
+    (tmp_path / "run" / "summary.json").unlink()
+    lines = run_distributed(_refused, 2, str(tmp_path / "run"), NONE)
+    assert all(line is not None and "\n" not in line and "was written by replica groups of 2 ranks, and its strategy "
+               "state holds their shards" in line and "continue it with replica groups of 2 ranks" in line
+               for line in lines), lines
