@@ -157,3 +157,20 @@ def test_a_strategy_state_of_shards_is_not_resharded_and_says_so_in_one_line(tmp
     assert all(line is not None and "\n" not in line and "was written by replica groups of 2 ranks, and its strategy "
                "state holds their shards" in line and "continue it with replica groups of 2 ranks" in line
                for line in lines), lines
+
+
+def test_from_the_command_line_a_sharded_run_goes_on_unsharded(tmp_path):
+    from test_train_cli import dptrain
+
+    common = ["train", "--dataset", "digits", "--workers", "2", "--out", str(tmp_path / "run"), "--no-progress"]
+    first = dptrain(*common, "--epochs", "1", "--shard", "full", cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    # --shard and --shard-size may change between a run and its continuation; the launcher checks the first
+    # rank's shards against the model before the workers start
+    went_on = dptrain(*common, "--epochs", "2", cwd=tmp_path)
+    assert went_on.returncode == 0, went_on.stderr
+    assert ("dptrain: the checkpoint's shards resharded from replica groups of 2 ranks onto unsharded workers: "
+            "each rank read its rows of one writing group's files") in went_on.stdout
+    assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 2
+    saved = torch.load(tmp_path / "run" / "model.pt", weights_only=True)
+    assert saved["1.weight"].shape == (128, 64)  # whole again

@@ -140,3 +140,23 @@ def _holds_rows(value: Any) -> bool:
     if isinstance(value, (list, tuple)):
         return any(_holds_rows(item) for item in value)
     return False
+
+
+def check_fits(model: nn.Module, saved: dict, written: int, where: str) -> None:
+    """Whether the model state the first rank of a replica group of `written` ranks wrote (`saved`) fits `model`
+    (whole, before the workers start): the same keys, each parameter's chunk the rows replica groups of `written`
+    give that rank, each buffer whole; else a UserError naming the first key that does not fit (nothing is loaded)."""
+    current = model.state_dict()
+    parameters = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    missing, unexpected = sorted(set(current) - set(saved)), sorted(set(saved) - set(current))
+    if missing or unexpected:
+        raise UserError(f"{where} does not fit this model: Missing key(s) in state_dict: {missing[:3]}; "
+                        f"Unexpected key(s): {unexpected[:3]}")
+    for key, value in current.items():
+        shape = tuple(value.shape)
+        if key in parameters and shape:
+            shape = (len(range(*rows(shape[0], written, 0))), *shape[1:])
+        if tuple(saved[key].shape) != shape:
+            raise UserError(f"{where} does not fit this model: size mismatch for {key}: the checkpoint's first shard "
+                            f"has shape {tuple(saved[key].shape)}, and this model's gives {shape} (replica groups "
+                            f"of {written} ranks)")
