@@ -11,8 +11,9 @@ whose chunks overlap its own rows, memory-mapped (torch.load with mmap and weigh
 those rows. Nothing goes over the network and no rank holds a whole model it does not train. The rest of its
 state (epoch, history, schedule, strategy, random state) is that of the writer of its first rows.
 
-A strategy whose own state holds shards (streaming's global model, --outer's anchor and momentum, compression's
-residuals, the LR guard's last average) is not resharded: such a checkpoint resumes on its own shard size only.
+The strategy's own shards are resharded alike: streaming's global model (a state dict of the model's keys),
+--outer's anchor (a shard of each parameter, in the model's order) and its outer optimizer's momentum or moments.
+Any other state of shards (none that sharding allows today) is refused in one line.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from dptrain.train import checkpoint_files
 
 # The parts of a rank's file that may hold shards of the model beside the model and optimizer themselves.
 OTHER_PARTS = ("strategy", "lr_guard")
+# What of a strategy's state `_strategy` reshards (the rest must hold no shards).
+RESHARDED = ("global_model", "anchor", "outer")
 
 
 class Layout(NamedTuple):
@@ -59,19 +62,23 @@ def load_resharded(run_dir: Path, at: checkpoint_files.At, members: list[int], w
     writers = writing_group(members, written, layout.group)
     shapes = {name: tuple(p.shape) for name, p in model.named_parameters(remove_duplicate=False)}
     ordered = [tuple(p.shape) for group in optimizer.param_groups for p in group["params"]]
+    where = f"the checkpoint of {checkpoint_files.describe(at)} in '{run_dir}'"
     needed = [k for k in range(written) if any(_overlap(rows(shape[0], written, k), rows(shape[0], layout.size,
                                                                                          layout.place))
                                                for shape in shapes.values())] or [layout.place % written]
     base = needed[0]  # the writer of its first rows (of its place, when it has no rows at all)
     files = {k: checkpoint_files.load_mapped(run_dir, at, writers[k]) for k in needed}
     state = dict(files[base])
-    held = [name for name in OTHER_PARTS if _holds_rows(state.get(name))]
+    strategy = state.get("strategy") or {}
+    others = {"strategy": {key: value for key, value in strategy.items() if key not in RESHARDED},
+              "lr_guard": state.get("lr_guard")}
+    held = [name for name in OTHER_PARTS if _holds_rows(others[name])]
     if held:
-        raise UserError(f"the checkpoint of {checkpoint_files.describe(at)} in '{run_dir}' was written by replica "
-                        f"groups of {written} ranks, and its {held[0]} state holds their shards (streaming's global "
-                        f"model, --outer's anchor, compression's residuals or the LR guard's last average), which "
-                        f"are not resharded: continue it with replica groups of {written} ranks")
-    where = f"the checkpoint of {checkpoint_files.describe(at)} in '{run_dir}'"
+        raise UserError(f"{where} was written by replica groups of {written} ranks, and its {held[0]} state holds "
+                        f"their shards beyond those resharded (streaming's global model, --outer's anchor and "
+                        f"momentum): continue it with replica groups of {written} ranks")
+    state["strategy"] = _strategy(files, strategy, shapes, [tuple(p.shape) for p in model.parameters()], written,
+                                  layout, where)
     state["model"] = {key: (_assemble(files, lambda f, key=key: f["model"][key], shapes[key], written, layout, where, key)
                             if key in shapes else _own(value)) for key, value in state["model"].items()}
     state["optimizer"] = _optimizer(files, ordered, written, layout, where)
@@ -82,18 +89,50 @@ def load_resharded(run_dir: Path, at: checkpoint_files.At, members: list[int], w
     return state, [writers[k] for k in needed]
 
 
-def _optimizer(files: dict, ordered: list[tuple], written: int, layout: Layout, where: str) -> dict:
-    """The optimizer's state with each tensor that is a shard of its parameter (a momentum, Adam's moments)
-    made of this rank's rows; numbers and step counts as the base file holds them."""
+def _strategy(files: dict, saved: dict, shapes: dict, params: list[tuple], written: int, layout: Layout,
+              where: str) -> dict:
+    """The strategy's state with its shards made of this rank's rows: streaming's global model (the model's keys),
+    --outer's anchor (one per parameter, in the model's order) and its outer optimizer's state (SGD's state dict
+    over the anchors, or Adam's moments `m` and `v`, one per parameter)."""
+    def of(*path):
+        def part(file: dict) -> torch.Tensor:
+            value = file["strategy"]
+            for step in path:
+                value = value[step]
+            return value
+        return part
+
+    state = dict(saved)
+    if saved.get("global_model"):
+        state["global_model"] = {key: (_assemble(files, of("global_model", key), shapes[key], written, layout, where,
+                                                 f"the global model's {key}") if key in shapes else _own(value))
+                                 for key, value in saved["global_model"].items()}
+    if saved.get("anchor"):
+        state["anchor"] = [_assemble(files, of("anchor", i), params[i], written, layout, where, f"anchor {i}")
+                           for i in range(len(saved["anchor"]))]
+    outer = saved.get("outer") or {}
+    if "state" in outer:  # SGD's (sgd, nesterov) over the anchors
+        state["outer"] = _optimizer(files, params, written, layout, where, of("outer"))
+    elif outer.get("m"):  # Adam's moments
+        state["outer"] = {name: [_assemble(files, of("outer", name, i), params[i], written, layout, where,
+                                           f"the outer {name} {i}") for i in range(len(outer[name]))]
+                          for name in ("m", "v")}
+    return state
+
+
+def _optimizer(files: dict, ordered: list[tuple], written: int, layout: Layout, where: str,
+               of: Callable[[dict], dict] = lambda file: file["optimizer"]) -> dict:
+    """The optimizer's state (`of` a file) with each tensor that is a shard of its parameter (a momentum, Adam's
+    moments) made of this rank's rows; numbers and step counts as the base file holds them."""
     base = next(iter(files))
-    saved = files[base]["optimizer"]
+    saved = of(files[base])
     state = {}
     for index, entry in saved.get("state", {}).items():
         if int(index) >= len(ordered):
             raise UserError(f"{where} does not fit this optimizer: it holds state for parameter {index}, and the "
                             f"optimizer has {len(ordered)} parameters")
         shape, first, end = ordered[int(index)], *rows(ordered[int(index)][0], written, base)
-        state[index] = {key: (_assemble(files, lambda f, index=index, key=key: f["optimizer"]["state"][index][key],
+        state[index] = {key: (_assemble(files, lambda f, index=index, key=key: of(f)["state"][index][key],
                                         shape, written, layout, where, f"optimizer state {key} of parameter {index}")
                               if isinstance(value, torch.Tensor) and value.dim() > 0
                               and tuple(value.shape) == (end - first, *shape[1:]) else _own(value))
