@@ -105,6 +105,8 @@ def test_the_writers_files_are_its_shards_and_join_into_model_pt(written):
 @pytest.mark.parametrize("writer,reader,world,batch,read_from", [
     ("full", HYBRID, 4, BATCH, [[0, 1], [2, 3], [0, 1], [2, 3]]),  # full on 4 -> hybrid, 2 groups of 2
     ("full", FULL, 2, 2 * BATCH, [[0, 1], [2, 3]]),  # full on 4 -> full on 2
+    # full on 4 -> full on 8: the last layer's 3 rows leave ranks 3 to 7 none of it
+    ("full", FULL, 8, BATCH // 2, [[0], [0, 1], [1, 2], [1], [2], [2], [3], [3]]),
     ("full", NONE, 1, 4 * BATCH, [[0, 1, 2, 3]]),  # full on 4 -> unsharded, one worker
     ("hybrid", FULL, 4, BATCH, [[0], [0], [1], [1]]),  # hybrid of 2 on 4 -> full on 4: one group's files only
     ("hybrid", NONE, 4, BATCH, [[0, 1], [2, 3], [0, 1], [2, 3]]),  # -> unsharded on 4: group r mod 2's files
