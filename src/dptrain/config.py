@@ -68,7 +68,7 @@ class DataSection(_Section):
     loader_workers: Optional[int] = Field(None, ge=0, description="DataLoader worker processes per rank; default 0 "
                                                                   "on the CPU, up to 4 per GPU rank")
     stage_to: Optional[str] = Field(None, description="shards: copy them to this node-local folder (e.g. $TMPDIR) "
-                                                      "once before training, and read them there")
+                                                      "in the background, each read there once copied")
 
 
 class ModelSection(_Section):

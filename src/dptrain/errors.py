@@ -105,6 +105,12 @@ class Left(Preempted):
     """This rank alone was asked to stop (--min-workers): it left at an epoch end and the others go on without it."""
 
 
+class GroupLost(Left):
+    """A rank of this rank's replica group was lost (--shard hybrid with --min-workers): the group's shards have no
+    second copy, so its other ranks leave (exit code 75, as a rank that left on request) and the other replica
+    groups go on."""
+
+
 class JoinedTooLate(Preempted):
     """A worker waiting to join a running job (a replacement, `dptrain join`) was not needed: the run ended first."""
 

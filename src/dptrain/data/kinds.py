@@ -135,7 +135,7 @@ class ShardFiles(Source):
         from dptrain.data.shard_files import open_shards
         from dptrain.data.stream_splits import stream_splits
         _no_augment(settings)
-        stream = open_shards(settings.data, stage_to=getattr(settings, "stage_to", None), log=log,
+        stream = open_shards(settings.data, stage_to=getattr(settings, "stage_to", None),
                              timeout=getattr(settings, "timeout", 300.0))
         return stream_splits(stream, None, settings.data, log, settings.task)
 

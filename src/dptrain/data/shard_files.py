@@ -33,30 +33,32 @@ COLUMN_PAIRS = (("x", "y"), ("image", "label"), ("input", "label"), ("features",
 _DROPPED_STAGES = {"single_node_only", "split_by_node", "split_by_worker", "_shuffle", "detshuffle", "shuffle"}
 
 
-def open_shards(data: str, base: Path = Path(), stage_to: Optional[str] = None, log=lambda line: None,
+def open_shards(data: str, base: Path = Path(), stage_to: Optional[str] = None,
                 timeout: float = 300.0) -> ShardedStream:
     """The stream --data names, with every sample's label (from the tar index, or the Parquet column y); with
-    `stage_to`, its shards copied there first and read from there (dptrain.data.staging)."""
+    `stage_to`, its shards copied there in the background as training begins, each read from there once its
+    copy is complete (dptrain.data.staging)."""
     paths = shard_paths(data, base)
+    staging, where = None, lambda path: path
     if stage_to is not None:
-        from dptrain.data.staging import stage
-        staged = stage(paths, stage_to, timeout)
-        log(staged.line(stage_to))
-        paths = staged.paths
+        from dptrain.data.staging import Staging
+        staging = Staging(paths, stage_to, timeout)
+        where = staging.where  # a resumed run counts its shards in the copies too
     if paths[0].endswith(".tar"):
-        indexed = [tar_index(path) for path in paths]
+        indexed = [tar_index(where(path)) for path in paths]
         stream = ShardedStream([Shard(path, count) for path, (count, _) in zip(paths, indexed)], read_tar, data,
-                               _collate())
+                               _collate(), staging)
         stream.labels = np.asarray([label for _, labels in indexed for label in labels], dtype=np.int64)
         return stream
-    stream = ShardedStream([Shard(path, parquet_rows(path, data)) for path in paths], read_parquet, data, _collate())
-    stream.labels = np.concatenate([parquet_labels(path) for path in paths])
+    stream = ShardedStream([Shard(path, parquet_rows(where(path), data)) for path in paths], read_parquet, data,
+                           _collate(), staging)
+    stream.labels = np.concatenate([parquet_labels(where(path)) for path in paths])
     return stream
 
 
 def _collate():
-    from dptrain.data.sampler import collate_items
-    return collate_items
+    from dptrain.data.streams import collate_pairs
+    return collate_pairs
 
 
 # -- WebDataset tar shards ------------------------------------------------------------------------------------
@@ -142,7 +144,7 @@ def read_parquet(shard: Shard) -> Iterable:
     row = 0
     try:
         for batch in _parquet(shard.name).iter_batches(batch_size=1024, columns=["x", "y"]):
-            xs = batch.column("x").to_numpy(zero_copy_only=False)
+            xs = _rows(batch.column("x"))
             ys = batch.column("y").to_numpy(zero_copy_only=False)
             for x, y in zip(xs, ys):
                 yield np.array(x, dtype=np.float32), y
@@ -152,6 +154,24 @@ def read_parquet(shard: Shard) -> Iterable:
     except Exception as error:  # noqa: BLE001 - pyarrow's read errors
         raise UserError(f"shard '{shard.name}' could not be read at sample {row}: "
                         f"{str(error).splitlines()[0]}") from None
+
+
+def _rows(column):
+    """A record batch's x column: a 2-D float32 array when every row is a list of numbers of one length (one
+    conversion a batch; its rows are copied out one by one, so that a sample held in the shuffle buffer holds
+    only itself), else pyarrow's array of rows."""
+    import pyarrow as pa
+
+    kind = column.type
+    if (pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind)) and \
+            len(column) and not column.null_count and (pa.types.is_floating(kind.value_type) or
+                                                       pa.types.is_integer(kind.value_type)):
+        values = column.flatten()
+        if len(values) and not values.null_count and len(values) % len(column) == 0:
+            width = len(values) // len(column)
+            if pa.types.is_fixed_size_list(kind) or (np.diff(column.offsets.to_numpy()) == width).all():
+                return values.to_numpy(zero_copy_only=False).astype(np.float32, copy=False).reshape(-1, width)
+    return column.to_numpy(zero_copy_only=False)
 
 
 # -- what a data factory returns -----------------------------------------------------------------------------

@@ -37,8 +37,10 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections import deque
 from dataclasses import dataclass
-from itertools import groupby
+from itertools import count, groupby, islice
+from operator import itemgetter
 from typing import Any, Callable, Iterable, Iterator, Optional
 
 import numpy as np
@@ -50,6 +52,7 @@ from dptrain.data.sampler import Rest
 from dptrain.errors import UserError
 
 SHUFFLE_BUFFER = 1024  # samples held by each loader worker's shuffle buffer
+DRAWS = 1024  # the shuffle buffer's indices drawn at a time
 
 
 @dataclass(frozen=True)
@@ -102,6 +105,18 @@ def position_pieces(counts: list[int], order: np.ndarray, positions: np.ndarray)
             for run in np.split(np.arange(len(positions)), breaks)]
 
 
+def copy_order(counts: list[int], epoch: int, seed: int, shuffle: str, ranks: range, world: int) -> list[int]:
+    """The shards in the order `ranks` (one node's) first read them in `epoch` and then `epoch + 1`: each rank's
+    next shard in turn (--stage-to copies them so: each rank's first shard first)."""
+    order: dict[int, None] = {}
+    for read in (epoch, epoch + 1):
+        shards = shard_order(len(counts), read, seed, shuffle)
+        lists = [[shard for shard, _, _ in rank_segments(counts, shards, rank, world)] for rank in ranks]
+        for turn in range(max(map(len, lists), default=0)):
+            order.update((part[turn], None) for part in lists if turn < len(part))
+    return list(order)
+
+
 def reading_rng(seed: int, epoch: int, rank: int, role: int, shuffle: str,
                 rest_from: int = 0) -> Optional[np.random.Generator]:
     """The shuffle buffer's random numbers of loader worker `role` of `rank` in `epoch` (None: --shuffle none); in
@@ -127,23 +142,23 @@ def worker_part(segments: list[tuple[int, int, int]], sizes: list[int], role: in
 
 
 def shuffled(samples: Iterable, buffer: int, rng: Optional[np.random.Generator]) -> Iterator:
-    """`samples` through a shuffle buffer of `buffer` (as they come without `rng`): each exactly once."""
+    """`samples` through a shuffle buffer of `buffer` (as they come without `rng`): each exactly once. Once the
+    buffer is full, each sample that comes takes the place of the one at a drawn index, which leaves; the indices
+    are drawn 1,024 at a time, a block when the first sample that needs one comes (so the draws, and the order,
+    depend only on the number of samples); at the end the samples held leave in a drawn permutation."""
     if rng is None or buffer <= 1:
         yield from samples
         return
-    held: list = []
-    draws, next_draw = np.empty(0, dtype=np.int64), 0  # indices drawn a block at a time: one call per 1,024 samples
-    for sample in samples:
-        if len(held) < buffer:
-            held.append(sample)
-            continue
-        if next_draw == len(draws):
-            draws, next_draw = rng.integers(buffer, size=1024), 0
-        index = draws[next_draw]
-        next_draw += 1
-        held[index], sample = sample, held[index]
-        yield sample
-    for index in rng.permutation(len(held)):
+    samples = iter(samples)
+    held = list(islice(samples, buffer))
+    while True:
+        coming = list(islice(samples, DRAWS))  # (a block read ahead: the per-sample work is the swap alone)
+        if not coming:
+            break
+        for index, sample in zip(rng.integers(buffer, size=DRAWS).tolist(), coming):
+            held[index], sample = sample, held[index]
+            yield sample
+    for index in rng.permutation(len(held)).tolist():
         yield held[index]
 
 
@@ -186,6 +201,33 @@ class StreamRest(Rest):
         return len(read), np.setdiff1d(part, read)
 
 
+def collate_pairs(batch: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch of (x, y) samples as (x, y) tensors. Samples of numpy arrays of one shape and type, and labels of
+    one type, are stacked by numpy and made a tensor once a batch (DataLoader's default_collate makes one a
+    sample, then stacks them); the values and types are default_collate's. Anything else goes to it (through
+    dptrain.data.sampler.collate_items)."""
+    from dptrain.data.sampler import collate_items, to_tensor
+
+    if batch and all(isinstance(sample, tuple) and len(sample) == 2 for sample in batch):
+        xs, ys = zip(*batch)
+        if _stackable(xs) and (_stackable(ys) or _same_scalars(ys)):
+            return to_tensor(np.stack(xs)), to_tensor(np.asarray(ys) if _same_scalars(ys) else np.stack(ys))
+    return collate_items(batch)
+
+
+def _stackable(values: tuple) -> bool:
+    first = values[0]
+    return type(first) is np.ndarray and first.dtype.kind in "biufc" and all(
+        type(value) is np.ndarray and value.shape == first.shape and value.dtype == first.dtype for value in values)
+
+
+def _same_scalars(values: tuple) -> bool:
+    """Python ints, bools or floats, or numpy scalars, all of one type: np.asarray gives default_collate's dtype."""
+    kind = type(values[0])
+    return (kind in (int, bool, float) or (issubclass(kind, np.generic) and np.dtype(kind).kind in "biufc")) and all(
+        type(value) is kind for value in values)
+
+
 # -- the stream ---------------------------------------------------------------------------------------------
 class ShardedStream(IterableDataset):
     """Training data as shards of known sizes and `read(shard)`, an iterator of that shard's (x, y) samples in
@@ -195,9 +237,12 @@ class ShardedStream(IterableDataset):
     is_stream = True
 
     def __init__(self, shards: list[Shard], read: Callable[[Shard], Iterable], name: str,
-                 collate: Optional[Callable] = None) -> None:
+                 collate: Optional[Callable] = None, staging=None) -> None:
         self.shards, self.read, self.name = list(shards), read, name
         self.collate = collate
+        self.staging = staging  # --stage-to (dptrain.data.staging): each shard read from its copy once complete
+        if staging is not None:
+            self.read = _FromCopies(read, staging)
         self.labels: Optional[np.ndarray] = None  # every sample's label in file order, where known
         self.rank, self.world, self.workers, self.steps, self.seed, self.shuffle = 0, 1, 0, 1, 0, "global"
         self.epoch = self.start = 0
@@ -217,6 +262,9 @@ class ShardedStream(IterableDataset):
 
     def set_epoch(self, epoch: int, start: int = 0) -> None:
         self.epoch, self.start = epoch, start
+        if self.staging is not None:  # the first epoch read begins: the copy begins, in the node's reading order
+            self.staging.start(copy_order([shard.samples for shard in self.shards], epoch, self.seed, self.shuffle,
+                                          _node_ranks(self.rank, self.world), self.world))
 
     def _rest(self) -> Optional[StreamRest]:
         return self.rest if self.rest is not None and self.rest.epoch == self.epoch else None
@@ -250,32 +298,31 @@ class ShardedStream(IterableDataset):
         skip = sum(1 for step in range(self.start - begun) if step % workers == role)
         rng = reading_rng(self.seed, self.epoch, self.rank, role, self.shuffle, begun)
         samples = shuffled(self._pieces(pieces), SHUFFLE_BUFFER, rng)
-        for _ in range(sum(mine[:skip])):  # a resumed epoch: the batches before its start, read and dropped
-            next(samples)
+        dropped = sum(mine[:skip])  # a resumed epoch: the batches before its start, read and dropped
+        if dropped:
+            next(islice(samples, dropped - 1, None))
         for size in mine[skip:]:
-            batch = [next(samples) for _ in range(size)]
+            batch = list(islice(samples, size))
+            if len(batch) != size:
+                raise RuntimeError(f"a batch of {size} samples had {len(batch)}: the plan and the shards disagree")
             yield self.collate(batch) if self.collate is not None else batch
 
     def _pieces(self, pieces: list[tuple[int, int, int]]) -> Iterator:
-        """The samples of `pieces`; pieces of one shard that follow each other (ascending) in one read of it."""
+        """The samples of `pieces`; pieces of one shard that follow each other (ascending) in one read of it, each
+        piece's samples passed on by itertools (no Python per sample) and counted."""
         for index, same in groupby(pieces, key=lambda piece: piece[0]):
-            wanted = [(first, stop) for _, first, stop in same]
-            shard, read, stop = self.shards[index], 0, wanted[-1][1]
-            ranges = iter(wanted)
-            first, end = next(ranges)
-            for position, sample in enumerate(self.read(shard)):
-                if position >= stop:
-                    break
-                read = position + 1
-                while position >= end:
-                    first, end = next(ranges)
-                if position >= first:
-                    yield sample
-            if read < stop:
-                raise UserError(f"--data {self.name}: rank {self.rank} read {read} samples of shard '{shard.name}' "
-                                f"where {shard.samples} were counted before training (it changed on disk, or it "
-                                "yields other samples on this rank or in a loader worker); every rank must read "
-                                "the same samples of it")
+            shard, at = self.shards[index], 0
+            samples = iter(self.read(shard))
+            for _, first, stop in same:
+                counted = count()  # zip counts the samples it takes (count() moves only when one came)
+                deque(zip(islice(samples, first - at), counted), maxlen=0)  # the samples before the piece, dropped
+                yield from map(itemgetter(0), zip(islice(samples, stop - first), counted))
+                read, at = at + next(counted), stop
+                if read < stop:
+                    raise UserError(f"--data {self.name}: rank {self.rank} read {read} samples of shard "
+                                    f"'{shard.name}' where {shard.samples} were counted before training (it changed "
+                                    "on disk, or it yields other samples on this rank or in a loader worker); every "
+                                    "rank must read the same samples of it")
 
     def first(self) -> tuple:
         """The first sample of the first shard that holds any."""
@@ -301,6 +348,25 @@ class ShardedStream(IterableDataset):
         for shard in self.shards:
             digest.update(f"{os.path.basename(shard.name)}\0{shard.samples}\n".encode())
         return {"rows": len(self), "sha256": digest.hexdigest()}
+
+
+def _node_ranks(rank: int, world: int) -> range:
+    """The ranks of this process's node, as the launcher's LOCAL_RANK and LOCAL_WORLD_SIZE say (all, where not)."""
+    local, size = os.environ.get("LOCAL_RANK"), os.environ.get("LOCAL_WORLD_SIZE")
+    if local is None or size is None:
+        return range(world)
+    first = max(0, rank - int(local))
+    return range(first, min(world, first + int(size)))
+
+
+class _FromCopies:
+    """A reader of shards that opens each one's --stage-to copy when it is complete, its original otherwise."""
+
+    def __init__(self, read: Callable[[Shard], Iterable], staging) -> None:
+        self.reader, self.staging = read, staging
+
+    def __call__(self, shard: Shard) -> Iterable:
+        return self.reader(Shard(self.staging.where(shard.name), shard.samples))
 
 
 def refuse_stream_run(strategy: str, own_partitions: bool, other_world: bool, min_workers=None,

@@ -54,6 +54,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from dptrain import faults
+from dptrain.errors import GroupLost
 from dptrain.runtime.group import REFUSED, Evicted, Group, PeerFailure, first_line  # noqa: F401 - Evicted, for callers
 from dptrain.runtime import signed
 from dptrain.runtime.heartbeat import bounded
@@ -77,12 +78,14 @@ class Membership:
 
 
 def regroup(group: Group, generation: int, epoch: int, *, min_workers: int, timeout: float,
-            stall: float = STALL, step: int = 0) -> tuple[Group, Membership]:
+            stall: float = STALL, step: int = 0, unit: int = 1) -> tuple[Group, Membership]:
     """Leave the failed `group` and make generation `generation` of the survivors (see the module's
     docstring): (the new group, the membership). `epoch` is the epoch this rank failed in (it can also
     redo the one before); `step`, the steps of it done at this rank's last commit (allreduce's
     --commit-every-steps: it can also go back to the commit before): the survivors continue from the
-    earliest (epoch, step) any of them holds."""
+    earliest (epoch, step) any of them holds. `unit`: the ranks of `group` go on in blocks of that many
+    (replica groups of a sharded model, --shard hybrid): a block that lost a rank is left out whole (its
+    shards have no second copy), its other ranks leave (GroupLost), and `min_workers` counts blocks."""
     store, me, first = group.store, group.members[group.rank], list(group.members)
     if store is None:
         raise PeerFailure(f"rank {me}: no rendezvous store to agree on new members with")
@@ -90,8 +93,14 @@ def regroup(group: Group, generation: int, epoch: int, *, min_workers: int, time
     group.close()
     old = first
     while True:
-        members, (resume, at) = _agree(group, store, me, old, generation, (epoch, step), timeout, stall)
+        members, (resume, at) = _agree(group, store, me, old, generation, (epoch, step), timeout, stall, unit)
         membership = Membership(generation, members, resume, tuple(r for r in first if r not in members), step=at)
+        if unit > 1 and len(members) // unit < min_workers:
+            groups = len(members) // unit
+            raise PeerFailure(f"rank {me}: only {groups} replica group{'s' if groups != 1 else ''} of {unit} ranks "
+                              f"left (ranks {', '.join(map(str, members)) or 'none'}), fewer than --min-workers "
+                              f"{min_workers} (counted in replica groups with --shard hybrid); lost "
+                              f"rank{'s' if len(membership.left) > 1 else ''} {', '.join(map(str, membership.left))}")
         if len(members) < min_workers:
             raise PeerFailure(f"rank {me}: only {len(members)} worker{'s' if len(members) > 1 else ''} left "
                               f"(ranks {', '.join(map(str, members))}), fewer than --min-workers {min_workers}; "
@@ -106,16 +115,17 @@ def regroup(group: Group, generation: int, epoch: int, *, min_workers: int, time
 
 
 def _agree(group: Group, store, me: int, old: list[int], generation: int, at: tuple[int, int], timeout: float,
-           stall: float) -> tuple[tuple[int, ...], tuple[int, int]]:
+           stall: float, unit: int = 1) -> tuple[tuple[int, ...], tuple[int, int]]:
     """Say this rank is alive for `generation` at `at` (epoch, step) and learn the members the decider chose and
-    the (epoch, step) to go on from (Evicted when this rank is not among them)."""
+    the (epoch, step) to go on from (Evicted when this rank is not among them; GroupLost when its block of
+    `unit` ranks lost another one)."""
     key = generation_keys(generation)
     signed.put(store, f"{key}alive/{me}", f"{at[0]} {at[1]}")
     # The first survivor here decides; the store's compare-and-set makes it one rank for all (signed values:
     # a process without the run's secret can neither decide nor name the members).
     decider = int(signed.claim(store, f"{key}decider", str(me)))
     if decider == me:
-        decided = _decide(group, store, key, old, timeout, stall)
+        decided = _decide(group, store, key, old, timeout, stall, unit)
         signed.put(store, f"{key}members", decided)
     else:
         wait = timeout + stall + 10
@@ -132,6 +142,8 @@ def _agree(group: Group, store, me: int, old: list[int], generation: int, at: tu
         for rank in (rank for rank in old if rank not in members):
             index = int(bounded(lambda: store.add(LOST, 1)))
             signed.put(store, f"{LOST}/{index}", str(rank))
+    if me not in members and unit > 1:
+        _leave_lost_block(store, key, me, old, members, unit)
     if me not in members:
         raise Evicted(f"rank {me}: the other workers went on without this one (generation {generation}: "
                       f"ranks {', '.join(map(str, members))}); it did not answer while they agreed who is left "
@@ -191,9 +203,25 @@ def gone(store, heartbeat, ranks, stall: float, *, in_store=lambda rank: rank) -
     return lost
 
 
-def _decide(group: Group, store, key: str, old: list[int], timeout: float, stall: float) -> str:
+def _leave_lost_block(store, key: str, me: int, old: list[int], members: tuple[int, ...], unit: int) -> None:
+    """A rank whose block of `unit` ranks (its replica group) lost a rank that did not answer: GroupLost, naming
+    it. (Every rank of its block answered: this one was too late, and is Evicted as any rank would be.)"""
+    place = old.index(me) // unit
+    block = old[place * unit:(place + 1) * unit]
+    lost = [rank for rank in block if rank != me and signed.read(store, f"{key}alive/{rank}") is None]
+    if not lost:
+        return
+    groups = len(members) // unit
+    raise GroupLost(f"rank {me}: its replica group lost rank{'s' if len(lost) > 1 else ''} "
+                    f"{', '.join(map(str, lost))}, which held the other shards of its model (no second copy is kept); "
+                    f"it leaves the run, and the other {groups} replica group{'s' if groups != 1 else ''} go on "
+                    f"(ranks {', '.join(map(str, members)) or 'none'} of the job)")
+
+
+def _decide(group: Group, store, key: str, old: list[int], timeout: float, stall: float, unit: int = 1) -> str:
     """The decider: "RANKS;EPOCH;STEP" once every old member has answered or gone quiet (or `timeout` passed):
-    the earliest (epoch, step) any of them said."""
+    the earliest (epoch, step) any of them said. With `unit`, only whole blocks of that many ranks of `old`
+    (replica groups) are members."""
     deadline = time.monotonic() + timeout
     heartbeat = group.heartbeat
     while True:
@@ -203,7 +231,8 @@ def _decide(group: Group, store, key: str, old: list[int], timeout: float, stall
         waiting = [rank for rank in old if rank not in answered]
         quiet = gone(store, heartbeat, waiting, stall)
         if all(rank in quiet for rank in waiting) or time.monotonic() >= deadline:
-            members = sorted(answered)
+            blocks = [old[first:first + unit] for first in range(0, len(old), unit)]
+            members = sorted(rank for block in blocks if all(rank in answered for rank in block) for rank in block)
             epoch, step = min(answered.values())
             return f"{','.join(map(str, members))};{epoch};{step}"
         time.sleep(0.1)

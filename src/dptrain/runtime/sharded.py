@@ -8,7 +8,7 @@ from the Group's own process group, so a group made over the store works too.
 
 Across replica groups the strategy communicates on another Group (dptrain.strategies.sharded); a
 gradient all-reduce across them (HSDP) is FSDP's all-reduce hook, handed the reduce-scatter's output
-(`shard_model`'s `across`). Reductions are sums, divided once after all of them (FSDP's
+(`shard_model`'s `across`, an AcrossReduce: its group is made again when replica groups are lost, --min-workers). Reductions are sums, divided once after all of them (FSDP's
 `set_force_sum_reduction_for_comms`, a divide factor of all ranks that averaged): gloo has no average op.
 
 What a checkpoint holds of a sharded model or optimizer is this rank's shards as plain tensors
@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dptrain.errors import UserError
-from dptrain.runtime.group import Group
+from dptrain.runtime.group import Group, PeerFailure, first_line
 
 # FSDP2 is imported where a model is sharded, not with this module: every strategy imports it (`local`, `full_state`),
 # and an unsharded run neither needs FSDP2's modules nor pays for importing them (nor for their private
@@ -56,6 +56,18 @@ def is_sharded(model: nn.Module) -> bool:
     return bool(_fsdp_modules(model))
 
 
+def _failing_as_peer(group: Group, what: str, collective: Callable[[], Any]) -> Any:
+    """`collective()`; a failure of its wait (gloo's "Connection closed by peer": a rank of the replica group is
+    gone) as a PeerFailure naming it, which live membership goes on after, not a traceback from inside FSDP."""
+    try:
+        return collective()
+    except PeerFailure:
+        raise
+    except (dist.DistError, RuntimeError) as exc:
+        raise PeerFailure(f"rank {group.members[group.rank]}: {what} in its replica group (ranks "
+                          f"{', '.join(map(str, group.members))}) failed: {first_line(exc)}") from None
+
+
 @functools.cache
 def _seam_collectives() -> tuple[type, type]:
     """FSDP2's custom all-gather and reduce-scatter, made at the seam: (SeamAllGather, SeamReduceScatter)."""
@@ -69,7 +81,9 @@ def _seam_collectives() -> tuple[type, type]:
 
         def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any,
                      async_op: bool = False) -> Any:
-            work, sent = self.group.all_gather_into(output_tensor, input_tensor, async_op=async_op)
+            work, sent = _failing_as_peer(self.group, "an all-gather of a unit's shards",
+                                          lambda: self.group.all_gather_into(output_tensor, input_tensor,
+                                                                             async_op=async_op))
             self.count(sent)
             return work
 
@@ -81,7 +95,9 @@ def _seam_collectives() -> tuple[type, type]:
 
         def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any,
                      async_op: bool = False) -> Any:
-            work, sent = self.group.reduce_scatter_into(output_tensor, input_tensor, op, async_op=async_op)
+            work, sent = _failing_as_peer(self.group, "a reduce-scatter of a unit's gradients",
+                                          lambda: self.group.reduce_scatter_into(output_tensor, input_tensor, op,
+                                                                                 async_op=async_op))
             self.count(sent)
             return work
 
@@ -135,9 +151,45 @@ def fsdp_settings(precision: str = "fp32", offload: bool = False) -> dict:
     return settings
 
 
+class AcrossReduce:
+    """FSDP's all-reduce hook between replica groups (HSDP): each reduce-scattered gradient shard summed over
+    `group` (the ranks holding the same shard; None: one replica group left, nothing to add), counted by `count`.
+
+    With `hold_failures` (live membership) a failed all-reduce is kept instead of raised inside the backward pass,
+    and the backward's later ones are skipped: FSDP finishes its backward (each unit's gradients reduced inside the
+    replica group, the parameters resharded), so the survivors of a lost replica group go on with FSDP as it was;
+    `raise_failure` raises it after the backward. `group` is replaced when the replica groups are made again."""
+
+    def __init__(self, group: Optional[Group], count: Callable[[int], None], hold_failures: bool = False) -> None:
+        self.group, self.count, self.hold_failures = group, count, hold_failures
+        self.failure: Optional[BaseException] = None
+
+    def __call__(self, reduced: torch.Tensor) -> None:
+        if self.group is None or self.failure is not None:
+            return
+        if not self.hold_failures:
+            self.count(self.group.all_reduce(reduced))
+            return
+        try:
+            self.count(self.group.all_reduce(reduced))
+        except (dist.DistError, RuntimeError) as exc:  # a PeerFailure (QuietPeer) too: raised after the backward
+            self.failure = exc
+
+    def raise_failure(self) -> None:
+        """Raise the all-reduce failure this backward kept (a PeerFailure naming it), once."""
+        failure, self.failure = self.failure, None
+        if failure is None:
+            return
+        if isinstance(failure, PeerFailure):
+            raise failure
+        raise PeerFailure(f"rank {self.group.members[self.group.rank]}: a gradient all-reduce across the replica "
+                          f"groups failed: {first_line(failure)}") from None
+
+
 def shard_model(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], inside: Group,
-                count: Callable[[int], None], *, unit: Optional[str], share: float, across: Optional[Group] = None,
-                settings: Optional[dict] = None, recompute: bool = False) -> nn.Module:
+                count: Callable[[int], None], *, unit: Optional[str], share: float,
+                across: Optional[AcrossReduce] = None, settings: Optional[dict] = None,
+                recompute: bool = False) -> nn.Module:
     """Shard `model` in place over `inside` (each unit, then the root) and point `optimizer` (None for a model
     that is only evaluated) at the sharded parameters; every collective FSDP makes goes through `inside` (and
     `across`: the gradients' all-reduce between replica groups, HSDP), counted by `count`. The model must be
@@ -161,16 +213,23 @@ def shard_model(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], in
     sharded = dict(model.named_parameters())
     for param_group in optimizer.param_groups if optimizer is not None else []:
         param_group["params"] = [sharded[names[id(parameter)]] for parameter in param_group["params"]]
-    ranks = inside.world_size * (across.world_size if across is not None else 1)
     SeamAllGather, SeamReduceScatter = _seam_collectives()
     for module in _fsdp_modules(model):
         module.set_custom_all_gather(SeamAllGather(inside, count))
         module.set_custom_reduce_scatter(SeamReduceScatter(inside, count))
         module.set_force_sum_reduction_for_comms(True)
-        module.set_gradient_divide_factor(float(ranks))
         if across is not None:
-            module.set_all_reduce_hook(lambda reduced: count(across.all_reduce(reduced)))
+            module.set_all_reduce_hook(across)
+    divide_gradients(model, inside.world_size * (across.group.world_size if across is not None and
+                                                 across.group is not None else 1))
     return model
+
+
+def divide_gradients(model: nn.Module, ranks: int) -> None:
+    """Each gradient of sharded `model` divided by `ranks` (all the ranks whose sums it holds) after its reductions:
+    the mean over them (set again when the replica groups change)."""
+    for module in _fsdp_modules(model):
+        module.set_gradient_divide_factor(float(ranks))
 
 
 @contextlib.contextmanager
@@ -189,14 +248,20 @@ def gathered(model: nn.Module) -> Iterator[None]:
             module.set_reshard_after_forward(True, recurse=False)
 
 
-def full_state(model: nn.Module, wanted: bool = True) -> dict:
-    """`model`'s whole state_dict on the CPU, on rank 0 of the job when the model is sharded (every rank must
-    call it then: the shards are gathered; the other ranks get {}); a plain model's where `wanted`, else {}."""
+def full_state(model: nn.Module, wanted: Optional[bool] = None) -> dict:
+    """`model`'s whole state_dict on the CPU where `wanted` (the rank that writes the results; None: rank 0 of the
+    job), else {}. A sharded model's is gathered, one tensor at a time, in each replica group (every rank must call
+    it then): the rank that writes may be in any group once a group was lost (--min-workers), not only rank 0's."""
     if not is_sharded(model):
-        return {key: value.detach().cpu() for key, value in model.state_dict().items()} if wanted else {}
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return {key: value.detach().cpu() for key, value in model.state_dict().items()} if wanted in (None, True) \
+            else {}
+    keep = dist.get_rank() == 0 if wanted is None else wanted
+    state = {}
+    for key, value in model.state_dict().items():
+        whole = value.full_tensor() if hasattr(value, "full_tensor") else value  # a DTensor's all-gather
+        if keep:
+            state[key] = whole.detach().cpu()
+    return state
 
 
 def shard_bytes(model: nn.Module) -> int:

@@ -64,6 +64,8 @@ class AllReduce(Shardable, AllReduceRules, Strategy):
         at every step, and the trainer set each back to the same epoch start); the buffers go from the new
         rank 0 before its first forward, as before every forward. Alone, the model trains unwrapped."""
         model = super().rebind(ctx)
+        if self.shard_options is not None:  # FSDP goes on in each replica group left (Shardable.rebind)
+            return model
         if ctx.world_size == 1:
             self._buffer_bytes = 0
             return model

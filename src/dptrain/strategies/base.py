@@ -100,6 +100,7 @@ class Strategy(StrategyRules):
     # Whether the run has live membership (--min-workers), and its min_workers: `enable_live`, before setup.
     live = False
     min_workers: Optional[int] = None
+    live_unit = 1  # the ranks lost together (a sharded replica group's: dptrain.strategies.sharded)
 
     def __init__(self) -> None:
         self.comm_bytes = 0

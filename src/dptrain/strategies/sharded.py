@@ -27,14 +27,18 @@ from dptrain.data.sampler import EpochPlan, partition_replica_plan, replica_plan
 from dptrain.errors import UserError
 from dptrain.runtime.distributed import DistContext
 from dptrain.runtime.env import detect
-from dptrain.runtime.sharded import LocalOptimizerShards, LocalShards, fsdp_settings, shard_model, units_of
+from dptrain.runtime.sharded import (AcrossReduce, LocalOptimizerShards, LocalShards, fsdp_settings, shard_model,
+                                     units_of)
 from dptrain.strategies.collectives import broadcast_module
 from dptrain.strategies.rules.sharding import DEFAULT_UNIT_SHARE, REFUSED_LINE, ShardOptions
+from dptrain.strategies.sharded_live import refuse_live, regroup_replicas
 
 
 class ShardedReplicas:
     """This rank's replica group (`inside`, S ranks) and its peers in the other groups (`across`, None with one
     group); `shard` shards the model inside the group."""
+
+    reduce_across: Optional[AcrossReduce] = None  # the gradient shards' all-reduce across the groups (HSDP)
 
     def __init__(self, options: ShardOptions, ctx: DistContext) -> None:
         world = ctx.world_size
@@ -52,16 +56,17 @@ class ShardedReplicas:
         self.across = ctx.group.split(stripes, name="the replica groups") if self.replicas > 1 else None
 
     def shard(self, model: nn.Module, optimizer: torch.optim.Optimizer, ctx: DistContext,
-              count: Callable[[int], None], average_gradients: bool) -> nn.Module:
+              count: Callable[[int], None], average_gradients: bool, live: bool = False) -> nn.Module:
         """Rank 0's model on every rank (counted, as DDP's constructor broadcast is), then sharded inside the
-        group; with `average_gradients`, each step's gradient shards are all-reduced across the groups too."""
+        group; with `average_gradients`, each step's gradient shards are all-reduced across the groups too (`live`:
+        a failure there is raised after the backward, dptrain.runtime.sharded.AcrossReduce)."""
         count(broadcast_module(model, group=ctx.group))
         options = self.options
         if options.shard_offload and ctx.device.type != "cuda":
             raise UserError(f"--shard-offload moves the shards from a GPU to the CPU, and this rank trains on "
                             f"{ctx.device}; drop --shard-offload or train on GPUs")
         return shard_model(model, optimizer, self.inside, count, unit=options.shard_unit, share=DEFAULT_UNIT_SHARE,
-                           across=self.across if average_gradients else None,
+                           across=self._reduce_across(count, live) if average_gradients else None,
                            settings=fsdp_settings(options.shard_precision, options.shard_offload),
                            recompute=options.shard_checkpoint)
 
@@ -72,6 +77,10 @@ class ShardedReplicas:
         options = self.options
         return shard_model(module, None, self.inside, count, unit=options.shard_unit, share=DEFAULT_UNIT_SHARE,
                            settings=fsdp_settings(options.shard_precision, options.shard_offload))
+
+    def _reduce_across(self, count: Callable[[int], None], live: bool) -> AcrossReduce:
+        self.reduce_across = AcrossReduce(self.across, count, hold_failures=live)
+        return self.reduce_across
 
     def plan(self, ctx: DistContext, n_samples: int, batch_size: int, seed: int, shuffle: str,
              block_size: Optional[int]) -> EpochPlan:
@@ -126,7 +135,7 @@ class Shardable:
             raise UserError(f"--shard {self.shard_options.shard} makes one replica group of all {ctx.world_size} "
                             f"ranks: {self.name} has nothing to average across groups; give --shard hybrid with a "
                             f"--shard-size below {ctx.world_size}")
-        return self.replicas.shard(model, optimizer, ctx, self._add_bytes, average_gradients)
+        return self.replicas.shard(model, optimizer, ctx, self._add_bytes, average_gradients, live=self.live)
 
     def epoch_plan(self, ctx, n_samples, labels, batch_size, seed, shuffle, block_size=None) -> EpochPlan:
         if self.replica_groups(ctx) is None:  # (planned before setup: the groups are made here first)
@@ -148,9 +157,28 @@ class Shardable:
         return super().refuses_other_world(within_epoch)
 
     def enable_live(self, min_workers: int) -> None:
+        """--min-workers counts replica groups with --shard hybrid; refused with --shard full (one group: no second
+        copy of its shards)."""
         if self.shard_options is not None:
-            raise UserError(f"--min-workers is refused with --shard: {REFUSED_LINE}")
+            refuse_live(self.shard_options, self.name)
         super().enable_live(min_workers)
+
+    @property
+    def live_unit(self) -> int:
+        """The ranks lost together: a replica group's (its shards have no second copy)."""
+        return self.replicas.size if self.replicas is not None else 1
+
+    def rebind(self, ctx: DistContext) -> nn.Module:
+        """After a replica group was lost: the survivors' groups again (dptrain.strategies.sharded_live)."""
+        if self.replicas is not None:
+            regroup_replicas(self.replicas, ctx, self.model)
+        return super().rebind(ctx)
+
+    def after_backward(self, model: nn.Module) -> None:
+        """A gradient all-reduce across the groups that failed in this backward (live membership), raised now."""
+        if self.replicas is not None and self.replicas.reduce_across is not None:
+            self.replicas.reduce_across.raise_failure()
+        super().after_backward(model)
 
     def sharding(self) -> dict:
         """The sharding for describe() (nothing when the model is not sharded)."""

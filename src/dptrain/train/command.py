@@ -39,6 +39,7 @@ from dptrain.runtime.launcher import NOT_RESTARTED, launch_local, stop_while_sta
 from dptrain.runtime.prestart import prestart, quiet_cpp_logs_of_children
 from dptrain.runtime.spawn import Ranks
 from dptrain.strategies import build_strategy
+from dptrain.strategies.rules.sharding import kept_ranks
 from dptrain.train.optim import build_optimizer
 from dptrain.train import checkpoint_files, loggers, reshard
 from dptrain.train.rundir import (JOIN_FILE, check_not_busy, check_run_dir, default_run_dir, lock_run_dir, open_run_dir,
@@ -194,12 +195,13 @@ def prepare_run_dir(config: TrainConfig, out: str, world: int, model: torch.nn.M
                                      _shard_size(config, world, saved))
             if refused:
                 raise UserError(refused)
-            first = checkpoint_files.load(run_dir, epoch, saved["members"][0])["model"]
-            if saved.get("shard_size"):  # its first rank's shards (dptrain.train.reshard)
+            if saved.get("shard_size"):  # its first rank's shards, against the model (dptrain.train.reshard)
                 where = f"the checkpoint of {checkpoint_files.describe(epoch)} in '{out}'"
-                reshard.check_fits(model, first, saved["shard_size"], where)
-            else:
-                load_model_state(model, first, epoch, out)
+                reshard.check_fits(model, checkpoint_files.load(run_dir, epoch, saved["members"][0])["model"],
+                                   saved["shard_size"], where)
+            elif config.shard == "none":  # (sharded now, its ranks check their own shards as they restore)
+                load_model_state(model, checkpoint_files.load(run_dir, epoch, saved["members"][0])["model"], epoch,
+                                 out)
     paths = {key: settings[key] for key in ("data", "model", "loss")}
     text = to_yaml(config.model_copy(update={**paths, "out": str(run_dir), "resume": False, "workers": world}))
     saved_config = run_dir / "config.yaml"
@@ -297,7 +299,7 @@ def spawn_workers(config: TrainConfig, model: torch.nn.Module, prestarted: Optio
         quiet_cpp_logs_of_children()
         for attempt in range(config.max_restarts + 1):
             code = launch_local(config.workers, argv, config.timeout, prestarted if attempt == 0 else None,
-                                may_lose=config.workers - config.min_workers if config.min_workers else 0,
+                                may_lose=config.workers - kept_ranks(config) if config.min_workers else 0,
                                 grace=config.grace if config.grace is not None else config.timeout, replacements=config.workers if config.replace_workers else 0,
                                 join_file=run_dir / JOIN_FILE if config.min_workers else None)
             if code == Interrupted.exit_code:  # Ctrl-C: the workers are stopped; say where the run stands
@@ -483,12 +485,17 @@ def say_lr_and_batch(config: TrainConfig, world: int, factor: float) -> None:
 
 def data_record(config: TrainConfig, data: DataSplits) -> dict:
     """What the run trained on, from the data itself (summary.json's `data`): its source (--data as config.yaml
-    records it, or the built-in --dataset), task, per-sample input shape (channels first), classes and samples."""
+    records it, or the built-in --dataset), task, per-sample input shape (channels first), classes and samples,
+    and with --stage-to what this node's copy did (dptrain.data.staging)."""
     source = with_absolute_paths({"data": config.data})["data"] if config.data is not None else config.dataset
-    return {"source": source, "task": data.task,
-            "input_shape": list(data.input_shape), "classes": data.num_classes,
-            "train_samples": len(data.train_set()),
-            "test_samples": len(data.test_set()) if data.test_set() is not None else 0}
+    record = {"source": source, "task": data.task,
+              "input_shape": list(data.input_shape), "classes": data.num_classes,
+              "train_samples": len(data.train_set()),
+              "test_samples": len(data.test_set()) if data.test_set() is not None else 0}
+    staging = getattr(data.train_set(), "staging", None)
+    if staging is not None:  # --stage-to: the copy's figures as they stand when summary.json is written
+        record["staging"] = staging.record
+    return record
 
 
 def loader_workers(asked: Optional[int], ctx) -> int:

@@ -196,7 +196,8 @@ class LiveMembership(FixedMembership):
         epoch, done = max(self._kept)
         before = tuple(ctx.group.members)
         group, membership = regroup(ctx.group, ctx.group.generation + 1, epoch, step=done,
-                                    min_workers=self.options.min_workers, timeout=self.timeout)
+                                    min_workers=self.options.min_workers, timeout=self.timeout,
+                                    unit=self.strategy.live_unit)
         saved = self._kept[(membership.epoch, membership.step)]
         state.rest = self._rest_after(state.rest, membership, before)
         if membership.step:
@@ -231,6 +232,7 @@ class LiveMembership(FixedMembership):
         if not self.strategy.meets_at_epoch_ends:
             return self.strategy.agree_stop(requested)
         room = (self.options.max_workers or self.recorder.job_world) - ctx.world_size
+        room = 0 if self.strategy.live_unit > 1 else room  # no replica group joins a sharded run yet
         ready = protocol.ready_joiners(ctx.group.store, room) if ctx.is_main and ctx.group.store is not None else ()
         if ctx.world_size == 1:
             self._admitting = ready
@@ -242,7 +244,8 @@ class LiveMembership(FixedMembership):
         stay = tuple(member for member in ctx.group.members if member not in leave)
         if not leave:
             return None
-        if len(stay) < self.options.min_workers or (0 in leave and not store_served()):
+        # (a sharded replica group cannot lose a rank it keeps training with: the whole job stops then)
+        if len(stay) < self.options.min_workers or (0 in leave and not store_served()) or self.strategy.live_unit > 1:
             self._admitting = ()  # the job stops: checkpoint and exit 75, as without min_workers
             return requested or "a signal to another rank"
         self._leaving = (stay, leave, tuple(signal for signal in asked if signal))

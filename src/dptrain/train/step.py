@@ -109,8 +109,8 @@ class Stepper:
         """`model(x)`. DistributedDataParallel communicates before it calls the user's module (the bucket
         order after the first step, buffers): an error raised before the user's forward was entered is a
         peer's (one line naming it), one raised inside it keeps its traceback."""
-        if not isinstance(model, nn.parallel.DistributedDataParallel):
-            return model(x)
+        if not isinstance(model, nn.parallel.DistributedDataParallel):  # a DistError there: a sharded model's peer's
+            return self.ctx.group.bounded("forward", lambda: model(x), communication_failed=False)
         if self._forward_mark is None or self._forward_mark[0] is not model:
             self.forget_model()
             self._forward_mark = (model, model.module.register_forward_pre_hook(self._entered_forward))

@@ -89,7 +89,8 @@ class MinWorkersOption(StrategyRules.Options):
                                        "fails or freezes, the others go on without it from the start of that "
                                        "epoch (allreduce: from their last commit, --commit-every-steps), as long "
                                        "as N remain; one warned alone leaves at the epoch end; async: without "
-                                       "going back, rank 0 too (default: a failure ends the run)")
+                                       "going back, rank 0 too; with --shard hybrid N counts replica groups, and a "
+                                       "group that lost a rank leaves whole (default: a failure ends the run)")
 
 
 class CompressionOption(StrategyRules.Options):

@@ -16,10 +16,14 @@ SHARD_MODES = ("none", "full", "hybrid")
 SHARD_PRECISIONS = ("fp32", "bf16")  # bf16: parameters all-gathered and computed in bf16, gradients reduced in fp32
 SHARDED_STRATEGIES = ("allreduce", "sync", "streaming", "fedavg")  # the others are refused with --shard (not built yet)
 AVERAGING_ACROSS = ("sync", "streaming", "fedavg")  # average across replica groups: --shard hybrid only (full makes one)
+LIVE_SHARDED = ("allreduce", "sync")  # those that go on without a lost replica group (--shard hybrid --min-workers)
+FULL_LIVE_REFUSED = ("--shard full is refused with --min-workers: its one replica group holds the only copy of each "
+                     "shard, so a lost rank loses the model (no second copy is kept); give --shard hybrid --shard-size "
+                     "S, where --min-workers counts replica groups")
 DEFAULT_UNIT_SHARE = 0.05  # without --shard-unit: each child module holding at least this share of the parameters
 REFUSED_LINE = ("--shard full/hybrid runs with --strategy allreduce, sync, streaming or fedavg (sync, streaming, "
-                "fedavg: hybrid only, --compression none; sync: no --allreduce-epochs); not with --min-workers, "
-                "--monitor, --amp fp16 or --nnodes (a lost rank loses its group's shard, no second copy is kept)")
+                "fedavg: hybrid only, --compression none; sync: no --allreduce-epochs); not with --monitor, --amp fp16 "
+                "or --nnodes; --min-workers with --shard hybrid and allreduce or sync only, counted in replica groups")
 # sync's and fedavg's settings that sharding takes only at these values (the others are not built for shards yet)
 AVERAGING_PLAIN = {"compression": "none", "allreduce_epochs": 0}
 
@@ -132,8 +136,6 @@ def sharding_refused(config: Any) -> Optional[str]:
         refused.append(f"--strategy {config.strategy} with --shard full (one replica group: nothing to average)")
     elif getattr(config, "compression", "none") != "none":
         refused.append(f"--compression {config.compression}")
-    if config.min_workers is not None:
-        refused.append("--min-workers")
     if config.monitor is not None:
         refused.append("--monitor")
     if config.amp == "fp16":
@@ -144,8 +146,38 @@ def sharding_refused(config: Any) -> Optional[str]:
         refused.append("--shard-offload on --device cpu (it moves the shards from a GPU to the CPU)")
     if refused:
         return f"--shard {shard} is refused with {refused[0]}: {REFUSED_LINE}"
+    if config.min_workers is not None:
+        return live_refused(config)
     # The ranks are known before spawning only when --workers is given (srun and torchrun set their own
     # world): then a size that does not fit is said before anything starts; otherwise at setup, on every rank.
     if "workers" in config.model_fields_set and config.shard_size is not None:
         return size_problem(shard, config.shard_size, config.workers, True)
     return None
+
+
+def live_refused(config: Any) -> Optional[str]:
+    """Why --min-workers cannot go on as `config` (sharded) asks, in one line, or None. With --shard hybrid it counts
+    replica groups: a lost rank loses its group's shards (no second copy), so the group leaves whole and the
+    others go on (dptrain.strategies.sharded)."""
+    if config.shard == "full":
+        return FULL_LIVE_REFUSED
+    why = None
+    if config.strategy not in LIVE_SHARDED:
+        why = f"--strategy {config.strategy} (allreduce or sync only)"
+    elif config.shard_size is None:
+        why = "no --shard-size (it counts replica groups of --shard-size ranks: give it)"
+    elif config.min_workers > config.workers // config.shard_size:
+        groups = config.workers // config.shard_size
+        why = (f"--min-workers {config.min_workers}, more than the {groups} replica groups of {config.shard_size} "
+               f"ranks (use 1 to {groups})")
+    elif config.strategy == "sync" and config.min_workers < 2:
+        why = "--strategy sync and --min-workers 1 (one replica group left has nobody to average with: give 2 or more)"
+    elif getattr(config, "commit_every_steps", None) or config.replace_workers or config.max_workers is not None:
+        why = ("--commit-every-steps, --replace-workers, --max-workers or workers MIN:MAX (a lost replica group's "
+               "epoch is redone from its start, and no group joins yet)")
+    return None if why is None else f"--shard hybrid with --min-workers (counted in replica groups) is refused with {why}"
+
+
+def kept_ranks(config: Any) -> int:
+    """The ranks --min-workers keeps going: that many replica groups of --shard-size ranks with --shard hybrid."""
+    return config.min_workers * (config.shard_size or 1 if config.shard == "hybrid" else 1)
