@@ -56,11 +56,12 @@ def writing_group(members: list[int], written: int, group: int) -> list[int]:
 
 def load_resharded(run_dir: Path, at: checkpoint_files.At, members: list[int], written: int, layout: Layout,
                    model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, list[int]]:
-    """This rank's state from a checkpoint written by replica groups of `written` ranks: its model's and its
-    optimizer's rows of every parameter, the rest as its place's writer left it; and the job ranks whose files
-    it read (the one whose other state it continues first). `model`, `optimizer`: this rank's, sharded as `layout` says."""
+    """This rank's state from a checkpoint written by replica groups of `written` ranks: its rows of every
+    parameter in the model's, the optimizer's and the strategy's state, the rest as the writer of its first rows
+    left it; and the job ranks whose files it read (that writer first). `model`, `optimizer`: this rank's, sharded
+    as `layout` says (a parameter of no dimension is never sharded: FSDP2 shards by rows)."""
     writers = writing_group(members, written, layout.group)
-    shapes = {name: tuple(p.shape) for name, p in model.named_parameters(remove_duplicate=False)}
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters(remove_duplicate=False) if p.dim()}
     ordered = [tuple(p.shape) for group in optimizer.param_groups for p in group["params"]]
     where = f"the checkpoint of {checkpoint_files.describe(at)} in '{run_dir}'"
     needed = [k for k in range(written) if any(_overlap(rows(shape[0], written, k), rows(shape[0], layout.size,
@@ -78,9 +79,9 @@ def load_resharded(run_dir: Path, at: checkpoint_files.At, members: list[int], w
                         f"their shards beyond those resharded (streaming's global model, --outer's anchor and "
                         f"momentum): continue it with replica groups of {written} ranks")
     state["strategy"] = _strategy(files, strategy, shapes, [tuple(p.shape) for p in model.parameters()], written,
-                                  layout, where)
-    state["model"] = {key: (_assemble(files, lambda f, key=key: f["model"][key], shapes[key], written, layout, where, key)
-                            if key in shapes else _own(value)) for key, value in state["model"].items()}
+                                  layout, where)  # (the outer step's anchor is of every parameter, in order)
+    state["model"] = {key: (_assemble(files, lambda f, key=key: f["model"][key], shapes[key], written, layout, where,
+                                      key) if key in shapes else _own(value)) for key, value in state["model"].items()}
     state["optimizer"] = _optimizer(files, ordered, written, layout, where)
     for key, value in state["model"].items():
         if value.is_floating_point() and not bool(torch.isfinite(value).all()):
@@ -131,10 +132,11 @@ def _optimizer(files: dict, ordered: list[tuple], written: int, layout: Layout, 
         if int(index) >= len(ordered):
             raise UserError(f"{where} does not fit this optimizer: it holds state for parameter {index}, and the "
                             f"optimizer has {len(ordered)} parameters")
-        shape, first, end = ordered[int(index)], *rows(ordered[int(index)][0], written, base)
+        shape = ordered[int(index)]
+        first, end = rows(shape[0], written, base) if shape else (0, 0)
         state[index] = {key: (_assemble(files, lambda f, index=index, key=key: of(f)["state"][index][key],
                                         shape, written, layout, where, f"optimizer state {key} of parameter {index}")
-                              if isinstance(value, torch.Tensor) and value.dim() > 0
+                              if shape and isinstance(value, torch.Tensor) and value.dim() > 0
                               and tuple(value.shape) == (end - first, *shape[1:]) else _own(value))
                         for key, value in entry.items()}
     return {"state": state, "param_groups": saved["param_groups"]}
