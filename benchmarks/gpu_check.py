@@ -17,7 +17,8 @@ one step is recorded in the JSON as that step's error, and the other steps still
   (DPTRAIN_BACKEND=gloo: NCCL refuses two ranks on one device), which the JSON says as `backend`;
 - shard:full, shard:hybrid, shard:offload: a sharded model (FSDP2, --shard): full on 2 ranks under allreduce,
   hybrid with --shard-size 2 on 4 ranks under sync (through gloo with CUDA tensors where one GPU serves them
-  all), full with --shard-precision bf16, --shard-checkpoint and --shard-offload;
+  all), full with --shard-precision bf16, --shard-checkpoint and --shard-offload; shard:reshard: a checkpoint of
+  --shard full on 2 ranks continued unsharded (each rank's rows read from the shard files, onto the GPU);
 - live:kill: sync on 3 workers with --min-workers 2, rank 1 killed halfway through epoch 2: the others go on
   (the rebuilt group's collectives, the object gathers, the abandoned communicator);
 - live:join: the same with --replace-workers: a new worker joins and is healed from a peer;
@@ -73,7 +74,7 @@ SIZES = {
 def all_steps() -> list[str]:
     """In the order they run: where the budget runs out, what crosses ranks has been checked first."""
     return (["nccl", "strategy:allreduce"] + [f"ranks:{s}" for s in EVERY_STRATEGY]
-            + ["shard:full", "shard:hybrid", "shard:offload"]
+            + ["shard:full", "shard:hybrid", "shard:offload", "shard:reshard"]
             + ["live:kill", "live:join", "memory:live", "resume:int8", "amp:clip", "torchrun"]
             + [f"amp:{a}" for a in AMPS] + [f"strategy:{s}" for s in STRATEGIES if s != "allreduce"]
             + [f"{kind}:{model}" for model in MODELS for kind in ("dptrain", "plain")])
@@ -284,9 +285,17 @@ def step_ranks(strategy: str, device: str, sizes: dict, workdir: Path) -> dict:
 def step_shard(kind: str, device: str, sizes: dict, workdir: Path) -> dict:
     """A sharded model (FSDP2 on the run's own group, its mesh on the rank's device): `--shard full` on 2 ranks
     under allreduce; `--shard hybrid --shard-size 2` on 4 under sync (2 replica groups averaging their shards);
-    offload: full on 2 ranks with bf16 parameters, activation checkpointing and the shards offloaded to the CPU."""
+    offload: full on 2 ranks with bf16 parameters, activation checkpointing and the shards offloaded to the CPU;
+    reshard: full on 2 ranks for one epoch, then the run continued unsharded from its checkpoint."""
     ranks = 4 if kind == "hybrid" else 2
     env, out = _several_ranks_env(device, ranks), workdir / f"shard-{kind}"
+    if kind == "reshard":
+        first = _cli(_train_argv("allreduce", {**sizes, "epochs": 1}, out, device, ranks, "--shard", "full"), workdir,
+                     env, timeout=140)
+        if first.returncode != 0:
+            return _ranks_result(first, out, device, env, ranks)
+        return _ranks_result(_cli(_train_argv("allreduce", sizes, out, device, ranks), workdir, env, timeout=140), out,
+                             device, env, ranks, expect="resharded from replica groups of 2 ranks onto unsharded workers")
     extra = ["--shard", "hybrid", "--shard-size", "2"] if kind == "hybrid" else ["--shard", "full"]
     if kind == "offload":  # (the CPU has nothing to offload to: the dry run leaves --shard-offload out)
         extra += ["--shard-precision", "bf16", "--shard-checkpoint"] + (["--shard-offload"] if device == "cuda" else [])

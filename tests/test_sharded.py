@@ -301,11 +301,19 @@ def _resume_refused(rank, world, out):
     return None
 
 
-def test_a_sharded_checkpoint_of_another_shard_size_is_refused_in_one_line(tmp_path):
-    run_distributed(_train, 4, AllReduce(), BATCH, 1, {"shard": "hybrid", "shard_size": 2}, str(tmp_path / "run"))
+def test_a_sharded_checkpoint_of_another_shard_size_within_an_epoch_is_refused_in_one_line(tmp_path):
+    # (at an epoch end it is resharded: tests/test_sharded_reshard.py)
+    import shutil
+
+    steps = {"checkpoint_every_steps": 3, "keep_checkpoints": 10}
+    hybrid = {"shard": "hybrid", "shard_size": 2}
+    run_distributed(_train_steps, 4, AllReduce(), BATCH, 1, hybrid, str(tmp_path / "run"), False, steps)
+    for later in [p for p in (tmp_path / "run" / "checkpoints").iterdir() if p.name > "epoch-000000-step-000003"]:
+        shutil.rmtree(later)  # as if killed just after step 3 of epoch 1
     (tmp_path / "run" / "summary.json").unlink()
     lines = run_distributed(_resume_refused, 4, str(tmp_path / "run"))
-    assert all(line is not None and "does not fit this model" in line and "written with another shard size" in line
+    assert all(line is not None and "written within an epoch by replica groups of 2 ranks" in line
+               and "not re-planned over replica groups of another size" in line
                and "\n" not in line for line in lines), lines
 
 

@@ -292,7 +292,7 @@ class LocalShards:
                 if tuple(part.shape) != tuple(saved[key].shape):
                     raise RuntimeError(f"size mismatch for {key}: the checkpoint's shard has shape "
                                        f"{tuple(saved[key].shape)}, this rank's {tuple(part.shape)} (written with "
-                                       f"another shard size? resharding onto another one is not built yet)")
+                                       f"another shard size, by a run that did not record it?)")
                 part.copy_(saved[key])
 
 

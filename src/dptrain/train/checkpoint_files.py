@@ -92,18 +92,21 @@ def save(run_dir: Path, epoch: At, rank: int, state: dict[str, Any]) -> Path:
 
 
 def write_manifest(run_dir: Path, epoch: At, members, strategy: str, run_id: Optional[str],
-                   data: Optional[dict], alone: bool = False) -> None:
+                   data: Optional[dict], alone: bool = False, shard_size: Optional[int] = None) -> None:
     """The manifest of the checkpoint of `epoch`: its members (ranks of the job, in the order of their ranks in
     the group that wrote it), so that it is complete once each of them wrote its file, whatever the world.
 
     `alone`: its workers save alone, each at its own epoch end (async), and the first member (rank 0, the merge
     service's host) holds the global model: the checkpoint is complete with the first member's file, and a
-    member whose file is missing was lost before it saved (`manifest` leaves it out; `lost_before_saving`)."""
+    member whose file is missing was lost before it saved (`manifest` leaves it out; `lost_before_saving`).
+    `shard_size`: the ranks of each replica group of a sharded run (each member's file holds its shards), so
+    that a run of another shard size reshards it (dptrain.train.reshard); absent for an unsharded run."""
     directory = _epoch_dir(run_dir, epoch)
     make_dirs(directory)
     write_json(directory / MANIFEST, {"members": [int(member) for member in members], "world_size": len(members),
                                       "strategy": strategy, "run_id": run_id, "data": data,
-                                      **({"alone": True} if alone else {})})
+                                      **({"alone": True} if alone else {}),
+                                      **({"shard_size": int(shard_size)} if shard_size else {})})
 
 
 def manifest(run_dir: Path, epoch: At, world_size: int) -> dict:
@@ -183,6 +186,15 @@ def _verified_bytes(path: Path) -> Optional[bytes]:
     return data if hashlib.sha256(data).hexdigest() == checksum.read_text().strip() else None
 
 
+def _verified(path: Path) -> bool:
+    """Whether `path` and its checksum are there and agree, read in blocks (never the whole file in memory)."""
+    checksum = _checksum_file(path)
+    if not path.is_file() or not checksum.is_file():
+        return False
+    with open(path, "rb") as handle:
+        return hashlib.file_digest(handle, "sha256").hexdigest() == checksum.read_text().strip()
+
+
 def latest_complete(run_dir: Path, world_size: int) -> tuple[Optional[At], list[str]]:
     """(newest checkpoint whose manifest is there and whose members' files all verify, or None; a note for
     each newer one skipped, and for members an async checkpoint lost before they saved). `world_size`: the
@@ -199,7 +211,7 @@ def latest_complete(run_dir: Path, world_size: int) -> tuple[Optional[At], list[
         if members is None:
             skipped.append((epoch, [], []))
             continue
-        bad = [rank for rank in members if _verified_bytes(_rank_file(directory, rank)) is None]
+        bad = [rank for rank in members if not _verified(_rank_file(directory, rank))]
         if not bad:
             found, lost = epoch, saved.get("lost_before_saving", [])
             break
@@ -262,6 +274,21 @@ def load(run_dir: Path, epoch: At, rank: int) -> dict[str, Any]:
     return state
 
 
+def load_mapped(run_dir: Path, epoch: At, rank: int) -> dict[str, Any]:
+    """What `rank` wrote for `epoch`, its tensors memory-mapped from the file (torch.load with mmap and
+    weights_only): what is read of them is only what is used (a reshard's rows). The checksum is verified first,
+    the file read in blocks; its structure is checked as `load` checks it, its weights' values where used."""
+    path = _rank_file(_epoch_dir(run_dir, epoch), rank)
+    if not _verified(path):
+        raise UserError(f"checkpoint '{path}' is missing or does not match its checksum")
+    try:
+        state = torch.load(path, mmap=True, weights_only=True, map_location="cpu")
+    except Exception as exc:  # noqa: BLE001 - any unpickling failure is a bad file
+        raise UserError(f"checkpoint '{path}' cannot be read: {str(exc).splitlines()[0]}") from None
+    validate(state, path, values=False)
+    return state
+
+
 # What a rank file must hold, as Trainer._checkpoint writes it (the type each entry must have).
 STRUCTURE: dict[str, tuple[type, ...]] = {
     "epoch": (int,), "step": (int,), "wall_seconds": (int, float), "model": (dict,), "optimizer": (dict,),
@@ -269,12 +296,13 @@ STRUCTURE: dict[str, tuple[type, ...]] = {
 }
 
 
-def validate(state: Any, path: Path) -> None:
+def validate(state: Any, path: Path, values: bool = True) -> None:
     """Refuse a checkpoint with the right checksum but the wrong content, in one sentence.
 
     The checksum only proves the file is the one written; a file copied in from elsewhere, or
     written by a diverged run, could still lack entries (a KeyError deep in the restore) or
-    carry NaN/inf weights, which would load silently and train on garbage.
+    carry NaN/inf weights, which would load silently and train on garbage. `values=False`: the weights' values
+    are left unread here (a memory-mapped file's: the caller checks the rows it takes).
     """
     if not isinstance(state, dict):
         raise UserError(f"checkpoint '{path}' holds a {type(state).__name__}, not a dptrain checkpoint "
@@ -294,7 +322,7 @@ def validate(state: Any, path: Path) -> None:
         if not isinstance(value, torch.Tensor):
             raise UserError(f"checkpoint '{path}' is not a dptrain checkpoint: model entry {name!r} is a "
                             f"{type(value).__name__}, not a tensor")
-        if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+        if values and value.is_floating_point() and not bool(torch.isfinite(value).all()):
             raise UserError(f"checkpoint '{path}' holds non-finite weights (NaN or inf in {name!r}); "
                             "remove that epoch's directory to resume from an earlier checkpoint")
 

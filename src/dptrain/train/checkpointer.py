@@ -18,7 +18,7 @@ from dptrain.errors import UserError
 from dptrain import faults
 from dptrain.runtime.distributed import DistContext
 from dptrain.strategies.rules import RESUME_ON_ANY_NUMBER
-from dptrain.train import checkpoint_files
+from dptrain.train import checkpoint_files, reshard
 from dptrain.train.best import Best
 from dptrain.train.rundir import run_id
 
@@ -34,14 +34,21 @@ def load_model_state(model, saved: dict, epoch: checkpoint_files.At, run_dir: Pa
 
 def resume_refusal(out: Path, at: checkpoint_files.At, saved: dict, this_run: Optional[str], data: Optional[dict],
                    changed_data_ok: bool, world: int, strategy: str,
-                   other_world_refused: Callable[[bool], Optional[str]]) -> Optional[str]:
+                   other_world_refused: Callable[[bool], Optional[str]], shard_size: int = 1) -> Optional[str]:
     """Why the checkpoint of `at` (its manifest `saved`) cannot be continued by this run on `world` workers, in one
-    line, or None: another run's, trained on other data, or written by another number of workers than
-    `strategy` can resume on (`other_world_refused(within_epoch)`: why not, or None). Checked where the run
+    line, or None: another run's, trained on other data, written by another number of workers than
+    `strategy` can resume on (`other_world_refused(within_epoch)`: why not, or None), or within an epoch by
+    replica groups of another size than this run's `shard_size` (1: unsharded). Checked where the run
     directory is opened (before anything is written) and again where the ranks restore."""
     why = checkpoint_files.foreign(saved, this_run, data, changed_data_ok)
     if why is not None:
         return f"the checkpoint of {checkpoint_files.describe(at)} in '{out}' cannot be continued: {why}"
+    written = saved.get("shard_size", shard_size)
+    if written != shard_size and isinstance(at, tuple):
+        return (f"the checkpoint of {checkpoint_files.describe(at)} in '{out}' was written within an epoch by replica "
+                f"groups of {written} ranks, and this run's are of {shard_size}: the rest of a sharded run's epoch is "
+                f"not re-planned over replica groups of another size; continue it with groups of {written} ranks "
+                f"(an epoch's end reshards onto any size)")
     if len(saved["members"]) != world:
         refused = other_world_refused(isinstance(at, tuple))
         if refused is not None:
@@ -75,13 +82,24 @@ class Checkpointer:
         self._data: Optional[dict] = None
         self._other_world_refused: Callable[[bool], Optional[str]] = lambda within: None
         self._alone = False
+        self._sharded = None  # the strategy, whose replica groups (made at its setup) say how the model is sharded
+        self.read_from: list[int] = []  # the job ranks whose files the last restore read
 
     def identify(self, strategy, data: Callable[[], dict]) -> None:
         """The strategy the run trains with (its name, why it cannot resume on another number of workers, whether
-        it can stop early) and the training data's fingerprint, for each checkpoint's manifest."""
+        it can stop early, its replica groups when sharded) and the training data's fingerprint, for each
+        checkpoint's manifest."""
         self.strategy, self._fingerprint, self._other_world_refused = strategy.name, data, strategy.refuses_other_world
+        self._sharded = strategy
         self._alone = not strategy.meets_at_epoch_ends  # async: each worker saves at its own epoch end
         self.best.check_strategy(strategy)
+
+    def layout(self) -> reshard.Layout:
+        """This rank's replica group now (its size, index and place; a group of one when the model is not sharded)."""
+        replicas = getattr(self._sharded, "replicas", None)
+        if replicas is None:
+            return reshard.Layout(1, self.ctx.rank, 0)
+        return reshard.Layout(replicas.size, replicas.index, replicas.place)
 
     def _data_fingerprint(self) -> Optional[dict]:
         if self._data is None and self._fingerprint is not None:
@@ -118,8 +136,10 @@ class Checkpointer:
         faults.at(job_rank, None if position else epoch)  # the save fault points name epoch ends
         faults.point("save-begin")
         if self.ctx.is_main:  # before its own file: a checkpoint with rank 0's file has its manifest
+            size = self.layout().size
             checkpoint_files.write_manifest(self.out, at, members, self.strategy, run_id(self.out),
-                                            self._data_fingerprint(), alone=self._alone)
+                                            self._data_fingerprint(), alone=self._alone,
+                                            shard_size=size if size > 1 else None)
         checkpoint_files.save(self.out, at, job_rank, state)
         faults.point("save-end")
         # Other files written later are not part of a save; within an epoch, its points (train-middle, regroup)
@@ -135,10 +155,11 @@ class Checkpointer:
 
     def restore(self, components: dict) -> Optional[dict]:
         """Load the newest complete checkpoint into `components` (rank 0 chooses it for all), from the file of
-        this rank's member (`source_of`) when another world wrote it; its state or None. The state's "members"
-        are the ranks of the job that wrote it; a rank that continues from a copy of another's state has "copy"
-        True; within an epoch, the position's samples and loss of writers beyond this world are added to the
-        rank that continues their place (so that the epoch's record still counts every row read)."""
+        this rank's member (`source_of`) when another world wrote it, or its rows of the files of one writing
+        replica group when replica groups of another size wrote it (dptrain.train.reshard); its state or None.
+        The state's "members" are the ranks of the job that wrote it; a rank that continues from a copy of another's
+        state has "copy" True; within an epoch, the position's samples and loss of writers beyond this world are
+        added to the rank that continues their place (so that the epoch's record still counts every row read)."""
         decision = self.ctx.group.broadcast_object("resume", self._choose() if self.ctx.is_main and self.out else None)
         if decision is None:
             return None
@@ -147,8 +168,15 @@ class Checkpointer:
         at = decision["at"]
         at = tuple(at) if isinstance(at, list) else at  # JSON carries a point within an epoch as a list
         members, rank, world = list(decision["members"]), self.ctx.rank, self.ctx.world_size
-        state = checkpoint_files.load(self.out, at, source_of(members, rank))
-        copy = rank >= len(members)
+        layout, written = self.layout(), decision.get("shard_size") or self.layout().size
+        if written != layout.size:
+            state, self.read_from = reshard.load_resharded(self.out, at, members, written, layout,
+                                                           _unwrapped(components["model"], "module"),
+                                                           _unwrapped(components["optimizer"], "optimizer"))
+        else:
+            self.read_from = [source_of(members, rank)]
+            state = checkpoint_files.load(self.out, at, self.read_from[0])
+        copy = rank >= len(members) or self.read_from[0] != members[rank]
         for name, part in components.items():
             if name == "model":
                 load_model_state(part, state[name], at, self.out)
@@ -163,7 +191,7 @@ class Checkpointer:
                 state["position"]["loss_sum"] = state["position"]["loss_sum"] + theirs["loss_sum"]
         if copy and state.get("position"):  # its place in the epoch is new: it has read nothing of it yet
             state["position"].update(samples=0, loss_sum=torch.zeros_like(state["position"]["loss_sum"]))
-        self._say_resuming(at, members)
+        self._say_resuming(at, members, written)
         return {**state, "members": members, "copy": copy}
 
     def _choose(self) -> Optional[dict]:
@@ -175,12 +203,17 @@ class Checkpointer:
             return None
         saved = checkpoint_files.manifest(self.out, at, self.ctx.world_size)
         refused = resume_refusal(self.out, at, saved, run_id(self.out, create=False), self._data_fingerprint(),
-                                 self.changed_data_ok, self.ctx.world_size, self.strategy, self._other_world_refused)
-        return {"at": at, "members": saved["members"], "refused": refused}
+                                 self.changed_data_ok, self.ctx.world_size, self.strategy, self._other_world_refused,
+                                 self.layout().size)
+        return {"at": at, "members": saved["members"], "refused": refused, "shard_size": saved.get("shard_size")}
 
-    def _say_resuming(self, at, members: list[int]) -> None:
-        world = self.ctx.world_size
+    def _say_resuming(self, at, members: list[int], written: int) -> None:
+        world, size = self.ctx.world_size, self.layout().size
         where = f"at {checkpoint_files.describe(at)}" if isinstance(at, tuple) else f"after epoch {at}"
+        if written != size:
+            self.log(f"dptrain: the checkpoint's shards resharded from replica groups of {written} ranks onto "
+                     f"{'groups of ' + str(size) if size > 1 else 'unsharded workers'}: each rank read its rows of "
+                     f"one writing group's files")
         if members == list(self.ctx.group.members):
             self.log(f"dptrain: resuming {where} from {self.out}")
             return
@@ -190,6 +223,13 @@ class Checkpointer:
             replanned = f"; the epochs from {at + 1} on planned over {world} workers" if len(members) != world else ""
         self.log(f"dptrain: resuming {where} from {self.out} on {world} worker{'s' if world != 1 else ''} "
                  f"(written by {checkpoint_files.who_wrote({'members': members})}){replanned}")
+
+
+def _unwrapped(part, attribute: str):
+    """The model or optimizer a checkpoint part stands for (a sharded one's LocalShards hold it as `attribute`)."""
+    from dptrain.runtime.sharded import LocalOptimizerShards, LocalShards
+
+    return getattr(part, attribute) if isinstance(part, (LocalShards, LocalOptimizerShards)) else part
 
 
 def describe_interruption(out: Optional[Path], world_size: int, epochs_done: int, epochs: int) -> str:

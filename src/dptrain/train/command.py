@@ -41,7 +41,7 @@ from dptrain.runtime.spawn import Ranks
 from dptrain.strategies import build_strategy
 from dptrain.strategies.rules.sharding import kept_ranks
 from dptrain.train.optim import build_optimizer
-from dptrain.train import checkpoint_files, loggers
+from dptrain.train import checkpoint_files, loggers, reshard
 from dptrain.train.rundir import (JOIN_FILE, check_not_busy, check_run_dir, default_run_dir, lock_run_dir, open_run_dir,
                                   run_id)
 from dptrain.train.preemption import (STOP_SIGNALS, catch_stop_signals_early, release_early_stop_signals,
@@ -161,6 +161,14 @@ def _validate(config: TrainConfig) -> tuple[torch.nn.Module, DataSplits]:
     return model, data
 
 
+def _shard_size(config: TrainConfig, world: int, saved: dict) -> int:
+    """This run's replica group size where it is known before the workers start; hybrid's default (the ranks of
+    a node) is known to the ranks only, who check the checkpoint again: the checkpoint's size here."""
+    if config.shard == "none":
+        return 1
+    return world if config.shard == "full" else config.shard_size or saved.get("shard_size", 1)
+
+
 def prepare_run_dir(config: TrainConfig, out: str, world: int, model: torch.nn.Module,
                     data: Optional[DataSplits] = None) -> tuple[Path, bool]:
     """Open (or continue) the run directory; refuse unusable checkpoints before anything is written: corrupt,
@@ -183,10 +191,15 @@ def prepare_run_dir(config: TrainConfig, out: str, world: int, model: torch.nn.M
             refused = resume_refusal(Path(out), epoch, saved, run_id(run_dir, create=False),
                                      fingerprint(data.train_set()) if data is not None else None,
                                      config.resume_with_changed_data, world, config.strategy,
-                                     lambda within: rules.other_world_refused(config, within))
+                                     lambda within: rules.other_world_refused(config, within),
+                                     _shard_size(config, world, saved))
             if refused:
                 raise UserError(refused)
-            if config.shard == "none":  # a sharded run's files hold shards: each rank checks its own as it restores
+            if saved.get("shard_size"):  # its first rank's shards, against the model (dptrain.train.reshard)
+                where = f"the checkpoint of {checkpoint_files.describe(epoch)} in '{out}'"
+                reshard.check_fits(model, checkpoint_files.load(run_dir, epoch, saved["members"][0])["model"],
+                                   saved["shard_size"], where)
+            elif config.shard == "none":  # (sharded now, its ranks check their own shards as they restore)
                 load_model_state(model, checkpoint_files.load(run_dir, epoch, saved["members"][0])["model"], epoch,
                                  out)
     paths = {key: settings[key] for key in ("data", "model", "loss")}

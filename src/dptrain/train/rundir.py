@@ -39,7 +39,8 @@ def default_run_dir(strategy: str, job_id: Optional[str] = None) -> str:
 RESUMABLE_CHANGES = {"out", "resume", "progress", "timeout", "epochs", "max_restarts", "grace", "checkpoint_every",
                      "checkpoint_every_steps", "keep_checkpoints", "replace_workers", "max_workers",
                      "commit_every_steps", "resume_with_changed_data", "nnodes", "node_rank", "master",
-                     "tensorboard", "log_to", "monitor", "early_stop_patience"}
+                     "tensorboard", "log_to", "monitor", "early_stop_patience",
+                     "shard", "shard_size"}  # another shard size reshards the checkpoint (dptrain.train.reshard)
 # A setting that may change where the strategy can take it (other_world_refused says why one cannot).
 WORKERS = "workers"
 
