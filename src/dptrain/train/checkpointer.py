@@ -38,17 +38,20 @@ def resume_refusal(out: Path, at: checkpoint_files.At, saved: dict, this_run: Op
     """Why the checkpoint of `at` (its manifest `saved`) cannot be continued by this run on `world` workers, in one
     line, or None: another run's, trained on other data, written by another number of workers than
     `strategy` can resume on (`other_world_refused(within_epoch)`: why not, or None), or within an epoch by
-    replica groups of another size than this run's `shard_size` (1: unsharded). Checked where the run
-    directory is opened (before anything is written) and again where the ranks restore."""
+    replica groups of another size than this run's `shard_size` (1: unsharded; a manifest without one was
+    written unsharded). Checked where the run directory is opened (before anything is written) and again where
+    the ranks restore."""
     why = checkpoint_files.foreign(saved, this_run, data, changed_data_ok)
     if why is not None:
         return f"the checkpoint of {checkpoint_files.describe(at)} in '{out}' cannot be continued: {why}"
-    written = saved.get("shard_size", shard_size)
+    written = saved.get("shard_size", 1)  # an unsharded writer: replica groups of one
     if written != shard_size and isinstance(at, tuple):
-        return (f"the checkpoint of {checkpoint_files.describe(at)} in '{out}' was written within an epoch by replica "
-                f"groups of {written} ranks, and this run's are of {shard_size}: the rest of a sharded run's epoch is "
-                f"not re-planned over replica groups of another size; continue it with groups of {written} ranks "
-                f"(an epoch's end reshards onto any size)")
+        writers, keep = ((f"replica groups of {written} ranks", f"with groups of {written} ranks") if written > 1
+                         else ("unsharded workers", "with --shard none"))
+        return (f"the checkpoint of {checkpoint_files.describe(at)} in '{out}' was written within an epoch by "
+                f"{writers}, and this run's replica groups are of {shard_size}: the rest of a sharded run's epoch is "
+                f"not re-planned over replica groups of another size; continue it {keep} (an epoch's end reshards "
+                f"onto any size)")
     if len(saved["members"]) != world:
         refused = other_world_refused(isinstance(at, tuple))
         if refused is not None:
@@ -168,7 +171,7 @@ class Checkpointer:
         at = decision["at"]
         at = tuple(at) if isinstance(at, list) else at  # JSON carries a point within an epoch as a list
         members, rank, world = list(decision["members"]), self.ctx.rank, self.ctx.world_size
-        layout, written = self.layout(), decision.get("shard_size") or self.layout().size
+        layout, written = self.layout(), decision.get("shard_size") or 1  # unsharded: groups of one whole replica
         if written != layout.size:
             state, self.read_from = reshard.load_resharded(self.out, at, members, written, layout,
                                                            _unwrapped(components["model"], "module"),
@@ -210,7 +213,10 @@ class Checkpointer:
     def _say_resuming(self, at, members: list[int], written: int) -> None:
         world, size = self.ctx.world_size, self.layout().size
         where = f"at {checkpoint_files.describe(at)}" if isinstance(at, tuple) else f"after epoch {at}"
-        if written != size:
+        if written == 1 and size > 1:
+            self.log(f"dptrain: the unsharded checkpoint sharded onto groups of {size}: each rank read its rows of "
+                     f"one writer's file")
+        elif written != size:
             self.log(f"dptrain: the checkpoint's shards resharded from replica groups of {written} ranks onto "
                      f"{'groups of ' + str(size) if size > 1 else 'unsharded workers'}: each rank read its rows of "
                      f"one writing group's files")

@@ -199,7 +199,7 @@ def prepare_run_dir(config: TrainConfig, out: str, world: int, model: torch.nn.M
                 where = f"the checkpoint of {checkpoint_files.describe(epoch)} in '{out}'"
                 reshard.check_fits(model, checkpoint_files.load(run_dir, epoch, saved["members"][0])["model"],
                                    saved["shard_size"], where)
-            elif config.shard == "none":  # (sharded now, its ranks check their own shards as they restore)
+            else:  # whole tensors, whether this run shards them or not (dptrain.train.reshard takes its rows)
                 load_model_state(model, checkpoint_files.load(run_dir, epoch, saved["members"][0])["model"], epoch,
                                  out)
     paths = {key: settings[key] for key in ("data", "model", "loss")}

@@ -1,15 +1,17 @@
-"""Resharding: a sharded checkpoint continued with replica groups of another size (--shard full, hybrid with
-another --shard-size, or none), at an epoch end.
+"""Resharding: a checkpoint continued with replica groups of another size (--shard full, hybrid with another
+--shard-size, or none; an unsharded one continued sharded), at an epoch end.
 
 FSDP2 shards each parameter by dim 0 as torch.chunk does over the S ranks of a replica group: chunks of
 ceil(n / S) rows, the last one shorter, and a rank past the last row an empty chunk (torch's
 `_chunk_with_empty` in torch.distributed.fsdp._fully_shard). A checkpoint holds each rank's chunk of every
 parameter and of its optimizer state as a plain tensor (dptrain.runtime.sharded's LocalShards). A rank of a new
 replica group continues from ONE writing replica group (new group g from writing group g mod their number, as
-`source_of` picks a rank; an unsharded rank is a group of one): it opens only the files of that group's ranks
-whose chunks overlap its own rows, memory-mapped (torch.load with mmap and weights_only), and copies out just
-those rows. Nothing goes over the network and no rank holds a whole model it does not train. The rest of its
-state (epoch, history, schedule, strategy, random state) is that of the writer of its first rows.
+`source_of` picks a rank): it opens only the files of that group's ranks whose chunks overlap its own rows,
+memory-mapped (torch.load with mmap and weights_only), and copies out just those rows. An unsharded writer is a
+group of one whose file holds whole tensors, so a sharded run continues an unsharded checkpoint alike (group g
+from writing rank g mod their number). Nothing goes over the network and no rank holds a whole model it does not
+train. The rest of its state (epoch, history, schedule, strategy, random state) is that of the writer of its
+first rows.
 
 The strategy's own shards are resharded alike: streaming's global model (a state dict of the model's keys),
 --outer's anchor (a shard of each parameter, in the model's order) and its outer optimizer's momentum or moments.
@@ -56,10 +58,11 @@ def writing_group(members: list[int], written: int, group: int) -> list[int]:
 
 def load_resharded(run_dir: Path, at: checkpoint_files.At, members: list[int], written: int, layout: Layout,
                    model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, list[int]]:
-    """This rank's state from a checkpoint written by replica groups of `written` ranks: its rows of every
-    parameter in the model's, the optimizer's and the strategy's state, the rest as the writer of its first rows
-    left it; and the job ranks whose files it read (that writer first). `model`, `optimizer`: this rank's, sharded
-    as `layout` says (a parameter of no dimension is never sharded: FSDP2 shards by rows)."""
+    """This rank's state from a checkpoint written by replica groups of `written` ranks (1: unsharded, each file
+    whole tensors): its rows of every parameter in the model's, the optimizer's and the strategy's state, the rest
+    as the writer of its first rows left it; and the job ranks whose files it read (that writer first). `model`,
+    `optimizer`: this rank's, sharded as `layout` says (a parameter of no dimension is never sharded: FSDP2 shards
+    by rows)."""
     writers = writing_group(members, written, layout.group)
     shapes = {name: tuple(p.shape) for name, p in model.named_parameters(remove_duplicate=False) if p.dim()}
     ordered = [tuple(p.shape) for group in optimizer.param_groups for p in group["params"]]
@@ -154,9 +157,10 @@ def _assemble(files: dict, part: Callable[[dict], torch.Tensor], shape: tuple, w
             continue
         chunk = part(files[k])
         if tuple(chunk.shape) != (stop - start, *shape[1:]):
+            given = (f"replica groups of {written} ranks give the rank at place {k}" if written > 1 else
+                     "an unsharded writer holds it whole,")  # (or a sharded run that did not record its shard size)
             raise UserError(f"{where} does not fit this model: its shard of {name} has shape {tuple(chunk.shape)}, "
-                            f"and replica groups of {written} ranks give the rank at place {k} "
-                            f"{(stop - start, *shape[1:])}")
+                            f"and {given} {(stop - start, *shape[1:])}")
         pieces.append(chunk[max(first, start) - start:min(end, stop) - start])
     if not pieces:
         return part(files[next(iter(files))]).new_empty((0, *shape[1:]))
