@@ -72,3 +72,27 @@ def test_the_same_epochs_again_and_a_run_without_its_last_checkpoint_are_refused
     assert "holds a finished run of 2 epochs without a checkpoint of its last epoch (it has none), so --epochs 4 " \
            "cannot continue it" in more.stderr
     assert sorted((p.name, p.read_bytes()) for p in (tmp_path / "bare").iterdir() if p.is_file()) == before
+
+
+def test_a_continuation_refused_by_its_checkpoint_leaves_the_finished_run_as_it_was(tmp_path):
+    """The checks of the checkpoint a continuation starts from (here: the data it was written on) come before the
+    finished run's summary and model are kept under their epoch: a refusal renames nothing."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    np.savez(tmp_path / "d.npz", x=rng.normal(size=(64, 8)).astype(np.float32), y=rng.integers(0, 3, 64))
+
+    def train(epochs: int) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "dptrain", "train", "--data", "d.npz", "--workers", "2",
+                               "--strategy", "sync", "--batch-size", "8", "--epochs", str(epochs), "--no-progress",
+                               "--out", "run"],
+                              cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
+
+    assert train(1).returncode == 0
+    run = tmp_path / "run"
+    before = sorted((p.name, p.read_bytes()) for p in run.iterdir() if p.is_file())
+    np.savez(tmp_path / "d.npz", x=rng.normal(size=(64, 8)).astype(np.float32), y=rng.integers(0, 3, 64))
+    more = train(2)
+    assert more.returncode == 2 and len(more.stderr.strip().splitlines()) == 1, more.stderr
+    assert "--resume-with-changed-data" in more.stderr and "Traceback" not in more.stderr
+    assert sorted((p.name, p.read_bytes()) for p in run.iterdir() if p.is_file()) == before

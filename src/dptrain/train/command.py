@@ -42,8 +42,8 @@ from dptrain.strategies import build_strategy
 from dptrain.strategies.rules.sharding import kept_ranks
 from dptrain.train.optim import build_optimizer
 from dptrain.train import checkpoint_files, loggers, reshard
-from dptrain.train.rundir import (JOIN_FILE, check_not_busy, check_run_dir, default_run_dir, lock_run_dir, open_run_dir,
-                                  run_id)
+from dptrain.train.rundir import (JOIN_FILE, check_not_busy, check_run_dir, default_run_dir, keep_finished,
+                                  lock_run_dir, open_run_dir, run_id)
 from dptrain.train.preemption import (STOP_SIGNALS, catch_stop_signals_early, release_early_stop_signals,
                                      take_early_stop_signal)
 from dptrain.train.recorder import Summary, summary_line
@@ -202,6 +202,8 @@ def prepare_run_dir(config: TrainConfig, out: str, world: int, model: torch.nn.M
             else:  # whole tensors, whether this run shards them or not (dptrain.train.reshard takes its rows)
                 load_model_state(model, checkpoint_files.load(run_dir, epoch, saved["members"][0])["model"], epoch,
                                  out)
+    if resuming:
+        keep_finished(run_dir, settings)
     paths = {key: settings[key] for key in ("data", "model", "loss")}
     text = to_yaml(config.model_copy(update={**paths, "out": str(run_dir), "resume": False, "workers": world}))
     saved_config = run_dir / "config.yaml"

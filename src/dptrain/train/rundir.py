@@ -329,13 +329,20 @@ def open_run_dir(path: str, settings: dict[str, Any], resume: bool = False) -> t
     A new directory is created; a finished run (summary.json) is refused; an unfinished run
     with the same settings is continued from its checkpoints; different settings are refused,
     naming the first difference; a run that recorded nothing is started afresh (see
-    `recorded_nothing`). Nothing on disk is overwritten before that decision.
+    `recorded_nothing`). Nothing on disk is overwritten before that decision; a finished run continued to more
+    --epochs keeps its summary and model as they are until `keep_finished`, after its checkpoint was checked.
     """
     if check_run_dir(path, settings, resume):
-        if (Path(path) / "summary.json").exists():  # check_run_dir let it through: more --epochs
-            _keep_finished(Path(path), _extension(Path(path), settings), settings["epochs"])
         return Path(path), True
     return claim_run_dir(path), False
+
+
+def keep_finished(path: Path, settings: dict[str, Any]) -> None:
+    """Where `path` holds a finished run that `settings` continue to more --epochs (open_run_dir let it through),
+    its summary.json and model.pt kept under the epoch they were of: called once every check of the checkpoint it
+    continues from has passed, so that a refused continuation leaves the finished run as it was."""
+    if (path / "summary.json").exists():
+        _keep_finished(path, _extension(path, settings), settings["epochs"])
 
 
 def _extension(directory: Path, settings: dict[str, Any]) -> Optional[int]:
