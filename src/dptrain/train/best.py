@@ -4,8 +4,8 @@ ModelCheckpoint(monitor=...) and EarlyStopping do.
 After each evaluated epoch the metric of the global model (`test_loss`: lower is better; `test_accuracy`:
 higher) is compared with the best so far, read from the run's history (what every rank keeps and every
 checkpoint holds, so a resumed run goes on with the same best and the same count). An epoch that beats
-it (strictly) writes OUT/best.pt, the evaluated model's state_dict on the CPU, and OUT/best.json (epoch,
-metric, value). With a patience of N, the run stops after N evaluated epochs in a row without a better
+it (strictly) writes OUT/best.pt, the evaluated model's state_dict on the CPU (a sharded model's gathered, as
+model.pt is), and OUT/best.json (epoch, metric, value). With a patience of N, the run stops after N evaluated epochs in a row without a better
 value: rank 0 decides and says so, every rank stops after the same epoch, and the run ends as a finished
 one (model.pt is the last epoch's model, best.pt the best). Epochs that were not evaluated (an average
 every few epochs) count for nothing. Early stopping needs a strategy whose workers meet at every epoch end.
@@ -19,6 +19,7 @@ from typing import Callable, Optional
 
 from dptrain.errors import UserError
 from dptrain.io import save_torch, write_json
+from dptrain.runtime.sharded import full_state
 
 MONITORS = {"test_loss": operator.lt, "test_accuracy": operator.gt}  # metric -> "strictly better than"
 
@@ -62,10 +63,12 @@ class Best:
         if self.metric is None or not history:
             return False
         epoch, value, since = self.best(history)
-        if epoch is not None and epoch == history[-1]["epoch"] and self.ctx.writes_results and self.out:
-            model, _ = strategy.evaluation_target()
-            save_torch(self.out / "best.pt", {k: v.detach().cpu() for k, v in model.state_dict().items()})
-            write_json(self.out / "best.json", {"epoch": epoch, "metric": self.metric, "value": value})
+        if epoch is not None and epoch == history[-1]["epoch"] and self.out:  # every rank: a sharded model is
+            model, _ = strategy.evaluation_target()                           # gathered from all of them
+            state = full_state(model, wanted=self.ctx.writes_results)
+            if self.ctx.writes_results:
+                save_torch(self.out / "best.pt", state)
+                write_json(self.out / "best.json", {"epoch": epoch, "metric": self.metric, "value": value})
         stop = self.patience is not None and epoch is not None and since >= self.patience
         if self.patience is not None and self.ctx.world_size > 1:  # rank 0's word: one decision for the run
             stop = bool(self.ctx.group.broadcast_object("early stopping", stop))

@@ -22,8 +22,8 @@ FULL_LIVE_REFUSED = ("--shard full is refused with --min-workers: its one replic
                      "S, where --min-workers counts replica groups")
 DEFAULT_UNIT_SHARE = 0.05  # without --shard-unit: each child module holding at least this share of the parameters
 REFUSED_LINE = ("--shard full/hybrid runs with --strategy allreduce, sync, streaming or fedavg (sync, streaming, "
-                "fedavg: hybrid only, --compression none; sync: no --allreduce-epochs); not with --monitor, --amp fp16 "
-                "or --nnodes; --min-workers with --shard hybrid and allreduce or sync only, counted in replica groups")
+                "fedavg: hybrid only, --compression none; sync: no --allreduce-epochs); not with --amp fp16 or "
+                "--nnodes; --min-workers with --shard hybrid and allreduce or sync only, counted in replica groups")
 # sync's and fedavg's settings that sharding takes only at these values (the others are not built for shards yet)
 AVERAGING_PLAIN = {"compression": "none", "allreduce_epochs": 0}
 
@@ -136,8 +136,6 @@ def sharding_refused(config: Any) -> Optional[str]:
         refused.append(f"--strategy {config.strategy} with --shard full (one replica group: nothing to average)")
     elif getattr(config, "compression", "none") != "none":
         refused.append(f"--compression {config.compression}")
-    if config.monitor is not None:
-        refused.append("--monitor")
     if config.amp == "fp16":
         refused.append("--amp fp16")
     if config.nnodes > 1:
