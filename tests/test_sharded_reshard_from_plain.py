@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from distributed import run_distributed, toy_data
+from test_sharded_reshard import _cut
 from dptrain.strategies import AllReduce, Sync
 from dptrain.train.trainer import Trainer
 
@@ -60,17 +61,6 @@ def _run(rank, world, make, batch, epochs, sharded, out, resume):
 
 def _file(run, epoch, rank):
     return torch.load(run / "checkpoints" / f"epoch-{epoch:06d}" / f"rank-{rank:05d}.pt", weights_only=True)
-
-
-def _cut(run, copy, after):
-    """A copy of `run` as if killed right after the checkpoint of epoch `after` (no later checkpoint, no model.pt)."""
-    shutil.copytree(run, copy)
-    for later in (copy / "checkpoints").iterdir():
-        if later.name > f"epoch-{after:06d}":
-            shutil.rmtree(later)
-    for name in ("model.pt", "summary.json"):
-        (copy / name).unlink()
-    return copy
 
 
 def _equal(a, b):
