@@ -288,12 +288,12 @@ def test_dptrain_run_gives_a_script_that_shards_itself_the_mesh_environment_it_n
     assert seen == [{"shard_rows": 4, "local_world": "2"}] * 2  # 8 rows over 2 ranks
 
 
-def _resume_refused(rank, world, out):
+def _resume_refused(rank, world, out, make, sharded):
     x, y = toy_data(N)
     model = _model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    trainer = Trainer(model, optimizer, "cross-entropy", AllReduce(), batch_size=BATCH, seed=SEED, verbose=False,
-                      progress=False, out=out, resume=True, checkpoint_every=1, shard="full")
+    trainer = Trainer(model, optimizer, "cross-entropy", make(), batch_size=BATCH, seed=SEED, verbose=False,
+                      progress=False, out=out, resume=True, checkpoint_every=1, **sharded)
     try:
         trainer.fit((x, y), epochs=2)
     except UserError as refused:
@@ -301,20 +301,25 @@ def _resume_refused(rank, world, out):
     return None
 
 
-def test_a_sharded_checkpoint_of_another_shard_size_within_an_epoch_is_refused_in_one_line(tmp_path):
-    # (at an epoch end it is resharded: tests/test_sharded_reshard.py)
+def test_a_sharded_checkpoint_within_an_epoch_is_not_resumed_where_the_strategy_cannot_in_one_line(tmp_path):
+    # Fedavg's clients are the replica groups, each with its own place in its partition: another shard size within
+    # an epoch is refused (allreduce and sync go on: tests/test_sharded_reshard_within.py)
     import shutil
+
+    from dptrain.strategies import FedAvg
 
     steps = {"checkpoint_every_steps": 3, "keep_checkpoints": 10}
     hybrid = {"shard": "hybrid", "shard_size": 2}
-    run_distributed(_train_steps, 4, AllReduce(), BATCH, 1, hybrid, str(tmp_path / "run"), False, steps)
-    for later in [p for p in (tmp_path / "run" / "checkpoints").iterdir() if p.name > "epoch-000000-step-000003"]:
+    run = tmp_path / "run"
+    run_distributed(_train_steps, 4, FedAvg(), BATCH, 1, hybrid, str(run), False, steps)
+    for later in [p for p in (run / "checkpoints").iterdir() if p.name > "epoch-000000-step-000003"]:
         shutil.rmtree(later)  # as if killed just after step 3 of epoch 1
-    (tmp_path / "run" / "summary.json").unlink()
-    lines = run_distributed(_resume_refused, 4, str(tmp_path / "run"))
-    assert all(line is not None and "written within an epoch by replica groups of 2 ranks" in line
-               and "not re-planned over replica groups of another size" in line
-               and "\n" not in line for line in lines), lines
+    (run / "summary.json").unlink()
+    lines = run_distributed(_resume_refused, 4, str(run), FedAvg, {})
+    assert lines == [f"the checkpoint of step 3 of epoch 1 in '{run}' was written within an epoch by replica groups "
+                     "of 2 ranks, and fedavg cannot continue it unsharded: a checkpoint within an epoch holds each "
+                     "client's place in its own partition, one at an epoch end does not; continue it with groups of 2 "
+                     "ranks (an epoch's end reshards onto any size)"] * 4
 
 
 @pytest.mark.parametrize("strategy,line", [

@@ -6,6 +6,8 @@ epoch it is refused in one line."""
 
 from __future__ import annotations
 
+import json
+
 import shutil
 from functools import partial
 
@@ -134,27 +136,28 @@ def test_one_group_of_2_goes_on_as_one_unsharded_worker_of_twice_the_batch(tmp_p
     assert not _equal(sharded[0][0], _file(root / "allreduce", 1, 0)["model"].values())  # it trained an epoch
 
 
-def test_from_the_command_line_an_unsharded_run_goes_on_sharded_and_within_an_epoch_is_refused(tmp_path):
+def test_from_the_command_line_an_unsharded_run_goes_on_sharded_within_an_epoch_and_at_its_end(tmp_path):
     from test_train_cli import dptrain
 
     common = ["train", "--dataset", "digits", "--workers", "2", "--no-progress", "--keep-checkpoints", "20"]
     first = dptrain(*common, "--out", str(tmp_path / "run"), "--epochs", "1", "--checkpoint-every-steps", "5",
                     cwd=tmp_path)
     assert first.returncode == 0, first.stderr
-    # within an epoch: the rest of the epoch is not re-planned over replica groups; one line, exit 2
+    # within an epoch: the rest of the epoch (every row the 2 unsharded workers had not read) is shared out again
+    # over the one replica group of 2 ranks
     cut = tmp_path / "cut"
     shutil.copytree(tmp_path / "run", cut)
     for later in [p for p in (cut / "checkpoints").iterdir() if p.name > "epoch-000000-step-000005"]:
         shutil.rmtree(later)
     for name in ("model.pt", "summary.json", "metrics.jsonl"):
         (cut / name).unlink()
-    refused = dptrain(*common, "--out", str(cut), "--epochs", "1", "--checkpoint-every-steps", "5",
+    went_on = dptrain(*common, "--out", str(cut), "--epochs", "1", "--checkpoint-every-steps", "5",
                       "--shard", "full", cwd=tmp_path)
-    assert refused.returncode == 2, refused.stderr
-    assert refused.stderr.strip().splitlines() == [
-        f"dptrain: error: the checkpoint of step 5 of epoch 1 in '{cut}' was written within an epoch by unsharded "
-        "workers, and this run's replica groups are of 2: the rest of a sharded run's epoch is not re-planned over "
-        "replica groups of another size; continue it with --shard none (an epoch's end reshards onto any size)"]
+    assert went_on.returncode == 0, went_on.stderr
+    assert (f"dptrain: resuming at step 5 of epoch 1 from {cut} on 2 workers (written by 2: job ranks 0, 1); the "
+            "rest of epoch 1 re-planned over 1 replica group of 2 ranks") in went_on.stdout
+    record = json.loads((cut / "metrics.jsonl").read_text())
+    assert sum(worker["samples"] for worker in record["workers"]) == 1437  # digits' training rows, each once
     # at an epoch's end: --shard may change on a continued run; the launcher checks the whole tensors against the
     # model, and each rank takes its rows
     went_on = dptrain(*common, "--out", str(tmp_path / "run"), "--epochs", "2", "--checkpoint-every-steps", "5",

@@ -42,9 +42,15 @@ class EpochPlan:
 
 @dataclass(frozen=True)
 class Rest:
-    """The rest of epoch `epoch` after its first `done` steps (allreduce's commits, --commit-every-steps): each
-    member's rows of it, in the members' order (`parts`), read in `steps` steps; `read`, the rows of the epoch
-    each rank of the job read before (`members`: ranks of the job, in order)."""
+    """The rest of epoch `epoch` after its first `done` steps (allreduce's commits, --commit-every-steps, a resume
+    on another world): each member's rows of it, in the members' order (`parts`), read in `steps` steps; `read`,
+    the rows of the epoch each rank of the job read before (`members`: ranks of the job, in order).
+
+    With `size` > 1 the members are replica groups of `size` ranks (a sharded model, dptrain.strategies.sharded):
+    part g is replica group g's (ranks members[g*size:(g+1)*size]), each of its steps split over the group's
+    ranks as `replica_plan` splits them. `lineage`: how the epoch came to be shared so, (members, done, size,
+    batch size of a rank) from its start, then at each sharing out again; a checkpoint within the epoch records
+    it (dptrain.train.planner), so that a resume makes the same rest again, whatever world it has."""
 
     epoch: int
     done: int
@@ -52,36 +58,58 @@ class Rest:
     steps: int
     members: tuple[int, ...]
     read: tuple[tuple[int, int], ...] = ()  # (rank of the job, rows read before `done`)
+    size: int = 1
+    lineage: tuple[tuple[tuple[int, ...], int, int, int], ...] = ()
 
     @classmethod
     def whole(cls, epoch: int, n_samples: int, members, batch_size: int, seed: int, shuffle: str,
-              block_size: Optional[int] = None) -> "Rest":
-        """All of epoch `epoch` as the shared sharding reads it over `members` (`shard_plan`)."""
-        world = len(members)
-        parts = tuple(sharding.epoch_indices(n_samples, rank, world, epoch, seed, shuffle, block_size)
-                      for rank in range(world))
-        return cls(epoch, 0, parts, sharding.steps_per_epoch(n_samples, world, batch_size), tuple(members))
+              block_size: Optional[int] = None, size: int = 1) -> "Rest":
+        """All of epoch `epoch` as the shared sharding reads it over `members` (`shard_plan`), or over their
+        replica groups of `size` ranks (`replica_plan`)."""
+        groups = len(members) // size
+        parts = tuple(sharding.epoch_indices(n_samples, group, groups, epoch, seed, shuffle, block_size)
+                      for group in range(groups))
+        return cls(epoch, 0, parts, replica_steps(n_samples, groups, size, batch_size), tuple(members), (), size,
+                   ((tuple(members), 0, size, batch_size),))
 
-    def after(self, done: int, members, batch_size: int) -> "Rest":
+    def after(self, done: int, members, batch_size: int, size: int = 1) -> "Rest":
         """What is left of the epoch once `done` of its steps are done (`done` at or after this rest's start),
-        shared out over `members` (ranks of the job): every row not read yet, once; none read twice."""
+        shared out over `members` (ranks of the job; in replica groups of `size`): every row not read yet, once;
+        none read twice."""
         left, read = [], dict(self.read)
-        for place, (rank, part) in enumerate(zip(self.members, self.parts)):
+        for place, part in enumerate(self.parts):
             taken, unread = self.unread(place, part, done - self.done)
-            read[rank] = read.get(rank, 0) + taken
+            for rank, rows in self._read_in_group(place, taken):
+                read[rank] = read.get(rank, 0) + rows
             left.append(unread)
         rows = np.concatenate(left) if left else np.empty(0, dtype=np.int64)
-        world = len(members)
-        steps = sharding.steps_per_epoch(len(rows), world, batch_size) if len(rows) else 0
-        return replace(self, done=done, parts=tuple(np.array_split(rows, world)), steps=steps,
-                       members=tuple(members), read=tuple(sorted(read.items())))
+        groups = len(members) // size
+        steps = replica_steps(len(rows), groups, size, batch_size) if len(rows) else 0
+        return replace(self, done=done, parts=tuple(np.array_split(rows, groups)), steps=steps,
+                       members=tuple(members), read=tuple(sorted(read.items())), size=size,
+                       lineage=self.lineage + ((tuple(members), done, size, batch_size),))
 
-    def unread(self, place: int, part: np.ndarray, taken: int) -> tuple[int, np.ndarray]:
-        """(how many rows of `part`, the member at `place`'s, its first `taken` steps of this rest read; the rows
-        of `part` they left unread, in order)."""
+    def _read_in_group(self, place: int, taken) -> list[tuple[int, int]]:
+        """(rank of the job, rows) read of part `place` by each rank of its replica group, `taken` being what
+        `unread` says: the rows, or with a group of several ranks, the part's steps read."""
+        if self.size == 1:
+            return [(self.members[place], taken)]
+        ranks = self.members[place * self.size:(place + 1) * self.size]
+        return [(rank, sum(len(rows) for rows in self.split(taken, j))) for j, rank in enumerate(ranks)]
+
+    def split(self, steps: list, place: int) -> list:
+        """The rows of each of `steps` (a replica group's) that the rank at `place` of the group reads."""
+        return steps if self.size == 1 else [np.array_split(step, self.size)[place] for step in steps]
+
+    def unread(self, place: int, part: np.ndarray, taken: int) -> tuple:
+        """(how many rows of `part`, the member at `place`'s, its first `taken` steps of this rest read, or with
+        replica groups of several ranks those steps; the rows of `part` they left unread, in order)."""
         pieces = sharding.batches(part, self.steps)
         left = pieces[taken:]
-        return sum(len(piece) for piece in pieces[:taken]), (np.concatenate(left) if left else part[:0])
+        unread = np.concatenate(left) if left else part[:0]
+        if self.size > 1:
+            return pieces[:taken], unread
+        return sum(len(piece) for piece in pieces[:taken]), unread
 
     def read_by(self, ranks) -> int:
         """Rows of the epoch read before this rest by `ranks` (of the job)."""
@@ -97,6 +125,14 @@ def shard_plan(n_samples: int, rank: int, world: int, batch_size: int, seed: int
     return EpochPlan(sharding.steps_per_epoch(n_samples, world, batch_size), rows)
 
 
+def replica_steps(n_samples: int, groups: int, size: int, batch_size: int) -> int:
+    """The steps every rank takes over `n_samples` rows shared by `groups` replica groups of `size` ranks, each
+    step `size` x `batch_size` rows of a group (at least `size`, so that no rank of a group goes without); with
+    `size` 1, `sharding.steps_per_epoch`."""
+    sharding.check_workers(n_samples, groups)
+    return max(1, min(sharding.steps_per_epoch(n_samples, groups, size * batch_size), n_samples // groups // size))
+
+
 def replica_plan(n_samples: int, rank: int, world: int, size: int, batch_size: int, seed: int, shuffle: str,
                  block_size: Optional[int] = None) -> EpochPlan:
     """A rank's plan in replica groups of `size` ranks (a sharded model, dptrain.strategies.sharded): replica
@@ -106,8 +142,7 @@ def replica_plan(n_samples: int, rank: int, world: int, size: int, batch_size: i
     once an epoch. At least `size` rows a step, so that no rank of a group goes without."""
     replicas, group, place = world // size, rank // size, rank % size
     sharding.check_workers(n_samples, world)
-    steps = max(1, min(sharding.steps_per_epoch(n_samples, replicas, size * batch_size),
-                       n_samples // replicas // size))
+    steps = replica_steps(n_samples, replicas, size, batch_size)
     return _split_steps(lambda epoch: sharding.epoch_indices(n_samples, group, replicas, epoch, seed, shuffle,
                                                              block_size), steps, size, place)
 
@@ -295,7 +330,8 @@ class PlanBatches(Sampler):
     def __iter__(self) -> Iterator[list[int]]:
         rest = self._rest()
         if rest is not None:  # the epoch's rest, after its first rest.done steps
-            steps = sharding.batches(rest.parts[self.plan.rank], rest.steps) if rest.steps else []
+            group, place = divmod(self.plan.rank, rest.size)
+            steps = rest.split(sharding.batches(rest.parts[group], rest.steps), place) if rest.steps else []
             first = rest.done
         else:
             plan = self.plan

@@ -192,8 +192,8 @@ class StreamRest(Rest):
         """All of epoch `epoch` as `members` read it by the rule: member r positions [r*N//W, (r+1)*N//W)."""
         world = len(members)
         parts = tuple(np.arange(r * samples // world, (r + 1) * samples // world) for r in range(world))
-        return cls(epoch, 0, parts, sharding.steps_per_epoch(samples, world, batch_size), tuple(members), (),
-                   workers, seed, shuffle)
+        return cls(epoch, 0, parts, sharding.steps_per_epoch(samples, world, batch_size), tuple(members),
+                   lineage=((tuple(members), 0, 1, batch_size),), workers=workers, seed=seed, shuffle=shuffle)
 
     def unread(self, place: int, part: np.ndarray, taken: int) -> tuple[int, np.ndarray]:
         read = read_first(part, self.steps, taken, self.workers,

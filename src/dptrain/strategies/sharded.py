@@ -147,15 +147,6 @@ class Shardable:
             return parts
         return {**parts, "model": LocalShards(parts["model"]), "optimizer": LocalOptimizerShards(parts["optimizer"])}
 
-    def refuses_other_world(self, within_epoch: bool) -> Optional[str]:
-        """A sharded run resumes on another number of ranks at an epoch end: rank j of each new replica group
-        continues from the files of rank j of a writing group (dptrain.train.checkpointer's `source_of`), or, with
-        another shard size, from its rows of one writing group's files (dptrain.train.reshard); not within an epoch
-        (its rest is not re-planned over replica groups yet)."""
-        if self.shard_options is not None and within_epoch:
-            return "the rest of a sharded run's epoch is not re-planned over other replica groups yet"
-        return super().refuses_other_world(within_epoch)
-
     def enable_live(self, min_workers: int) -> None:
         """--min-workers counts replica groups with --shard hybrid; refused with --shard full (one group: no second
         copy of its shards)."""

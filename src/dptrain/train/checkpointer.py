@@ -38,28 +38,31 @@ def resume_refusal(out: Path, at: checkpoint_files.At, saved: dict, this_run: Op
     """Why the checkpoint of `at` (its manifest `saved`) cannot be continued by this run on `world` workers, in one
     line, or None: another run's, trained on other data, written by another number of workers than
     `strategy` can resume on (`other_world_refused(within_epoch)`: why not, or None), or within an epoch by
-    replica groups of another size than this run's `shard_size` (1: unsharded; a manifest without one was
-    written unsharded). Checked where the run directory is opened (before anything is written) and again where
-    the ranks restore."""
+    replica groups of another size than this run's `shard_size` where it cannot (1: unsharded; a manifest without
+    one was written unsharded). Checked where the run directory is opened (before anything is written) and again
+    where the ranks restore."""
     why = checkpoint_files.foreign(saved, this_run, data, changed_data_ok)
     if why is not None:
         return f"the checkpoint of {checkpoint_files.describe(at)} in '{out}' cannot be continued: {why}"
     written = saved.get("shard_size", 1)  # an unsharded writer: replica groups of one
-    if written != shard_size and isinstance(at, tuple):
-        writers, keep = ((f"replica groups of {written} ranks", f"with groups of {written} ranks") if written > 1
-                         else ("unsharded workers", "with --shard none"))
-        return (f"the checkpoint of {checkpoint_files.describe(at)} in '{out}' was written within an epoch by "
-                f"{writers}, and this run's replica groups are of {shard_size}: the rest of a sharded run's epoch is "
-                f"not re-planned over replica groups of another size; continue it {keep} (an epoch's end reshards "
-                f"onto any size)")
-    if len(saved["members"]) != world:
+    if len(saved["members"]) != world or written != shard_size and isinstance(at, tuple):
         refused = other_world_refused(isinstance(at, tuple))
         if refused is not None:
             return (f"the checkpoint of {checkpoint_files.describe(at)} in '{out}' was written by "
                     f"{checkpoint_files.who_wrote(saved)}, and {strategy} cannot resume on another number of "
                     f"workers ({world} now): {refused}; give --workers {len(saved['members'])} to continue it "
-                    f"({RESUME_ON_ANY_NUMBER})")
+                    f"({RESUME_ON_ANY_NUMBER})") if len(saved["members"]) != world else (
+                f"the checkpoint of {checkpoint_files.describe(at)} in '{out}' was written within an epoch by "
+                f"{_groups(written, 'replica groups of {} ranks', 'unsharded workers')}, and {strategy} cannot "
+                f"continue it {_groups(shard_size, 'in replica groups of {}', 'unsharded')}: {refused}; continue it "
+                f"{_groups(written, 'with groups of {} ranks', 'with --shard none')} (an epoch's end reshards onto "
+                f"any size)")
     return None
+
+
+def _groups(size: int, sharded: str, unsharded: str) -> str:
+    """`sharded` with replica groups of `size` ranks in it (size > 1), else `unsharded`."""
+    return sharded.format(size) if size > 1 else unsharded
 
 
 def source_of(members: list[int], rank: int) -> int:
@@ -161,8 +164,9 @@ class Checkpointer:
         this rank's member (`source_of`) when another world wrote it, or its rows of the files of one writing
         replica group when replica groups of another size wrote it (dptrain.train.reshard); its state or None.
         The state's "members" are the ranks of the job that wrote it; a rank that continues from a copy of another's
-        state has "copy" True; within an epoch, the position's samples and loss of writers beyond this world are
-        added to the rank that continues their place (so that the epoch's record still counts every row read)."""
+        state has "copy" True, and "shard_size" says the writers' replica groups; within an epoch, its position
+        counts the rows read so far as `_counted` shares them out (so that the epoch's record counts every row
+        read once)."""
         decision = self.ctx.group.broadcast_object("resume", self._choose() if self.ctx.is_main and self.out else None)
         if decision is None:
             return None
@@ -187,15 +191,26 @@ class Checkpointer:
                 part.load_state_dict(state[name])
         if not copy:  # a copy draws its own random numbers (seeded by its rank), not its source's again
             checkpoint_files.set_rng_state(state["rng"])
-        if state.get("position") and len(members) > world:
-            for member in members[world:][rank::world] if rank < world else ():
-                theirs = checkpoint_files.load(self.out, at, member)["position"]
-                state["position"]["samples"] += theirs["samples"]
-                state["position"]["loss_sum"] = state["position"]["loss_sum"] + theirs["loss_sum"]
-        if copy and state.get("position"):  # its place in the epoch is new: it has read nothing of it yet
-            state["position"].update(samples=0, loss_sum=torch.zeros_like(state["position"]["loss_sum"]))
+        if state.get("position"):
+            state["position"] = self._counted(at, members, state["position"], copy, written != layout.size)
         self._say_resuming(at, members, written)
-        return {**state, "members": members, "copy": copy}
+        return {**state, "members": members, "copy": copy, "shard_size": written}
+
+    def _counted(self, at, members: list[int], position: dict, copy: bool, resharded: bool) -> dict:
+        """A position within an epoch with the rows read so far that this rank's record counts: the epoch's record
+        still counts every row read once. On the world that wrote it, its writer's own; else rank r counts those
+        of the writers at places r, r + world, ... among them (a copy or a rank past the writers none)."""
+        rank, world = self.ctx.rank, self.ctx.world_size
+        if len(members) == world and not resharded:
+            return position
+        places = members[rank::world]
+        if resharded:
+            theirs = [checkpoint_files.load_mapped(self.out, at, member)["position"] for member in places]
+        else:  # its own is the first of them, or, a copy, it has read nothing of the epoch yet
+            theirs = ([] if copy else [position]) + [checkpoint_files.load_mapped(self.out, at, member)["position"]
+                                                     for member in places[1:]]
+        return {**position, "samples": sum(each["samples"] for each in theirs),
+                "loss_sum": sum((each["loss_sum"] for each in theirs), torch.zeros_like(position["loss_sum"]))}
 
     def _choose(self) -> Optional[dict]:
         """Rank 0: the newest complete checkpoint, who wrote it, and why it may not be resumed (None: it may)."""
@@ -220,11 +235,14 @@ class Checkpointer:
             self.log(f"dptrain: the checkpoint's shards resharded from replica groups of {written} ranks onto "
                      f"{'groups of ' + str(size) if size > 1 else 'unsharded workers'}: each rank read its rows of "
                      f"one writing group's files")
-        if members == list(self.ctx.group.members):
+        if members == list(self.ctx.group.members) and (written == size or not isinstance(at, tuple)):
             self.log(f"dptrain: resuming {where} from {self.out}")
             return
         if isinstance(at, tuple):
-            replanned = f"; the rest of epoch {at[0] + 1} re-planned over {world} workers" if len(members) != world else ""
+            over = _groups(size, f"{world // size} replica group{'s' if world > size else ''} of {{}} ranks",
+                           f"{world} workers")
+            replanned = (f"; the rest of epoch {at[0] + 1} re-planned over {over}"
+                         if len(members) != world or written != size else "")
         else:
             replanned = f"; the epochs from {at + 1} on planned over {world} workers" if len(members) != world else ""
         self.log(f"dptrain: resuming {where} from {self.out} on {world} worker{'s' if world != 1 else ''} "

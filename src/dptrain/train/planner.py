@@ -15,9 +15,12 @@ from dptrain.data import sharding
 from dptrain.data.sampler import EpochPlan, PlanBatches, Rest, labels_of, loader
 
 
-def rest_steps(rest: Optional[Rest], epoch: int) -> Optional[int]:
-    """The steps left of `epoch` in the rest of it the workers go on with, or None."""
-    return rest.steps if rest is not None and rest.epoch == epoch and rest.done else None
+def rest_steps(rest: Optional[Rest], epoch: int, at: int = 0) -> Optional[int]:
+    """The steps left of `epoch` from its step `at` (the rest's start, if later) in the rest of it the workers go
+    on with, or None."""
+    if rest is None or rest.epoch != epoch or not rest.done:
+        return None
+    return rest.done + rest.steps - max(rest.done, at)
 
 
 def agree_on_shards(stream, each: list[dict]) -> None:
@@ -54,7 +57,7 @@ class Planner:
         else:
             plan = self.strategy.epoch_plan(ctx, len(train), self.labels, self.batch_size, self.seed, self.shuffle,
                                             getattr(train, "block_size", None))
-        if rest is not None and rest.members == tuple(ctx.group.members):
+        if rest is not None and rest.members == tuple(ctx.group.members) and rest.size == self.replica_size():
             plan = replace(plan, rest=rest, rank=ctx.rank)
         # Checkpoints within an epoch are taken at the same step on every rank: below the fewest steps any
         # rank takes (fedavg's partitions differ in size), so that each one is complete.
@@ -93,7 +96,7 @@ class Planner:
         if state.scheduler is None:
             return
         rebuilt = self.schedule(state.optimizer, steps, epochs)
-        rest = rest_steps(state.rest, epoch)
+        rest = rest_steps(state.rest, epoch, state.position.steps if state.position is not None else 0)
         with warnings.catch_warnings():  # "lr_scheduler.step() before optimizer.step()": a fast-forward, no step
             warnings.simplefilter("ignore")
             for _ in range(epoch * steps + (0 if rest is None else max(0, steps - rest))):
@@ -108,20 +111,49 @@ class Planner:
         return sharding.epoch_indices(len(self.train), place, members, epoch, self.seed, self.shuffle,
                                       getattr(self.train, "block_size", None))
 
-    def whole_epoch(self, epoch: int, members) -> Rest:
-        """The rows of `epoch` as `members` share them (a stream's positions: StreamRest): what the rest of an
+    def replica_size(self) -> int:
+        """The ranks of each replica group (a sharded model, dptrain.strategies.sharded), 1 unsharded."""
+        replicas = getattr(self.strategy, "replicas", None)
+        return replicas.size if replicas is not None else 1
+
+    def whole_epoch(self, epoch: int, members, size: int = 1, batch_size: Optional[int] = None) -> Rest:
+        """The rows of `epoch` as `members` share them (a stream's positions: StreamRest; in replica groups of
+        `size` ranks, each rank reading `batch_size` rows a step, by default this run's): what the rest of an
         epoch is cut from."""
+        batch_size = self.batch_size if batch_size is None else batch_size
         if getattr(self.train, "is_stream", False):
             from dptrain.data.streams import StreamRest
-            return StreamRest.whole_stream(epoch, len(self.train), members, self.batch_size, self.loader_workers,
+            return StreamRest.whole_stream(epoch, len(self.train), members, batch_size, self.loader_workers,
                                            self.seed, self.shuffle)
-        return Rest.whole(epoch, len(self.train), members, self.batch_size, self.seed, self.shuffle,
-                          getattr(self.train, "block_size", None))
+        return Rest.whole(epoch, len(self.train), members, batch_size, self.seed, self.shuffle,
+                          getattr(self.train, "block_size", None), size)
 
-    def rest_on_resume(self, epoch: int, members, done: int) -> Rest:
-        """The rest of `epoch` after its first `done` steps by `members` (a checkpoint's writers), shared over this
-        world; refused for a stream (dptrain.data.streams.refuse_stream_run)."""
-        if getattr(self.train, "is_stream", False):
+    def lineage(self, rest: Optional[Rest], epoch: int) -> list:
+        """How `epoch` is shared out now, as a checkpoint within it records it (`rest_on_resume`): the rest's
+        lineage, or this world's whole epoch; lists of ints."""
+        if rest is not None and rest.epoch == epoch:
+            steps = rest.lineage
+        else:
+            steps = ((tuple(self.ctx.group.members), 0, self.replica_size(), self.batch_size),)
+        return [[list(members), done, size, batch] for members, done, size, batch in steps]
+
+    def rest_on_resume(self, saved: dict) -> Optional[Rest]:
+        """From a checkpoint within an epoch (`saved`, as Checkpointer.restore gives it): the rest of that epoch
+        as it was shared out when written (its position's lineage), shared out again over this world where its
+        writers, or the size of their replica groups, differ from this run's; None where the plan of this world
+        reads it already. Refused for a stream on another world (dptrain.data.streams.refuse_stream_run)."""
+        position, members, here = saved["position"], tuple(saved["members"]), tuple(self.ctx.group.members)
+        lineage = position.get("plan") or [[members, 0, saved.get("shard_size") or 1, self.batch_size]]
+        size = self.replica_size()
+        if len(lineage) == 1 and (tuple(lineage[0][0]), lineage[0][2], lineage[0][3]) == (here, size, self.batch_size):
+            return None  # (the whole epoch of this very world)
+        if members != here and getattr(self.train, "is_stream", False):
             from dptrain.data.streams import refuse_stream_run
             refuse_stream_run(self.strategy.name, False, True)
-        return self.whole_epoch(epoch, members).after(done, tuple(self.ctx.group.members), self.batch_size)
+        (first, _, written, batch), *later = lineage
+        rest = self.whole_epoch(saved["epoch"], tuple(first), written, batch)
+        for members_then, done, size_then, batch_then in later:
+            rest = rest.after(done, tuple(members_then), batch_then, size_then)
+        if (rest.members, rest.size) != (here, size) or lineage[-1][3] != self.batch_size:
+            rest = rest.after(position["steps"], here, self.batch_size, size)
+        return rest

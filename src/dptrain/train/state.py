@@ -26,8 +26,9 @@ from dptrain.train.host_copy import host_copy
 @dataclass
 class Position:
     """Where within an epoch a run stands: `steps` of it done, the `samples` read and their `loss_sum`, the
-    `seconds` it took so far; a checkpoint's also what the checks kept (`checks`), a commit's and a resume's the
-    random state to go on with (`rng`)."""
+    `seconds` it took so far; a checkpoint's also what the checks kept (`checks`) and how the epoch was shared out
+    over the workers (`plan`, dptrain.train.planner.Planner.lineage), a commit's and a resume's the random state
+    to go on with (`rng`)."""
 
     steps: int
     samples: int
@@ -35,11 +36,12 @@ class Position:
     seconds: float
     rng: Optional[dict] = None
     checks: dict = field(default_factory=dict)
+    plan: Optional[list] = None
 
     def saved(self) -> dict:
         """The position as a checkpoint file holds it."""
         return {"steps": self.steps, "samples": self.samples, "loss_sum": self.loss_sum, "seconds": self.seconds,
-                **self.checks}
+                **self.checks, **({"plan": self.plan} if self.plan is not None else {})}
 
     @classmethod
     def from_saved(cls, saved: dict, rng: dict) -> "Position":

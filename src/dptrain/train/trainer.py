@@ -344,7 +344,7 @@ class Trainer:
         stop = self.strategy.agree_stop(self.stop_signals.requested)
         now = time.perf_counter()
         position = Position(done, seen, torch.as_tensor(loss_sum).detach().cpu(), now - epoch_start,
-                            checks=state.checks.position())
+                            checks=state.checks.position(), plan=self.planner.lineage(state.rest, state.epoch))
         self.checkpointer.save(state.epoch, state.step, now - self._started, state.parts(), self.history,
                                position.saved(), members=self._members())
         if stop:
@@ -371,14 +371,14 @@ class Trainer:
         members, position = saved["members"], saved.get("position")
         if members != list(ctx.group.members):
             self.recorder.resume_without(min(len(members), ctx.world_size))
-        if position and len(members) != ctx.world_size:  # (never taken after rows were shared out again)
-            state.rest = self.planner.rest_on_resume(saved["epoch"], members, position["steps"])
+        state.rest = self.planner.rest_on_resume(saved) if position else None  # (None: this world's plan reads it)
         # a copy draws its own random numbers within the epoch too (its source's stay its source's)
         rng = checkpoint_files.rng_state() if saved["copy"] else saved["rng"]
         state.position = Position.from_saved(position, rng) if position else None
         state.epoch, state.step = saved["epoch"], saved["step"]
         if len(members) != ctx.world_size:  # on another world than wrote the checkpoint: its epochs planned anew
             scale_lr(self.membership.lr_rule, state, len(members), ctx.world_size, self.recorder.log)
+        if len(members) != ctx.world_size or state.rest is not None:
             self.planner.replan(state, epochs)
         return saved["wall_seconds"]
 
