@@ -1,12 +1,16 @@
 """--stage-to DIR copies the shards in the background (dptrain.data.staging): training starts before the copy
 ends, reads every sample once an epoch while it runs and ends with the same weights; a resume reads the copies
-and copies nothing; a copy that fails or is cut short is never read, and the lock keeps two copiers apart."""
+and copies nothing; a copy that fails or is cut short is never read, and the lock keeps two copying processes apart."""
 
 from __future__ import annotations
 
 import errno
+import json
 import os
+import subprocess
+import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -115,25 +119,36 @@ def test_the_copy_follows_the_nodes_reading_order():
     assert copy_order(counts, 0, 3, "none", range(1), 1) == list(range(7))
 
 
-def test_two_copiers_into_one_folder_copy_each_shard_once(tmp_path, monkeypatch):
+def test_two_processes_staging_one_folder_at_once_copy_each_shard_once(tmp_path):
     data = write_tars(tmp_path / "shards")
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.delenv("LOCAL_RANK", raising=False)  # both are "the first of the node"; DIR's lock (an flock of
-    # its own open file each) keeps them apart as it keeps two processes
-    monkeypatch.setenv(staging.SLOW, "0.05")
-    copied: list[str] = []
-    real = staging._copy_file
-    monkeypatch.setattr(staging, "_copy_file", lambda source, partial, stop: (copied.append(source),
-                                                                               real(source, partial, stop)))
-    stagers = [staging.Staging([shard.name for shard in open_shards(data).shards], "local") for _ in range(2)]
-    threads = [threading.Thread(target=stager.start, args=(list(range(7)),)) for stager in stagers]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert all(stager.wait(30) for stager in stagers)
-    assert sorted(copied) == sorted(set(copied)) and len(copied) == 7
-    assert sorted(stager.record["copied"] for stager in stagers) == [0, 7]
+    paths = [shard.name for shard in open_shards(str(tmp_path / data)).shards]
+    env = {key: value for key, value in os.environ.items() if key != "LOCAL_RANK"}  # both "the first of the node"
+    env.update(PYTHONPATH=os.pathsep.join(filter(None, [str(HERE.parent / "src"), env.get("PYTHONPATH")])),
+               **{staging.SLOW: "0.05"})  # 7 copies of at least 0.05 s: the two processes meet at DIR's lock
+    log, go = tmp_path / "copies.log", tmp_path / "GO"
+    copiers = [subprocess.Popen([sys.executable, str(HERE / "staging_copier.py"), "local", str(log), str(go), *paths],
+                                cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+               for _ in range(2)]
+    try:
+        deadline = time.monotonic() + 60
+        while len(list(tmp_path.glob("READY-*"))) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        go.touch()
+        said = [copier.communicate(timeout=60) for copier in copiers]
+    finally:
+        for copier in copiers:
+            copier.kill()
+    assert [copier.returncode for copier in copiers] == [0, 0], said
+    results = [json.loads(out.splitlines()[-1]) for out, _ in said]
+    copies = [line.split() for line in log.read_text().splitlines()]
+    assert sorted(source for _, source, _ in copies) == sorted(paths)  # 7 copies in all, none twice
+    assert len({pid for pid, _, _ in copies}) == 1  # all by the process that took DIR's lock first
+    assert max(result["began"] for result in results) < max(float(end) for _, _, end in copies)  # at once
+    assert sorted((r["record"]["copied"], r["record"]["already_there"]) for r in results) == [(0, 7), (7, 0)]
+    assert all(result["record"]["finished"] for result in results)
+    assert [result["usable"] for result in results] == [[True] * 7, [True] * 7]  # each reads all 7 from DIR
+    assert sorted(p.name for p in (tmp_path / "local").iterdir()) == \
+        [".dptrain-stage.lock", *sorted(os.path.basename(path) for path in paths)]  # no partial file
 
 
 def test_a_failed_copy_is_one_warning_and_the_rest_is_read_from_the_originals(tmp_path, monkeypatch, capsys):

@@ -13,9 +13,10 @@ same shard. A resumed or requeued run finds the copies and copies nothing, and c
 there.
 
 When the copy ends, one line says what it did (shards and bytes copied, shards already there, seconds), and
-the run's summary.json keeps the same figures under data.staging. A copy that fails (DIR not writable, a
-full disk) is one warning line; training goes on reading the shards from where they are. A run that ends
-before the copy does stops it (its partial file removed) and says how far it got.
+the run's summary.json keeps the same figures of every node under data.staging.nodes (`every_node`: gathered
+from the first process of each node as the run ends), with their totals beside them. A copy that fails (DIR
+not writable, a full disk) is one warning line; training goes on reading the shards from where they are. A run
+that ends before the copy does stops it (its partial file removed) and says how far it got.
 
 DPTRAIN_STAGE_SECONDS=S makes each shard's copy take S seconds longer: a slow file system rehearsed (tests).
 """
@@ -25,16 +26,18 @@ from __future__ import annotations
 import atexit
 import fcntl
 import os
+import socket
 import threading
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from dptrain.errors import UserError
 
 LOCK = ".dptrain-stage.lock"
 SLOW = "DPTRAIN_STAGE_SECONDS"
 CHUNK = 1 << 20
+FIGURES = ("copied", "bytes", "already_there", "seconds", "finished")  # what a node's copy did, in summary.json
 
 
 class _Stopped(Exception):
@@ -47,7 +50,7 @@ def _plural(count: int) -> str:
 
 class Staging:
     """Where each of `paths` is read from (`where`), and their copy into `folder` in the background (`start`).
-    `record`: what the copy did so far (summary.json's data.staging)."""
+    `record`: what this process's copy did so far (its node's figures in summary.json's data.staging)."""
 
     def __init__(self, paths: list[str], folder: str, timeout: float = 300.0) -> None:
         names = [os.path.basename(path) for path in paths]
@@ -59,7 +62,8 @@ class Staging:
         self.sources = {path: _size_and_time(os.stat(path)) for path in paths}
         self.complete: set[str] = set()  # shards this process has seen complete in DIR
         self.record = {"folder": folder, "copied": 0, "bytes": 0, "already_there": 0, "seconds": 0.0,
-                       "finished": False, "copied_by_this_process": False}
+                       "finished": False, "copier": _first_of_node(),
+                       "host": socket.gethostname(), "path": os.path.abspath(folder)}
         self._thread: Optional[threading.Thread] = None
         self._stop = threading.Event()
 
@@ -80,7 +84,7 @@ class Staging:
     def start(self, order: list[int]) -> None:
         """Copy the shards not yet in DIR, `order` (indices of `paths`) first, in a background thread; once, and
         only in the first process of a node (LOCAL_RANK 0)."""
-        if self._thread is not None or self._stop is None or os.environ.get("LOCAL_RANK", "0") != "0":
+        if self._thread is not None or self._stop is None or not _first_of_node():
             return
         rest = [index for index in range(len(self.paths)) if index not in set(order)]
         self._thread = threading.Thread(target=self._copy, args=([*order, *rest],), name="dptrain-stage",
@@ -112,7 +116,6 @@ class Staging:
             return
         if lock is None:  # the run ended while another process held the lock
             return
-        self.record["copied_by_this_process"] = True
         try:
             self._copy_missing(order, began)
         finally:
@@ -156,6 +159,42 @@ class Staging:
         print(f"dptrain: --stage-to {self.folder}: the run ended with {record['copied']} of the "
               f"{_plural(len(self.paths) - record['already_there'])} to copy copied ({record['bytes']:,} bytes) in "
               f"{seconds:.1f} s; the next run copies the rest", flush=True)
+
+
+def every_node(group, record: dict) -> dict[str, Any]:
+    """summary.json's data.staging: each node's copy ("nodes": its host, the folder's absolute path and FIGURES),
+    gathered over `group` from the processes that copy (the first of each node; several where no launcher says
+    which is first, whose figures are one node's: summed, the fewest found there, the longest time), and their
+    totals (`record`: this process's Staging.record). One node's totals are its own figures."""
+    mine = {"host": record["host"], "folder": record["path"], **{key: record[key] for key in FIGURES}}
+    nodes: dict[tuple[str, str], dict] = {}
+    for figures in group.gather_objects("each node's staging", mine if record["copier"] else None):
+        if not _figures(figures):  # (None: a process that does not copy)
+            continue
+        node = nodes.setdefault((figures["host"], figures["folder"]), {**figures, "copied": 0, "bytes": 0})
+        node.update(copied=node["copied"] + figures["copied"], bytes=node["bytes"] + figures["bytes"],
+                    already_there=min(node["already_there"], figures["already_there"]),
+                    seconds=max(node["seconds"], figures["seconds"]),
+                    finished=node["finished"] or figures["finished"])
+    listed = list(nodes.values())
+    return {"folder": record["folder"], "copied": sum(node["copied"] for node in listed),
+            "bytes": sum(node["bytes"] for node in listed),
+            "already_there": sum(node["already_there"] for node in listed),
+            "seconds": max((node["seconds"] for node in listed), default=0.0),
+            "finished": bool(listed) and all(node["finished"] for node in listed), "nodes": listed}
+
+
+def _figures(value: Any) -> bool:
+    """Whether a value gathered from a peer is a node's figures as every_node sends them."""
+    kinds = {"host": str, "folder": str, "copied": int, "bytes": int, "already_there": int, "seconds": (int, float),
+             "finished": bool}
+    return isinstance(value, dict) and value.keys() == kinds.keys() and all(
+        isinstance(value[key], kind) for key, kind in kinds.items())
+
+
+def _first_of_node() -> bool:
+    """Whether this process copies for its node: LOCAL_RANK 0, or any process where no launcher says."""
+    return os.environ.get("LOCAL_RANK", "0") == "0"
 
 
 def _size_and_time(stat: os.stat_result) -> tuple[int, int]:

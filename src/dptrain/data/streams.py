@@ -206,13 +206,29 @@ def collate_pairs(batch: list) -> tuple[torch.Tensor, torch.Tensor]:
     one type, are stacked by numpy and made a tensor once a batch (DataLoader's default_collate makes one a
     sample, then stacks them); the values and types are default_collate's. Anything else goes to it (through
     dptrain.data.sampler.collate_items)."""
-    from dptrain.data.sampler import collate_items, to_tensor
+    from dptrain.data.sampler import collate_items
 
     if batch and all(isinstance(sample, tuple) and len(sample) == 2 for sample in batch):
         xs, ys = zip(*batch)
         if _stackable(xs) and (_stackable(ys) or _same_scalars(ys)):
-            return to_tensor(np.stack(xs)), to_tensor(np.asarray(ys) if _same_scalars(ys) else np.stack(ys))
+            return _stacked(xs), _stacked(ys)
     return collate_items(batch)
+
+
+def _stacked(values: tuple) -> torch.Tensor:
+    """`values` (arrays of one shape and type, or scalars of one type) as one tensor of the loop's type
+    (sampler.to_tensor). In a loader worker it is stacked straight into shared memory, as default_collate does:
+    a batch sent to the training process is moved to shared memory, a copy this saves."""
+    from dptrain.data.sampler import to_tensor
+
+    if get_worker_info() is None:
+        return to_tensor(np.stack(values) if isinstance(values[0], np.ndarray) else np.asarray(values))
+    first = np.asarray(values[0])
+    dtype = to_tensor(np.empty(0, dtype=first.dtype)).dtype  # the type to_tensor would give the batch
+    storage = torch.UntypedStorage._new_shared(len(values) * first.size * dtype.itemsize)
+    out = torch.empty(0, dtype=dtype).set_(storage, 0, (len(values), *first.shape))
+    np.stack(values, out=out.numpy(), casting="unsafe")  # (to_tensor's casts: float64 to float32, ints to int64)
+    return out
 
 
 def _stackable(values: tuple) -> bool:

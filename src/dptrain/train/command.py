@@ -488,14 +488,14 @@ def say_lr_and_batch(config: TrainConfig, world: int, factor: float) -> None:
 def data_record(config: TrainConfig, data: DataSplits) -> dict:
     """What the run trained on, from the data itself (summary.json's `data`): its source (--data as config.yaml
     records it, or the built-in --dataset), task, per-sample input shape (channels first), classes and samples,
-    and with --stage-to what this node's copy did (dptrain.data.staging)."""
+    and with --stage-to what this process's copy did (dptrain.data.staging; summarise gathers every node's)."""
     source = with_absolute_paths({"data": config.data})["data"] if config.data is not None else config.dataset
     record = {"source": source, "task": data.task,
               "input_shape": list(data.input_shape), "classes": data.num_classes,
               "train_samples": len(data.train_set()),
               "test_samples": len(data.test_set()) if data.test_set() is not None else 0}
     staging = getattr(data.train_set(), "staging", None)
-    if staging is not None:  # --stage-to: the copy's figures as they stand when summary.json is written
+    if staging is not None:  # --stage-to: the copy's figures, live, as they stand when summary.json is written
         record["staging"] = staging.record
     return record
 

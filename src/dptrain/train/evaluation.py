@@ -9,6 +9,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from dptrain.data.sampler import TrainData, as_dataset, evaluation_loader
+from dptrain.data.staging import every_node
 from dptrain.runtime.sharded import gathered
 from dptrain.train.recorder import Summary
 from dptrain.train.step import AMP_DTYPES
@@ -84,6 +85,9 @@ def summarise(trainer, final: nn.Module, epochs: int, wall: float, test: Optiona
     if workers is not None:
         recorder.complete(workers)
     comm = ctx.group.gather_objects("summary", strategy.comm_bytes)
+    data = trainer.data_record
+    if data is not None and "staging" in data:  # --stage-to: every node's copy, not only this one's
+        data = {**data, "staging": every_node(ctx.group, data["staging"])}
     choice = {"auto": trainer.strategy_choice} if trainer.strategy_choice else {}
     summary = Summary(
         strategy=strategy.name, workers=ctx.world_size, strategy_options={**strategy.describe(), **choice},
@@ -93,6 +97,6 @@ def summarise(trainer, final: nn.Module, epochs: int, wall: float, test: Optiona
         comm_bytes=sum(comm) + recorder.departed_bytes,
         comm_bytes_per_worker=comm, model_parameters=sum(p.numel() for p in final.parameters()),
         backend=ctx.backend, device=str(ctx.device), launcher=ctx.launcher, seed=trainer.seed,
-        strategy_results=strategy.summary(), data=trainer.data_record)
+        strategy_results=strategy.summary(), data=data)
     recorder.write_final(summary, final)
     return summary
