@@ -76,7 +76,8 @@ def launch_local(workers: int, argv: Sequence[str], timeout: float = 300.0, pres
     rank 0 may be one of them, and writes where it listens to `join_file` while the ranks run (`dptrain
     join`); up to `replacements` failed ranks are replaced by a new worker each (--replace-workers), which
     joins the others at an epoch end; with `unit` S (--shard hybrid: a rank's replica group is lost with it), each
-    lost rank's group is replaced by S new ranks, while S of the `replacements` are left. With `grace`, ranks still running
+    lost rank's group is replaced by S new ranks, while S of the `replacements` are left. With `grace`, ranks still
+    running
     that long after a stop signal was passed on to them are killed and named (--grace).
     """
     try:

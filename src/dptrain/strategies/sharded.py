@@ -67,7 +67,8 @@ class ShardedReplicas:
         replicas.replicas = ctx.world_size // replicas.size
         replicas.index, replicas.place = divmod(ctx.rank, replicas.size)
         group, first = ctx.group, ctx.rank - replicas.place
-        replicas.inside = Group.over_store(group.store, group.members[ctx.rank], group.members[first:first + replicas.size],
+        block = group.members[first:first + replicas.size]
+        replicas.inside = Group.over_store(group.store, group.members[ctx.rank], block,
                                            group.generation, device=ctx.device, backend=group.backend,
                                            timeout=group.timeout, heartbeat=group.heartbeat,
                                            key=f"/joined{replicas.index}", name="this rank's replica group")

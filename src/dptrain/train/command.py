@@ -398,8 +398,9 @@ def _check_replacing(ctx, launcher: str, shard: str = "none") -> None:
 
     if shard != "none":
         raise UserError(f"--replace-workers with --shard {shard} under {launcher} is refused: the store service starts "
-                        "one worker per lost rank, and a lost replica group is replaced whole by dptrain's own launcher "
-                        "only (dptrain train --workers N); drop --replace-workers (the other groups still go on)")
+                        "one worker per lost rank, and a lost replica group is replaced whole by dptrain's own "
+                        "launcher only (dptrain train --workers N); drop --replace-workers (the other groups still go "
+                        "on)")
 
     store = ctx.group.store
     if store is None or not signed.present(store, REPLACING):
