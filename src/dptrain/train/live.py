@@ -15,7 +15,8 @@ Without --min-workers (`FixedMembership`) a failure ends the run and the epoch e
 stop agreement. With it (`LiveMembership`) the survivors of a failure agree on who is left through the
 store (dptrain.runtime.membership) and go on from the state each kept (the epoch's start, or allreduce's
 commits every --commit-every-steps), ranks asked to stop alone leave at an epoch end, and joiners enter
-there, healed from rank 0 in one broadcast of tensors and plain values. The LR rule follows the live world.
+there, healed from rank 0 in one broadcast of tensors and plain values (a sharded run's replacement group, whole,
+each rank from its peer in the first replica group: its shards only). The LR rule follows the live world.
 """
 
 from __future__ import annotations
