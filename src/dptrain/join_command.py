@@ -39,9 +39,9 @@ def main(args: argparse.Namespace) -> int:
                         "running dptrain train")
     settings = read_yaml(run_dir / "config.yaml", "run settings file", RUN_SETTINGS)
     if settings.get("shard", "none") != "none":
-        raise UserError(f"the run in '{run_dir}' shards its model (--shard {settings['shard']}), which takes no new "
-                        "worker yet: a replica group joins whole, healed shard by shard from a live group, which is "
-                        "not built; the groups left go on without one")
+        raise UserError(f"the run in '{run_dir}' shards its model (--shard {settings['shard']}), which takes no "
+                        "worker from dptrain join: a replica group joins whole, in place of a lost one, started by the "
+                        "run's launcher (--replace-workers); the groups left go on without one")
     address = run_dir / JOIN_FILE
     try:
         host, port, secret = read_join_record(address.read_text())

@@ -65,7 +65,7 @@ def read_join_record(text: str) -> tuple[str, str, str]:
 
 def launch_local(workers: int, argv: Sequence[str], timeout: float = 300.0, prestarted: Optional[Ranks] = None,
                  may_lose: int = 0, grace: Optional[float] = None, replacements: int = 0,
-                 join_file: Optional[Path] = None) -> int:
+                 join_file: Optional[Path] = None, unit: int = 1) -> int:
     """Run `python -m dptrain ARGV` as `workers` ranks; return 0, 75 (stopped at a checkpoint) or the first failure's code.
 
     `prestarted`: ranks started by dptrain.runtime.prestart.prestart(workers), released here
@@ -75,7 +75,9 @@ def launch_local(workers: int, argv: Sequence[str], timeout: float = 300.0, pres
     go on without it); each is named in one line. This process then serves the ranks' store, so that
     rank 0 may be one of them, and writes where it listens to `join_file` while the ranks run (`dptrain
     join`); up to `replacements` failed ranks are replaced by a new worker each (--replace-workers), which
-    joins the others at an epoch end. With `grace`, ranks still running
+    joins the others at an epoch end; with `unit` S (--shard hybrid: a rank's replica group is lost with it), each
+    lost rank's group is replaced by S new ranks, while S of the `replacements` are left. With `grace`, ranks still
+    running
     that long after a stop signal was passed on to them are killed and named (--grace).
     """
     try:
@@ -86,11 +88,11 @@ def launch_local(workers: int, argv: Sequence[str], timeout: float = 300.0, pres
                                 listener=listener, serve_store=may_lose > 0)
         left = [replacements]
 
-        def replace(lost: int) -> Optional[int]:
-            if left[0] <= 0:
+        def replace(lost: int) -> Optional[tuple[int, ...]]:
+            if left[0] < unit:
                 return None
-            left[0] -= 1
-            return ranks.start_joiner(argv, lost)
+            left[0] -= unit
+            return ranks.start_joiners(argv, lost, unit)
 
         try:
             ranks.pass_on_stop_signals()  # from now on a stop signal is the ranks' to honour (a checkpoint first)

@@ -110,7 +110,34 @@ def mesh_of(group: Group) -> "DeviceMesh":  # noqa: F821 - torch.distributed.dev
     from torch.distributed.device_mesh import DeviceMesh
 
     handle = group.handle if group.handle is not None else dist.group.WORLD
+    _known_to_torch(handle, group.rank, group.world_size, group.backend)
     return DeviceMesh.from_group(handle, group.device.type)
+
+
+def _known_to_torch(handle: dist.ProcessGroup, rank: int, size: int, backend: str) -> None:
+    """Make `handle` (a group made over the store, dptrain.runtime.group.process_group: not by dist.new_group)
+    one DeviceMesh.from_group accepts. torch 2.13 asks of a mesh's group what only torch's own constructors
+    record: its ranks in the default group (distributed_c10d.get_process_group_ranks reads _world.pg_group_ranks,
+    a KeyError otherwise), this process's rank in the default group (DeviceMesh.__init__ and get_local_rank call
+    get_rank(), which needs an initialized default group), and its name (DTensor's functional collectives resolve
+    the group by name, _resolve_process_group). A replica group that joined a running run (replacement ranks) has
+    no default group shared with anyone: it is given a one-rank default group of its own (a HashStore, nothing
+    on the network), and `handle` is recorded with this process's default rank at its place `rank` and other
+    distinct numbers at the other places (the mesh's numbers only place this rank in it; the collectives go
+    through `handle`)."""
+    from torch.distributed import distributed_c10d as c10d
+
+    if handle is dist.group.WORLD or handle in c10d._world.pg_group_ranks:
+        return
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    me = dist.get_rank()
+    others = iter(number for number in range(size + 1) if number != me)
+    numbers = [me if place == rank else next(others) for place in range(size)]
+    c10d._world.pg_group_ranks[handle] = {number: place for place, number in enumerate(numbers)}
+    c10d._world.pg_map[handle] = (backend, c10d._get_default_store())
+    c10d._world.pg_names[handle] = handle.group_name
+    c10d._register_process_group(handle.group_name, handle)
 
 
 def units_of(model: nn.Module, unit: Optional[str], share: float) -> list[nn.Module]:

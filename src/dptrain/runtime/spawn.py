@@ -269,7 +269,25 @@ class Ranks:
         threading.Thread(target=lambda: self.exits.put((rank, proc.wait())), daemon=True).start()
         return proc
 
-    def start_joiner(self, argv: Sequence[str], replacing: int) -> Optional[int]:
+    def start_joiners(self, argv: Sequence[str], replacing: int, count: int) -> Optional[tuple[int, ...]]:
+        """`count` new workers in place of lost rank `replacing` (--replace-workers): one (`start_joiner`), or, for a
+        sharded run (--shard hybrid), a whole replica group of `count` ranks in place of the lost rank's group (its
+        other ranks leave), which joins at an epoch end as a new group, each rank healed from its peer in a live
+        group. Their ranks, or None where this process serves no store (nothing to join)."""
+        if count == 1:
+            joiner = self.start_joiner(argv, replacing)
+            return None if joiner is None else (joiner,)
+        # the lost group's local slots (GPUs): joiners take ranks of the job in groups of `count`, after the first ones
+        first = replacing - (replacing % count if replacing < self.world else (replacing - self.world) % count)
+        joiners = tuple(self.start_joiner(argv, first + place, said=False) for place in range(count))
+        if None in joiners:
+            return None
+        print(f"dptrain: starting worker ranks {', '.join(map(str, joiners))} as a new replica group in place of "
+              f"rank {replacing}'s; they join the others at the next epoch end after all are ready, each healed from "
+              "its peer in a live group", file=sys.stderr, flush=True)
+        return joiners
+
+    def start_joiner(self, argv: Sequence[str], replacing: int, said: bool = True) -> Optional[int]:
         """A new worker in place of lost rank `replacing` (--replace-workers): `python -m dptrain ARGV` as the
         next rank of the job, joining the running ranks at their next epoch end (dptrain.runtime.membership).
         Its rank, or None where this process serves no store (nothing to join)."""
@@ -286,8 +304,9 @@ class Ranks:
         env.update({STORE_SERVED: "1", JOIN: str(rank)})
         env.pop(PRESTARTED, None)
         self.start(rank, [sys.executable, "-m", "dptrain", *argv], env, log_dir=log_dir)
-        print(f"dptrain: starting worker rank {rank} in place of rank {replacing}; it joins the others at the "
-              "next epoch end after it is ready", file=sys.stderr, flush=True)
+        if said:
+            print(f"dptrain: starting worker rank {rank} in place of rank {replacing}; it joins the others at the "
+                  "next epoch end after it is ready", file=sys.stderr, flush=True)
         return rank
 
     @property
@@ -353,12 +372,13 @@ class Ranks:
                 pass
 
     def wait(self, timeout: Optional[float] = None, linger: Optional[float] = None, may_lose: int = 0,
-             grace: Optional[float] = None, replacement: Optional[Callable[[int], Optional[int]]] = None) -> RanksExit:
+             grace: Optional[float] = None,
+             replacement: Optional[Callable[[int], Optional[tuple[int, ...]]]] = None) -> RanksExit:
         """Until all have exited, one has failed, `timeout` passed, one has lingered, or the `grace` after a
         stop signal is over (see spawn_ranks). Up to `may_lose` ranks may fail first without ending the wait
         (the others go on without them), rank 0 only when this process serves the store: each is counted in
-        `lost`, and said in one line unless it left on request (75). `replacement(rank)` may start a worker in place
-        of a failed one (its rank, or None): it is waited for too, and gives the lost place back."""
+        `lost`, and said in one line unless it left on request (75). `replacement(rank)` may start workers in place
+        of a failed one (their ranks, or None): they are waited for too, and give the lost places back."""
         self.pass_on_stop_signals()
         forwarded = self.forwarded
         try:
@@ -399,7 +419,7 @@ class Ranks:
 def _wait(exits: queue.Queue, world: int, begun: float, timeout: Optional[float],
           linger: Optional[float] = None, may_lose: int = 0, *, stopped: Optional[list[tuple[int, float]]] = None,
           grace: Optional[float] = None, keeper: Optional[int] = 0,
-          replacement: Optional[Callable[[int], Optional[int]]] = None,
+          replacement: Optional[Callable[[int], Optional[tuple[int, ...]]]] = None,
           admitted: Callable[[int], bool] = lambda rank: False,
           exited: Optional[Callable[[int], None]] = None) -> RanksExit:
     """Collect the ranks' exits until all are in, the first failure, the deadline, the linger limit, or
@@ -466,10 +486,9 @@ def _wait(exits: queue.Queue, world: int, begun: float, timeout: Optional[float]
                 exited(rank)
             print(f"dptrain: worker rank {rank} {describe_exit(code)}; the others go on without it",
                   file=sys.stderr, flush=True)
-            joiner = replacement(rank) if replacement is not None and first_done_at is None else None
-            if joiner is not None:
-                started.append(joiner)
-                joiners.append(joiner)
+            new = replacement(rank) if replacement is not None and first_done_at is None else None
+            started.extend(new or ())
+            joiners.extend(new or ())
         elif code != 0:
             return RanksExit(time.perf_counter() - begun, failed_rank=rank, failed_code=code, preempted=preempted,
                              lost=tuple(lost))

@@ -27,6 +27,7 @@ class AllReduce(Shardable, AllReduceRules, Strategy):
     inside each replica group and each gradient shard all-reduced across the groups (HSDP)."""
 
     name = "allreduce"
+    gradients_across = True  # sharded: each step's gradient shards all-reduced across the replica groups (HSDP)
     meeting = Meeting("every step")  # live membership can go on from a commit within an epoch (--commit-every-steps)
 
     def __init__(self, compression: str = "none", bucket_cap_mb: float = 25.0) -> None:

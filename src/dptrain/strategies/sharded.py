@@ -27,6 +27,7 @@ from dptrain.data.sampler import EpochPlan, partition_replica_plan, replica_plan
 from dptrain.errors import UserError
 from dptrain.runtime.distributed import DistContext
 from dptrain.runtime.env import detect
+from dptrain.runtime.group import Group
 from dptrain.runtime.sharded import (AcrossReduce, LocalOptimizerShards, LocalShards, fsdp_settings, shard_model,
                                      units_of)
 from dptrain.strategies.collectives import broadcast_module
@@ -55,12 +56,34 @@ class ShardedReplicas:
         stripes = [list(range(place, world, size)) for place in range(size)]
         self.across = ctx.group.split(stripes, name="the replica groups") if self.replicas > 1 else None
 
+    @classmethod
+    def joined(cls, options: ShardOptions, ctx: DistContext) -> "ShardedReplicas":
+        """The replica group of ranks that joined a running run together (replacements for a lost group), `ctx` the
+        run's new group: its own process group over the store, made by its ranks only (the other groups keep
+        theirs, FSDP on them); the groups across are made by every rank as the group enters
+        (dptrain.strategies.sharded_live.regroup_replicas)."""
+        replicas = cls.__new__(cls)
+        replicas.options, replicas.size = options, options.size(ctx.world_size, detect().local_world_size)
+        replicas.replicas = ctx.world_size // replicas.size
+        replicas.index, replicas.place = divmod(ctx.rank, replicas.size)
+        group, first = ctx.group, ctx.rank - replicas.place
+        block = group.members[first:first + replicas.size]
+        replicas.inside = Group.over_store(group.store, group.members[ctx.rank], block,
+                                           group.generation, device=ctx.device, backend=group.backend,
+                                           timeout=group.timeout, heartbeat=group.heartbeat,
+                                           key=f"/joined{replicas.index}", name="this rank's replica group")
+        replicas.inside.watch, replicas.across = group.watch, None
+        return replicas
+
     def shard(self, model: nn.Module, optimizer: torch.optim.Optimizer, ctx: DistContext,
-              count: Callable[[int], None], average_gradients: bool, live: bool = False) -> nn.Module:
-        """Rank 0's model on every rank (counted, as DDP's constructor broadcast is), then sharded inside the
-        group; with `average_gradients`, each step's gradient shards are all-reduced across the groups too (`live`:
-        a failure there is raised after the backward, dptrain.runtime.sharded.AcrossReduce)."""
-        count(broadcast_module(model, group=ctx.group))
+              count: Callable[[int], None], average_gradients: bool, live: bool = False,
+              equal: bool = False) -> nn.Module:
+        """Rank 0's model on every rank (counted, as DDP's constructor broadcast is; not when `equal`: a group that
+        joined takes its shards' values from a live group next), then sharded inside the group; with
+        `average_gradients`, each step's gradient shards are all-reduced across the groups too (`live`: a failure
+        there is raised after the backward, dptrain.runtime.sharded.AcrossReduce)."""
+        if not equal:
+            count(broadcast_module(model, group=ctx.group))
         options = self.options
         if options.shard_offload and ctx.device.type != "cuda":
             raise UserError(f"--shard-offload moves the shards from a GPU to the CPU, and this rank trains on "
@@ -104,6 +127,7 @@ class Shardable:
 
     shard_options: Optional[ShardOptions] = None
     replicas: Optional[ShardedReplicas] = None
+    gradients_across = False  # whether each step's gradient shards are all-reduced across the groups (HSDP)
 
     @classmethod
     def check_before_spawn(cls, config, model: nn.Module) -> None:
@@ -123,19 +147,31 @@ class Shardable:
         return None
 
     def replica_groups(self, ctx: DistContext) -> Optional[ShardedReplicas]:
-        """The replica groups (made at the first call, on every rank), or None when the model is not sharded."""
-        if self.replicas is None and self.shard_options is not None:
+        """The replica groups (made at the first call, on every rank), or None when the model is not sharded, or not
+        yet: a worker joining a running run is sharded when its group is admitted (`join_sharded`)."""
+        if self.replicas is None and self.shard_options is not None and ctx.joining is None:
             self.replicas = ShardedReplicas(self.shard_options, ctx)
         return self.replicas
 
     def _shard_setup(self, model: nn.Module, optimizer, ctx: DistContext, average_gradients: bool) -> nn.Module:
-        """Set up sharded replica groups and shard `model` (every rank of the job calls it)."""
+        """Set up sharded replica groups and shard `model` (every rank of the job calls it); a worker joining a
+        running run trains nothing before its group is admitted, and is sharded then (`join_sharded`)."""
+        if ctx.joining is not None:
+            return model
         self.replica_groups(ctx)  # (epoch_plan may have made them already, on every rank)
         if self.replicas.replicas == 1 and not average_gradients:
             raise UserError(f"--shard {self.shard_options.shard} makes one replica group of all {ctx.world_size} "
                             f"ranks: {self.name} has nothing to average across groups; give --shard hybrid with a "
                             f"--shard-size below {ctx.world_size}")
         return self.replicas.shard(model, optimizer, ctx, self._add_bytes, average_gradients, live=self.live)
+
+    def join_sharded(self, ctx: DistContext) -> None:
+        """A worker admitted with the other ranks of a replica group that joins (`ctx`: the run's new group): its
+        group's process group made, the model and optimizer sharded over it as every group's are; the values of its
+        shards come next, from its peer in a live group (dptrain.train.live), which is never a whole model."""
+        self.replicas = ShardedReplicas.joined(self.shard_options, ctx)
+        self.replicas.shard(self.model, self.optimizer, ctx, self._add_bytes, self.gradients_across, live=self.live,
+                            equal=True)
 
     def epoch_plan(self, ctx, n_samples, labels, batch_size, seed, shuffle, block_size=None) -> EpochPlan:
         if self.replica_groups(ctx) is None:  # (planned before setup: the groups are made here first)

@@ -15,6 +15,11 @@ failure across the groups is held until the backward is over, dptrain.runtime.sh
 Which rows: the survivors go back to the start of the epoch the failure happened in (each rank's shards and
 optimizer shards as they were then) and redo it, planned over the groups left (replica_plan), so every row is
 read once in each epoch, that one included; what was trained of it before the failure is dropped.
+
+A replacement group (--replace-workers: the launcher starts S ranks in place of a lost group) joins at an epoch end
+as the last replica group: its ranks shard the model over a process group of their own, made over the store
+(ShardedReplicas.joined), every rank makes the groups across anew here, and rank j of the first group hands rank j
+of the new one its shards over them (dptrain.train.live), never a whole model, never a file.
 """
 
 from __future__ import annotations
@@ -39,8 +44,8 @@ def refuse_live(options, strategy: str) -> None:
 
 
 def regroup_replicas(replicas, ctx: DistContext, model: nn.Module) -> None:
-    """The replica groups of `replicas` (a ShardedReplicas) in `ctx.group`, the survivors after a lost group: each
-    rank's group as it was (checked), the groups across made anew, HSDP's mean over the ranks left."""
+    """The replica groups of `replicas` (a ShardedReplicas) in `ctx.group`, after a lost group or a joined one: each
+    rank's group as it was (checked), the groups across made anew, HSDP's mean over the ranks there are."""
     size, members, rank = replicas.size, list(ctx.group.members), ctx.rank
     first = rank - rank % size
     block = members[first:first + size]

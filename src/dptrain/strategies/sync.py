@@ -98,6 +98,12 @@ class Sync(Shardable, SyncRules, Strategy):
         self.averager.attach(model)
         return train_model
 
+    def join_sharded(self, ctx: DistContext) -> None:
+        """A rank of a replica group that joins: sharded, then its anchor and outer state (--outer) made as this
+        rank's shards, their values healed from its peer in a live group as the shards are."""
+        super().join_sharded(ctx)
+        self.averager.attach(self.model)
+
     # -- post-local SGD: per-step gradient all-reduce for the first epochs ---------------------
     @property
     def allreducing(self) -> bool:

@@ -303,7 +303,8 @@ def spawn_workers(config: TrainConfig, model: torch.nn.Module, prestarted: Optio
             code = launch_local(config.workers, argv, config.timeout, prestarted if attempt == 0 else None,
                                 may_lose=config.workers - kept_ranks(config) if config.min_workers else 0,
                                 grace=config.grace if config.grace is not None else config.timeout, replacements=config.workers if config.replace_workers else 0,
-                                join_file=run_dir / JOIN_FILE if config.min_workers else None)
+                                join_file=run_dir / JOIN_FILE if config.min_workers else None,
+                                unit=config.shard_size if config.shard == "hybrid" and config.min_workers else 1)
             if code == Interrupted.exit_code:  # Ctrl-C: the workers are stopped; say where the run stands
                 print(f"dptrain: {describe_interruption(run_dir, config.workers, epochs_recorded(run_dir), config.epochs)}",
                       file=sys.stderr, flush=True)
@@ -389,11 +390,17 @@ def _goes_on_without_a_rank(env: DistEnv) -> bool:
             and store_served())
 
 
-def _check_replacing(ctx, launcher: str) -> None:
+def _check_replacing(ctx, launcher: str, shard: str = "none") -> None:
     """--replace-workers under `launcher` (srun, mpirun): the store service must be the one starting the new
-    workers."""
+    workers, one per lost rank: of a sharded run (a lost replica group replaced whole) it is refused."""
     from dptrain.runtime import signed
     from dptrain.runtime.store_keys import REPLACING
+
+    if shard != "none":
+        raise UserError(f"--replace-workers with --shard {shard} under {launcher} is refused: the store service starts "
+                        "one worker per lost rank, and a lost replica group is replaced whole by dptrain's own "
+                        "launcher only (dptrain train --workers N); drop --replace-workers (the other groups still go "
+                        "on)")
 
     store = ctx.group.store
     if store is None or not signed.present(store, REPLACING):
@@ -423,7 +430,7 @@ def train_in_group(config: TrainConfig, env: DistEnv, ctx, held: ExitStack) -> S
     _check_live_launcher(config, env)
     set_rank(ctx.rank, ctx.world_size)  # a factory of each client's own data loads this rank's (dptrain.data.private)
     if config.replace_workers and env.launched and env.launcher != "local":
-        _check_replacing(ctx, env.launcher)
+        _check_replacing(ctx, env.launcher, config.shard)
     if env.launcher != "local":
         config = _join_run_dir(config, env, ctx, held)
     data = _rank_data(config, env, ctx)

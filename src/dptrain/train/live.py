@@ -15,7 +15,8 @@ Without --min-workers (`FixedMembership`) a failure ends the run and the epoch e
 stop agreement. With it (`LiveMembership`) the survivors of a failure agree on who is left through the
 store (dptrain.runtime.membership) and go on from the state each kept (the epoch's start, or allreduce's
 commits every --commit-every-steps), ranks asked to stop alone leave at an epoch end, and joiners enter
-there, healed from rank 0 in one broadcast of tensors and plain values. The LR rule follows the live world.
+there, healed from rank 0 in one broadcast of tensors and plain values (a sharded run's replacement group, whole,
+each rank from its peer in the first replica group: its shards only). The LR rule follows the live world.
 """
 
 from __future__ import annotations
@@ -232,8 +233,8 @@ class LiveMembership(FixedMembership):
         if not self.strategy.meets_at_epoch_ends:
             return self.strategy.agree_stop(requested)
         room = (self.options.max_workers or self.recorder.job_world) - ctx.world_size
-        room = 0 if self.strategy.live_unit > 1 else room  # no replica group joins a sharded run yet
         ready = protocol.ready_joiners(ctx.group.store, room) if ctx.is_main and ctx.group.store is not None else ()
+        ready = ready[:len(ready) - len(ready) % self.strategy.live_unit]  # a sharded run's replica groups join whole
         if ctx.world_size == 1:
             self._admitting = ready
             return self.strategy.agree_stop(requested)
@@ -295,18 +296,40 @@ class LiveMembership(FixedMembership):
         group = old.bounded(f"admitting rank{'s' if len(joiners) > 1 else ''} {names}",
                             lambda: old.rebuild(members, generation))
         try:
-            _, healed = self._heal(group, state, epoch + 1)
+            healed = self._heal_entering(group, state, epoch + 1)
         except PeerFailure as failure:  # a joiner died before it trained: the others go on without it
             self.recorder.log(f"dptrain: {failure}; the workers agree on who is left")
             group, membership = regroup(group, generation + 1, epoch + 1, min_workers=self.options.min_workers,
-                                        timeout=self.timeout)
+                                        timeout=self.timeout, unit=self.strategy.live_unit)
             state.module = self._enter(group, state)
             return membership
-        state.module = self._enter(group, state)
+        unit = self.strategy.live_unit
+        source = f"rank {members[0]}" if unit == 1 else f"ranks {', '.join(map(str, members[:unit]))}, shard by shard"
         self.recorder.log(f"dptrain: rank{'s' if len(joiners) > 1 else ''} {names} joined after epoch {epoch + 1}, "
-                          f"healed from rank {members[0]} ({healed / 1e6:.2f} MB of state); continuing with "
+                          f"healed from {source} ({healed / 1e6:.2f} MB of state); continuing with "
                           f"{workers(group.world_size)} ({ranks(members)} of the job)")
         return Membership(generation, members, epoch + 1, (), joiners, healed)
+
+    def _heal_entering(self, group: Group, state: TrainState, epoch: int) -> int:
+        """Heal the joiners of `group` and train on in it; returns the bytes that travelled. A whole replica group
+        that joins a sharded run: every rank enters first (the groups across then hold the joined group's ranks),
+        then each takes its shards from its peer in the first group (`_heal_shards`)."""
+        if self.strategy.live_unit == 1:
+            healed = self._heal(group, state, epoch)[1]
+            state.module = self._enter(group, state)
+            return healed
+        state.module = self._enter(group, state)
+        return self._heal_shards(state, epoch)[1]
+
+    def _heal_shards(self, state: TrainState, epoch: int, joining: bool = False) -> tuple[Optional[dict], int]:
+        """Rank j of the first replica group hands its state, its own shards of the model, optimizer and strategy
+        (never a whole model), to rank j of every other group over the groups across (`_heal`); returns (the state,
+        on a joiner; the bytes that travelled over all S groups across, the same on every rank)."""
+        replicas = self.strategy.replicas
+        received, moved = self._heal(replicas.across, state, epoch, joining)
+        total = torch.tensor([moved], dtype=torch.float64, device=replicas.inside.collective_device)
+        replicas.inside.all_reduce(total)  # each group's S ranks: one of each of the S groups across
+        return received, int(total.item())
 
     def _heal(self, group: Group, state: TrainState, epoch: int, joining: bool = False) -> tuple[Optional[dict], int]:
         """Rank 0 of `group` hands its whole state to every other worker of it, as tensors from where they are
@@ -331,7 +354,11 @@ class LiveMembership(FixedMembership):
             ctx.group.store, me, members, generation, device=ctx.device, backend=ctx.backend, timeout=self.timeout,
             heartbeat=ctx.heartbeat))
         group.watch = ctx.group.watch
-        received = check_received(self._heal(group, state, epoch, joining=True)[0], me, members[0])
+        sharded = getattr(self.strategy, "shard_options", None) is not None
+        if sharded:  # a replica group joins: it enters, then each rank takes its shards from its peer in a live group
+            received = self._enter_sharded(group, state, epoch, me)
+        else:
+            received = check_received(self._heal(group, state, epoch, joining=True)[0], me, members[0])
         if received["strategy_name"] != self.strategy.name:  # --strategy auto: the choice made when the run began
             raise PeerFailure(f"rank {me}: the run trains with {received['strategy_name']}, this worker prepared "
                               f"{self.strategy.name}; it cannot join")
@@ -344,9 +371,21 @@ class LiveMembership(FixedMembership):
         self.strategy.comm_bytes = 0  # this worker's own bytes count from here (rank 0's stay rank 0's)
         torch.manual_seed(self.seed + me)  # dropout and friends: this worker's own, reproducibly
         self.recorder.job_world = received["job_world"]
-        state.module = self._enter(group, state)
+        if not sharded:
+            state.module = self._enter(group, state)
         self.recorder.replace_history(received["history"])
         state.epoch, state.step = epoch, received["step"]
+
+    def _enter_sharded(self, group: Group, state: TrainState, epoch: int, me: int) -> dict:
+        """A rank of a replica group that joins a sharded run, admitted into `group`: its group's process group
+        made and the model sharded over it (the strategy's `join_sharded`), its place taken in `group` (the groups
+        across made with every rank), then its shards' values received from its peer in the first group."""
+        ctx = self.ctx
+        ctx.rank, ctx.world_size, ctx.group = group.rank, group.world_size, group
+        group.bounded("sharding the replica group that joins", lambda: self.strategy.join_sharded(ctx))
+        state.module = self._enter(group, state)
+        across = self.strategy.replicas.across
+        return check_received(self._heal_shards(state, epoch, joining=True)[0], me, across.members[0])
 
     def _admission(self, me: int) -> tuple[int, tuple[int, ...], int]:
         """Say this joiner is ready and wait for its admission: (generation, members, the epoch it enters at)."""

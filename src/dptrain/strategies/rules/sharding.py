@@ -170,9 +170,9 @@ def live_refused(config: Any) -> Optional[str]:
                f"ranks (use 1 to {groups})")
     elif config.strategy == "sync" and config.min_workers < 2:
         why = "--strategy sync and --min-workers 1 (one replica group left has nobody to average with: give 2 or more)"
-    elif getattr(config, "commit_every_steps", None) or config.replace_workers or config.max_workers is not None:
-        why = ("--commit-every-steps, --replace-workers, --max-workers or workers MIN:MAX (a lost replica group's "
-               "epoch is redone from its start, and no group joins yet)")
+    elif getattr(config, "commit_every_steps", None) or config.max_workers is not None:
+        why = ("--commit-every-steps or --max-workers (a lost replica group's epoch is redone from its start, and a "
+               "group joins only in place of a lost one: --replace-workers)")
     return None if why is None else f"--shard hybrid with --min-workers (counted in replica groups) is refused with {why}"
 
 
