@@ -205,3 +205,21 @@ def test_from_the_command_line_a_sharded_run_goes_on_unsharded(tmp_path):
     assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 2
     saved = torch.load(tmp_path / "run" / "model.pt", weights_only=True)
     assert saved["1.weight"].shape == (128, 64)  # whole again
+
+
+def test_a_continued_sharded_run_may_change_its_unit_and_recompute_its_activations(tmp_path):
+    # A requeue that ran out of memory goes on with activation checkpointing and smaller units: the checkpoint's
+    # shards are rows of each parameter whatever the units, so it continues as the run would have (float rounding)
+    from test_train_cli import dptrain
+
+    common = ["train", "--dataset", "digits", "--workers", "2", "--no-progress", "--shard", "full"]
+    whole = dptrain(*common, "--out", str(tmp_path / "whole"), "--epochs", "2", cwd=tmp_path)
+    assert whole.returncode == 0, whole.stderr
+    first = dptrain(*common, "--out", str(tmp_path / "run"), "--epochs", "1", cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    went_on = dptrain(*common, "--out", str(tmp_path / "run"), "--epochs", "2", "--shard-unit", "Linear",
+                      "--shard-checkpoint", cwd=tmp_path)
+    assert went_on.returncode == 0, went_on.stderr
+    assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 2
+    a, b = (torch.load(tmp_path / name / "model.pt", weights_only=True) for name in ("run", "whole"))
+    assert _relative(a, b) < RELATIVE

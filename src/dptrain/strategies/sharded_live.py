@@ -30,17 +30,15 @@ from dptrain.errors import UserError
 from dptrain.runtime.distributed import DistContext
 from dptrain.runtime.group import PeerFailure
 from dptrain.runtime.sharded import divide_gradients
-from dptrain.strategies.rules.sharding import FULL_LIVE_REFUSED, LIVE_SHARDED
+from dptrain.strategies.rules.sharding import live_strategy_refused
 
 
 def refuse_live(options, strategy: str) -> None:
     """--min-workers with `options` (a ShardOptions) under `strategy` (its name): refused with --shard full (one
     replica group: no second copy), and with the strategies not built to go on without a replica group."""
-    if options.shard == "full":
-        raise UserError(FULL_LIVE_REFUSED)
-    if strategy not in LIVE_SHARDED:
-        raise UserError(f"--shard hybrid with --min-workers (counted in replica groups) is refused with --strategy "
-                        f"{strategy} (allreduce or sync only)")
+    refused = live_strategy_refused(options.shard, strategy)
+    if refused is not None:
+        raise UserError(refused)
 
 
 def regroup_replicas(replicas, ctx: DistContext, model: nn.Module) -> None:

@@ -195,13 +195,12 @@ def prepare_run_dir(config: TrainConfig, out: str, world: int, model: torch.nn.M
                                      _shard_size(config, world, saved))
             if refused:
                 raise UserError(refused)
+            first = checkpoint_files.load(run_dir, epoch, saved["members"][0])["model"]
             if saved.get("shard_size"):  # its first rank's shards, against the model (dptrain.train.reshard)
                 where = f"the checkpoint of {checkpoint_files.describe(epoch)} in '{out}'"
-                reshard.check_fits(model, checkpoint_files.load(run_dir, epoch, saved["members"][0])["model"],
-                                   saved["shard_size"], where)
+                reshard.check_fits(model, first, saved["shard_size"], where)
             else:  # whole tensors, whether this run shards them or not (dptrain.train.reshard takes its rows)
-                load_model_state(model, checkpoint_files.load(run_dir, epoch, saved["members"][0])["model"], epoch,
-                                 out)
+                load_model_state(model, first, epoch, out)
     if resuming:
         keep_finished(run_dir, settings)
     paths = {key: settings[key] for key in ("data", "model", "loss")}

@@ -40,7 +40,10 @@ RESUMABLE_CHANGES = {"out", "resume", "progress", "timeout", "epochs", "max_rest
                      "checkpoint_every_steps", "keep_checkpoints", "replace_workers", "max_workers",
                      "commit_every_steps", "resume_with_changed_data", "nnodes", "node_rank", "master",
                      "tensorboard", "log_to", "monitor", "early_stop_patience",
-                     "shard", "shard_size"}  # another shard size reshards the checkpoint (dptrain.train.reshard)
+                     # another shard size reshards the checkpoint (dptrain.train.reshard); the unit, precision,
+                     # offload and activation recomputation leave each rank's shards (fp32, rows of each parameter)
+                     # as they are
+                     "shard", "shard_size", "shard_unit", "shard_precision", "shard_offload", "shard_checkpoint"}
 # A setting that may change where the strategy can take it (other_world_refused says why one cannot).
 WORKERS = "workers"
 

@@ -153,16 +153,26 @@ def sharding_refused(config: Any) -> Optional[str]:
     return None
 
 
+def live_strategy_refused(shard: str, strategy: str) -> Optional[str]:
+    """Why --min-workers cannot go on with --shard `shard` under `strategy` (its name), in one line, or None: the part
+    of `live_refused` that the Python API checks too (dptrain.strategies.sharded_live.refuse_live)."""
+    if shard == "full":
+        return FULL_LIVE_REFUSED
+    if strategy not in LIVE_SHARDED:
+        return (f"--shard hybrid with --min-workers (counted in replica groups) is refused with --strategy {strategy} "
+                "(allreduce or sync only)")
+    return None
+
+
 def live_refused(config: Any) -> Optional[str]:
     """Why --min-workers cannot go on as `config` (sharded) asks, in one line, or None. With --shard hybrid it counts
     replica groups: a lost rank loses its group's shards (no second copy), so the group leaves whole and the
     others go on (dptrain.strategies.sharded)."""
-    if config.shard == "full":
-        return FULL_LIVE_REFUSED
+    refused = live_strategy_refused(config.shard, config.strategy)
+    if refused is not None:
+        return refused
     why = None
-    if config.strategy not in LIVE_SHARDED:
-        why = f"--strategy {config.strategy} (allreduce or sync only)"
-    elif config.shard_size is None:
+    if config.shard_size is None:
         why = "no --shard-size (it counts replica groups of --shard-size ranks: give it)"
     elif config.min_workers > config.workers // config.shard_size:
         groups = config.workers // config.shard_size
