@@ -168,6 +168,9 @@ def test_workers_min_max_is_max_workers_going_on_down_to_min_each_lost_one_repla
     ({"workers": "2:x"}, "workers '2:x' must be N or MIN:MAX, two whole numbers, e.g. 2:4"),
     ({"workers": "3:2"}, "workers '3:2' must be MIN:MAX with 1 <= MIN <= MAX, e.g. 2:4"),
     ({"workers": "2:3", "min_workers": 2}, "workers 2:3 sets min_workers 2 already; drop min_workers"),
+    ({"workers": "2:4", "shard": "hybrid", "shard_size": 2},
+     "workers 2:4 counts ranks, and with --shard hybrid --min-workers counts replica groups; give --workers 4 "
+     "--min-workers GROUPS --replace-workers"),
     ({"workers": 3, "replace_workers": True}, "replace_workers needs min_workers"),
     ({"workers": 3, "max_workers": 4}, "max_workers needs min_workers"),
     ({"workers": 3, "min_workers": 2, "max_workers": 2},

@@ -287,6 +287,9 @@ class TrainConfig(MembershipSection, RunSection, ShardingSection, StrategySectio
             raise ValueError(f"workers {text!r} must be MIN:MAX with 1 <= MIN <= MAX, e.g. 2:4")
         if values.get("min_workers") is not None:
             raise ValueError(f"workers {text} sets min_workers {smallest} already; drop min_workers")
+        if values.get("shard") not in (None, "none"):  # (where --min-workers counts replica groups, not ranks)
+            raise ValueError(f"workers {text} counts ranks, and with --shard {values['shard']} --min-workers counts "
+                             f"replica groups; give --workers {largest} --min-workers GROUPS --replace-workers")
         return {**values, "workers": largest, "min_workers": smallest, "replace_workers": True}
 
     @model_validator(mode="after")
