@@ -89,11 +89,9 @@ class Rest:
                        members=tuple(members), read=tuple(sorted(read.items())), size=size,
                        lineage=self.lineage + ((tuple(members), done, size, batch_size),))
 
-    def _read_in_group(self, place: int, taken) -> list[tuple[int, int]]:
-        """(rank of the job, rows) read of part `place` by each rank of its replica group, `taken` being what
-        `unread` says: the rows, or with a group of several ranks, the part's steps read."""
-        if self.size == 1:
-            return [(self.members[place], taken)]
+    def _read_in_group(self, place: int, taken: list) -> list[tuple[int, int]]:
+        """(rank of the job, rows) read of part `place` by each rank of its replica group (one, unsharded), from
+        the part's steps read (`taken`, as `unread` gives them)."""
         ranks = self.members[place * self.size:(place + 1) * self.size]
         return [(rank, sum(len(rows) for rows in self.split(taken, j))) for j, rank in enumerate(ranks)]
 
@@ -101,15 +99,12 @@ class Rest:
         """The rows of each of `steps` (a replica group's) that the rank at `place` of the group reads."""
         return steps if self.size == 1 else [np.array_split(step, self.size)[place] for step in steps]
 
-    def unread(self, place: int, part: np.ndarray, taken: int) -> tuple:
-        """(how many rows of `part`, the member at `place`'s, its first `taken` steps of this rest read, or with
-        replica groups of several ranks those steps; the rows of `part` they left unread, in order)."""
+    def unread(self, place: int, part: np.ndarray, taken: int) -> tuple[list[np.ndarray], np.ndarray]:
+        """(the rows of each of the first `taken` steps of this rest that `part`, the member at `place`'s, was
+        read in; the rows of `part` they left unread, in order)."""
         pieces = sharding.batches(part, self.steps)
         left = pieces[taken:]
-        unread = np.concatenate(left) if left else part[:0]
-        if self.size > 1:
-            return pieces[:taken], unread
-        return sum(len(piece) for piece in pieces[:taken]), unread
+        return pieces[:taken], (np.concatenate(left) if left else part[:0])
 
     def read_by(self, ranks) -> int:
         """Rows of the epoch read before this rest by `ranks` (of the job)."""

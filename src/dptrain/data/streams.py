@@ -195,10 +195,10 @@ class StreamRest(Rest):
         return cls(epoch, 0, parts, sharding.steps_per_epoch(samples, world, batch_size), tuple(members),
                    lineage=((tuple(members), 0, 1, batch_size),), workers=workers, seed=seed, shuffle=shuffle)
 
-    def unread(self, place: int, part: np.ndarray, taken: int) -> tuple[int, np.ndarray]:
+    def unread(self, place: int, part: np.ndarray, taken: int) -> tuple[list[np.ndarray], np.ndarray]:
         read = read_first(part, self.steps, taken, self.workers,
                           lambda role: reading_rng(self.seed, self.epoch, place, role, self.shuffle, self.done))
-        return len(read), np.setdiff1d(part, read)
+        return [read], np.setdiff1d(part, read)  # (one piece: a stream is never read by replica groups)
 
 
 def collate_pairs(batch: list) -> tuple[torch.Tensor, torch.Tensor]:
