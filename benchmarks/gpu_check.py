@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -59,6 +60,9 @@ EVERY_STRATEGY = STRATEGIES + ("streaming", "hierarchical", "auto")
 AMPS = ("bf16", "fp16")
 MODELS = ("resnet", "nfnet")
 STEP_LIMIT = 150.0  # seconds one step may take at most
+HEAL_EPOCHS = 40  # shard:heal: epochs enough for a new replica group to start and join (as live:join)
+HEAL_EXTRA = 64_000  # shard:heal: bytes a heal sends besides weights, momentum and history (random states)
+WITHIN_EVERY = 5  # shard:within: a checkpoint every 5 steps; an epoch of digits on 2 groups of 2 x 32 has 12
 
 # Sizes of the steps: on the GPU, and tiny on the CPU (--dry-run-cpu).
 # The strategy and AMP runs: the cnn on digits reaches about 0.94 in 5 epochs of batch 32 on one worker
@@ -74,7 +78,7 @@ SIZES = {
 def all_steps() -> list[str]:
     """In the order they run: where the budget runs out, what crosses ranks has been checked first."""
     return (["nccl", "strategy:allreduce"] + [f"ranks:{s}" for s in EVERY_STRATEGY]
-            + ["shard:full", "shard:hybrid", "shard:offload", "shard:reshard"]
+            + ["shard:full", "shard:hybrid", "shard:offload", "shard:reshard", "shard:heal", "shard:within"]
             + ["live:kill", "live:join", "memory:live", "resume:int8", "amp:clip", "torchrun"]
             + [f"amp:{a}" for a in AMPS] + [f"strategy:{s}" for s in STRATEGIES if s != "allreduce"]
             + [f"{kind}:{model}" for model in MODELS for kind in ("dptrain", "plain")])
@@ -304,6 +308,90 @@ def step_shard(kind: str, device: str, sizes: dict, workdir: Path) -> dict:
     return _ranks_result(done, out, device, env, ranks)
 
 
+def _records(out: Path) -> list:
+    """metrics.jsonl: one record an epoch (none where the run wrote no file)."""
+    path = out / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+
+
+def _failed(result: dict, problem: str) -> dict:
+    """`result` failed for `problem` too."""
+    result.update(ok=False, error="; ".join(filter(None, [result.get("error"), problem])))
+    return result
+
+
+def step_shard_heal(device: str, sizes: dict, workdir: Path) -> dict:
+    """Live membership of replica groups: `--shard hybrid --shard-size 2` on 4 ranks under allreduce (HSDP) with
+    --min-workers 1 --replace-workers, rank 2 killed halfway through epoch 2. Its group leaves (rank 3 with it); the
+    launcher starts ranks 4 and 5 as a new replica group, which joins at an epoch end, each rank healed from its
+    peer in the live group (ranks 0 and 1) shard by shard over the groups across; the run ends on 4 ranks. (Not
+    sync: 2 groups under sync need --min-workers 2, and one left has nobody to average with.) The JSON has the
+    bytes that healed them (metrics.jsonl's membership record) beside the model's: the model and SGD's momentum
+    once each, summed over the 2 groups across, with the senders' random states and plain values, so 2 x the
+    model's bytes and at most HEAL_EXTRA more, beside the history the 2 senders hand over (tests/
+    test_sharded_replace.py checks the same on the CPU): a rank that sent a whole model, not its shards, fails it."""
+    env, out = _several_ranks_env(device, 4), workdir / "shard-heal"
+    env.update(DPTRAIN_FAULT="train-middle@2:2", DPTRAIN_FAULT_ONCE=str(workdir / "fired"))
+    extra = ["--shard", "hybrid", "--shard-size", "2", "--min-workers", "1", "--replace-workers"]
+    sizes = {**sizes, "epochs": HEAL_EPOCHS}  # the new group needs seconds to start, and joins at an epoch end
+    done = _cli(_train_argv("allreduce", sizes, out, device, 4, *extra), workdir, env, timeout=140)
+    result = _ranks_result(done, out, device, env, 4,
+                           expect="starting worker ranks 4, 5 as a new replica group in place of rank 2's")
+    records = _records(out)
+    first = next((i for i, record in enumerate(records) if record.get("membership", {}).get("joined")), None)
+    if first is None:
+        return _failed(result, "no epoch record says a replica group joined")
+    change = records[first]["membership"]
+    history = sum(len(json.dumps(record)) for record in records[:first])  # each sender's, as JSON: about its size
+    result.update(joined=change["joined"], joined_after_epoch=change["continued_from_epoch"] - 1,
+                  healed_bytes=change.get("healed_bytes"), history_bytes=history)
+    if (out / "model.pt").is_file():
+        import torch
+
+        model = torch.load(out / "model.pt", weights_only=True)
+        result["model_bytes"] = sum(tensor.numel() * tensor.element_size() for tensor in model.values())
+    if change["joined"] != [4, 5]:
+        return _failed(result, f"ranks {change['joined']} joined, not 4 and 5")
+    healed, model_bytes, most = result["healed_bytes"], result.get("model_bytes"), HEAL_EXTRA + 2 * history
+    if healed is None or model_bytes is None or not 2 * model_bytes <= healed < 2 * model_bytes + most:
+        return _failed(result, f"{healed} bytes healed the new group, not 2 x the model's {model_bytes} (its "
+                               f"weights and momentum) plus at most {most}")
+    return result
+
+
+def step_shard_within(device: str, sizes: dict, workdir: Path) -> dict:
+    """Resharding within an epoch: `--shard hybrid --shard-size 2` on 4 ranks under allreduce with a checkpoint every
+    WITHIN_EVERY steps for one epoch, cut after the first of them (the later checkpoints, model.pt, summary.json and
+    metrics.jsonl removed, as if killed there), then continued with `--shard full` on 2 ranks: the rest of epoch 1
+    (every row the 4 had not read) is re-planned over the one replica group, so epoch 1's record counts every
+    training row once."""
+    env, out = _several_ranks_env(device, 4), workdir / "shard-within"
+    every = ["--checkpoint-every-steps", str(WITHIN_EVERY), "--keep-checkpoints", "50"]
+    first = _cli(_train_argv("allreduce", {**sizes, "epochs": 1}, out, device, 4, "--shard", "hybrid", "--shard-size",
+                             "2", *every), workdir, env, timeout=140)
+    if first.returncode != 0:
+        return _ranks_result(first, out, device, env, 4)
+    checkpoints, cut = out / "checkpoints", f"epoch-000000-step-{WITHIN_EVERY:06d}"
+    if not (checkpoints / cut).is_dir():
+        return {"ok": False, "error": f"no checkpoint {cut} to cut the run at, only "
+                                      f"{sorted(path.name for path in checkpoints.iterdir())}"}
+    for later in [path for path in checkpoints.iterdir() if path.name > cut]:
+        shutil.rmtree(later)
+    for name in ("model.pt", "summary.json", "metrics.jsonl"):
+        (out / name).unlink()
+    env = _several_ranks_env(device, 2)
+    done = _cli(_train_argv("allreduce", sizes, out, device, 2, "--shard", "full", *every), workdir, env, timeout=140)
+    result = _ranks_result(done, out, device, env, 2,
+                           expect="the rest of epoch 1 re-planned over 1 replica group of 2 ranks")
+    summary = json.loads((out / "summary.json").read_text()) if (out / "summary.json").is_file() else {}
+    train_rows = summary.get("data", {}).get("train_samples")
+    rows = [sum(worker["samples"] for worker in record["workers"]) for record in _records(out)]
+    result.update(cut_at=cut, train_rows=train_rows, rows_per_epoch=rows)
+    if not rows or rows[0] != train_rows:
+        return _failed(result, f"epoch 1 read {rows[0] if rows else 'no'} rows, not the {train_rows} training rows")
+    return result
+
+
 def step_live(kind: str, device: str, sizes: dict, workdir: Path) -> dict:
     env, out = _several_ranks_env(device, 3), workdir / f"live-{kind}"
     env.update(DPTRAIN_FAULT="train-middle@1:2", DPTRAIN_FAULT_ONCE=str(workdir / "fired"))
@@ -392,6 +480,10 @@ def run_step(name: str, device: str, sizes: dict, workdir: Path) -> dict:
         return step_ranks(arg, device, sizes, workdir)
     if kind == "live":
         return step_live(arg, device, sizes, workdir)
+    if name == "shard:heal":
+        return step_shard_heal(device, sizes, workdir)
+    if name == "shard:within":
+        return step_shard_within(device, sizes, workdir)
     if kind == "shard":
         return step_shard(arg, device, sizes, workdir)
     if name == "resume:int8":
