@@ -19,6 +19,13 @@ one step is recorded in the JSON as that step's error, and the other steps still
   hybrid with --shard-size 2 on 4 ranks under sync (through gloo with CUDA tensors where one GPU serves them
   all), full with --shard-precision bf16, --shard-checkpoint and --shard-offload; shard:reshard: a checkpoint of
   --shard full on 2 ranks continued unsharded (each rank's rows read from the shard files, onto the GPU);
+- shard:heal: hybrid with --shard-size 2 on 4 ranks under allreduce with --min-workers 1 --replace-workers, rank 2
+  killed halfway through epoch 2: ranks 4 and 5 start as a new replica group and join, each healed shard by shard
+  from its peer in the live group (the bytes that healed them against the model's); the run ends on 4 ranks;
+- shard:within: hybrid with --shard-size 2 on 4 ranks cut at step 5 of epoch 1 (a checkpoint every 5 steps),
+  continued with --shard full on 2: the rest of the epoch re-planned over the one group, every row read once.
+  Like the other shard steps, on CUDA these run through NCCL where the machine has a GPU per rank, else through
+  gloo with CUDA tensors (DPTRAIN_BACKEND=gloo), and the JSON's `backend` says which;
 - live:kill: sync on 3 workers with --min-workers 2, rank 1 killed halfway through epoch 2: the others go on
   (the rebuilt group's collectives, the object gathers, the abandoned communicator);
 - live:join: the same with --replace-workers: a new worker joins and is healed from a peer;
