@@ -124,7 +124,8 @@ def test_the_units_are_the_named_class_or_the_children_holding_a_share():
 @pytest.mark.parametrize("args,line", [
     (["--shard", "hybrid", "--shard-size", "3", "--workers", "4"],
      "--shard-size 3 does not divide the 4 ranks into replica groups; valid sizes: 2, 4"),
-    (["--shard", "full", "--strategy", "async"], "--shard full is refused with --strategy async"),
+    (["--shard", "full", "--strategy", "async"],
+     "--shard full is refused with --strategy async with --shard full (one replica group: nothing to average)"),
     (["--shard", "full", "--min-workers", "1"], "--shard full is refused with --min-workers"),
     (["--shard", "full", "--strategy", "sync"], "--shard full is refused with --strategy sync with --shard full"),
     (["--shard-size", "2"], "--shard-size applies to --shard hybrid, not --shard none"),

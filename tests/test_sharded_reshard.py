@@ -183,7 +183,8 @@ def test_a_strategy_state_of_other_shards_is_not_resharded_and_says_so_in_one_li
         load_resharded(tmp_path, 1, [0, 1], 2, Layout(1, 0, 0), model, optimizer)
     assert str(refused.value) == (f"the checkpoint of epoch 1 in '{tmp_path}' was written by replica groups of 2 "
                                   "ranks, and its strategy state holds their shards beyond those resharded "
-                                  "(streaming's global model, --outer's anchor and momentum): continue it with "
+                                  "(streaming's global model, --outer's anchor and momentum, async's merge "
+                                  "vectors): continue it with "
                                   "replica groups of 2 ranks")
     (tmp_path / "checkpoints" / "epoch-000001" / "rank-00001.pt.sha256").write_text("0" * 64)
     with pytest.raises(UserError, match="rank-00001.pt' is missing or does not match its checksum"):
@@ -223,3 +224,38 @@ def test_a_continued_sharded_run_may_change_its_unit_and_recompute_its_activatio
     assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 2
     a, b = (torch.load(tmp_path / name / "model.pt", weights_only=True) for name in ("run", "whole"))
     assert _relative(a, b) < RELATIVE
+
+
+@pytest.mark.parametrize("size", [1, 3])
+def test_asyncs_vectors_are_resharded_row_by_row(tmp_path, size):
+    # async keeps flat vectors of a rank's rows of each parameter, then the floating buffers whole (its merge base;
+    # on a service's host its shard of the global model and the server momentum): written by a group of 2 (rows
+    # [0, 2) and [2, 3) of each 3-row parameter), read unsharded and by a group of 3 (one row each).
+    from dptrain.train import checkpoint_files
+    from dptrain.train.reshard import Layout, load_resharded
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3))
+    model[1].running_mean.uniform_()
+    params, buffers = list(model.parameters()), [model[1].running_mean, model[1].running_var]
+    other = [torch.randn_like(p) for p in params]  # the global model's values
+
+    def vector(tensors, rows_of):
+        return torch.cat([t.detach()[rows_of].reshape(-1) for t in tensors] + [b.reshape(-1) for b in buffers])
+
+    for rank, rows_of in enumerate(([0, 1], [2])):
+        strategy = {"comm_bytes": 0, "base": vector(params, rows_of),
+                    "global": {"state": vector(other, rows_of), "version": 7, "merges": [3, 4]}}
+        state = {"epoch": 1, "step": 4, "wall_seconds": 1.0, "scheduler": {}, "scaler": {}, "history": [],
+                 "rng": checkpoint_files.rng_state(), "strategy": strategy,
+                 "model": {key: (value[rows_of] if value.dim() and key in dict(model.named_parameters()) else value)
+                           for key, value in model.state_dict().items()},
+                 "optimizer": {"state": {}, "param_groups": [{"params": [0, 1, 2, 3]}]}}
+        checkpoint_files.save(tmp_path, 1, rank, state)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for place in range(size):
+        mine = list(range(3))[slice(*rows(3, size, place))]
+        state, _ = load_resharded(tmp_path, 1, [0, 1], 2, Layout(size, 0, place), model, optimizer)
+        assert torch.equal(state["strategy"]["base"], vector(params, mine))
+        assert torch.equal(state["strategy"]["global"]["state"], vector(other, mine))
+        assert state["strategy"]["global"]["version"] == 7 and state["strategy"]["global"]["merges"] == [3, 4]

@@ -153,8 +153,9 @@ def test_streaming_over_one_replica_group_is_refused_from_python_too():
     (["--shard", "hybrid", "--shard-size", "2", "--strategy", "streaming", "--min-workers", "1"],
      "--shard hybrid with --min-workers (counted in replica groups) is refused with --strategy streaming "
      "(allreduce or sync only)"),
-    (["--shard", "hybrid", "--strategy", "async"], "--shard hybrid is refused with --strategy async: --shard "
-                                                   "full/hybrid runs with --strategy allreduce, sync, streaming or fedavg"),
+    (["--shard", "hybrid", "--strategy", "hierarchical"],
+     "--shard hybrid is refused with --strategy hierarchical: --shard full/hybrid runs with --strategy allreduce, "
+     "sync, streaming, fedavg or async"),
 ])
 def test_what_sharded_streaming_refuses_is_one_line_before_anything_runs(tmp_path, args, line):
     refused_in_one_line(tmp_path, args, line)  # exit code 2, that one line on stderr, no traceback, nothing written

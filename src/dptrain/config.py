@@ -242,7 +242,7 @@ class ShardingSection(_Section):
     shard: Literal["none", "full", "hybrid"] = Field(
         "none", description="none: every rank holds the whole model; full: one replica sharded over all ranks "
                             "(FSDP2); hybrid: replica groups of --shard-size ranks, each sharded, the strategy "
-                            "(allreduce, sync, streaming or fedavg) across the groups")
+                            "(allreduce, sync, streaming, fedavg or async) across the groups")
     shard_size: Optional[int] = Field(None, ge=2, description="--shard hybrid: ranks per replica group (default: "
                                                               "the ranks of one node); must divide the ranks")
     shard_unit: Optional[str] = Field(None, description="--shard full/hybrid: the module class each unit is "

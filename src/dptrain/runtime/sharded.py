@@ -52,8 +52,8 @@ def _fsdp_modules(model: nn.Module) -> list[nn.Module]:
     return [module for module in model.modules() if isinstance(module, FSDPModule)]
 
 
-def is_sharded(model: nn.Module) -> bool:
-    return bool(_fsdp_modules(model))
+def is_sharded(model: Optional[nn.Module]) -> bool:
+    return model is not None and bool(_fsdp_modules(model))
 
 
 def _failing_as_peer(group: Group, what: str, collective: Callable[[], Any]) -> Any:

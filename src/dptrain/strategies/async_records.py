@@ -82,15 +82,17 @@ class TrainedShares:
             for rank, numbers in by_rank.items():
                 self.records.setdefault(int(epoch), {})[int(rank)] = numbers
 
-    def untrained(self, epochs: int) -> list[Share]:
-        """The shares of epochs 0..`epochs`-1 that no record says were trained."""
+    def untrained(self, epochs: int, unit: int = 1) -> list[Share]:
+        """The shares of epochs 0..`epochs`-1 that no record says were trained. `unit`: the ranks that merge together
+        (a sharded run's replica group, consecutive members): a record of any of them says the group merged."""
         owed = []
         for epoch in range(epochs):
             members = self.members_at(epoch)
             if members is None:
                 continue
             have = self.records.get(epoch + 1, {})
-            owed += [(epoch, place, len(members)) for place, rank in enumerate(members) if rank not in have]
+            owed += [(epoch, place, len(members)) for place in range(len(members))
+                     if not any(rank in have for rank in members[place - place % unit:place - place % unit + unit])]
         return owed
 
     # -- checkpoints --------------------------------------------------------------------------------

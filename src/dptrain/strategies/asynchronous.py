@@ -46,11 +46,16 @@ from dptrain.strategies.merge_service import (
     SERVICE_GROUP_TIMEOUT, STOP, TAG_GLOBAL, TAG_PAYLOAD, TAG_REPLY, TAG_REQUEST, VERSION, GlobalModel,
     MergeService, flat_state, load_flat_state, members_key)  # (members_key: for those who import it from here)
 from dptrain.strategies.rules.asynchronous import AsyncRules
+from dptrain.strategies.rules.sharding import averaging_refused
+from dptrain.strategies.sharded import Shardable
 
 
+class Async(Shardable, AsyncRules, Strategy):
+    """Barrier-free merging into a global model at epoch ends (every `every` epochs).
 
-class Async(AsyncRules, Strategy):
-    """Barrier-free merging into a global model at epoch ends (every `every` epochs)."""
+    With a sharded model (`shard_as`, --shard hybrid), the global model is sharded as the replicas are: one merge
+    service per place j of a replica group, on group 0's rank j, holds shard j of the global model, and rank j of
+    every group merges its shards into it (docs/how-to/sharding.md, "async across replica groups")."""
 
     name = "async"
     # Never all at once: other ranks may still merge after rank 0's last epoch (finish() has a newer global
@@ -85,6 +90,7 @@ class Async(AsyncRules, Strategy):
         self.max_staleness_seen = 0
         self.global_model: Optional[GlobalModel] = None
         self.service: Optional[MergeService] = None
+        self._global_copy: Optional[nn.Module] = None  # sharded, in replica group 0: the global model to evaluate
         self.group = None
         self._diverged = False
         self._stop_seen = False  # a reply said that some rank was asked to stop
@@ -109,24 +115,59 @@ class Async(AsyncRules, Strategy):
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, ctx: DistContext) -> nn.Module:
         super().setup(model, optimizer, ctx)
-        if ctx.world_size > 1:
+        if self.shard_options is not None:
+            model = self._shard_setup_global(model, optimizer, ctx)
+        elif ctx.world_size > 1:
             self.comm_bytes += broadcast_module(model, group=self.ctx.group)
-            self.group = ctx.group.subgroup(range(ctx.world_size), backend="gloo",
-                                            timeout=SERVICE_GROUP_TIMEOUT.total_seconds(), name="the merge service")
-        self.base = flat_state(model)
+        if self._merging > 1:
+            self.group = self._service_group(ctx)
+        self.base = flat_state(model)  # (sharded: this rank's shards)
         self._first = tuple(ctx.group.members)
-        if ctx.rank == 0:
-            self._serve(GlobalModel(self.base, ctx.world_size, self.merge, self.server_momentum, self.server_lr))
+        if self._index == 0:
+            self._serve(GlobalModel(self.base, self._merging, self.merge, self.server_momentum, self.server_lr))
         return model
+
+    def _shard_setup_global(self, model: nn.Module, optimizer: torch.optim.Optimizer, ctx: DistContext) -> nn.Module:
+        """Shard the model inside its replica group; in group 0, whose ranks host the global model's shards, also a
+        copy sharded alike that holds the global model to evaluate (`evaluation_target`)."""
+        if self.replica_groups(ctx).index == 0 and ctx.joining is None:
+            self._global_copy = copy.deepcopy(model)
+        model = self._shard_setup(model, optimizer, ctx, average_gradients=False)
+        if self._global_copy is not None:
+            self._global_copy = self.replicas.shard_alike(self._global_copy, self._add_bytes)
+        return model
+
+    @property
+    def _index(self) -> int:
+        """This worker's rank in its service group (0: it hosts the service): its rank, or with a sharded model its
+        replica group's index (rank j of group g merges into the service of place j, on group 0's rank j)."""
+        return self.ctx.rank if self.replicas is None else self.replicas.index
+
+    @property
+    def _merging(self) -> int:
+        """How many workers merge into one service: all of them, or one per replica group."""
+        return self.ctx.world_size if self.replicas is None else self.replicas.replicas
+
+    def _service_group(self, ctx: DistContext):
+        """The ranks that talk to one merge service, on gloo and without a deadline (a worker may train for hours
+        between merges): all of them, or with a sharded model the ranks of one place, one group per place, each
+        made by every rank."""
+        timeout = SERVICE_GROUP_TIMEOUT.total_seconds()
+        if self.replicas is None:
+            return ctx.group.subgroup(range(ctx.world_size), backend="gloo", timeout=timeout, name="the merge service")
+        size = self.replicas.size
+        groups = [ctx.group.subgroup(range(place, ctx.world_size, size), backend="gloo", timeout=timeout,
+                                     name=f"the merge service of shard place {place}") for place in range(size)]
+        return groups[self.replicas.place]
 
     def _serve(self, model: GlobalModel, epochs: Optional[dict[int, int]] = None) -> None:
         """Rank 0: hold the global model and, with other workers, the merge service (`epochs`: where each worker
         is, after a take-over)."""
         self.global_model = model
-        if self.ctx.world_size > 1:
+        if self._merging > 1:
             takeover = takeover_key(self.ctx.group) if can_take_over(self.live, self.ctx.group) else None
             self.service = MergeService(model, self.group, self.ctx, self.compression, self.every, self.live,
-                                        takeover)
+                                        takeover, ranks=self.group.members)
             self.service.epochs.update(epochs or {})
             self.service.start()
 
@@ -142,12 +183,12 @@ class Async(AsyncRules, Strategy):
                 return self._request_once(kind, payload, stopping)
             except ServiceLost as lost:
                 self._take_over(str(lost))
-            if kind == DONE and self.ctx.rank == 0:
+            if kind == DONE and self._index == 0:
                 return None, 0, 0
 
     def _request_once(self, kind: int, payload: Optional[torch.Tensor],
                       stopping: bool) -> tuple[Optional[torch.Tensor], int, int]:
-        if self.ctx.rank == 0:  # the service lives in this process
+        if self._index == 0:  # the service lives in this process
             stop_if_taken_over(self.service, self.ctx)
             if self.service is not None:
                 # under the lock `lose` holds: a loss it announces either saw this epoch or is heard now
@@ -162,7 +203,7 @@ class Async(AsyncRules, Strategy):
             state, version = self.global_model.snapshot(copy=kind == REFRESH)
             return state, version, version - self.base_version
         size = LIVE_HEADER_SIZE if self.live else HEADER_SIZE
-        header = torch.tensor([kind, self.ctx.rank, self.base_version, int(stopping), self._epoch][:size],
+        header = torch.tensor([kind, self._index, self.base_version, int(stopping), self._epoch][:size],
                               dtype=torch.int64)
         self._exchange(self.group.isend, header, TAG_REQUEST)
         if kind == MERGE:
@@ -206,7 +247,7 @@ class Async(AsyncRules, Strategy):
             else:
                 lost = ""
             raise PeerFailure(f"rank {self.ctx.group.members[self.ctx.rank]}: no answer from the merge service on "
-                              f"rank 0 within {self.ctx.timeout:g} s: {first_line(exc)}{lost}") from None
+                              f"rank {self.group.members[0]} within {self.ctx.timeout:g} s: {first_line(exc)}{lost}") from None
         self.comm_bytes += tensor.numel() * tensor.element_size()
 
     def merge_now(self) -> int:
@@ -278,8 +319,8 @@ class Async(AsyncRules, Strategy):
         """The workers merging now, by job rank: the service's own list on its host (it leaves a lost worker out
         as soon as it hears of it, before the others take the change at an epoch they share), else the last
         change heard. A checkpoint written after a loss names these, so it counts as complete without the lost
-        worker's file."""
-        if self.service is not None:
+        worker's file. (Sharded, none: its workers are the job's, and a service serves one place of each group.)"""
+        if self.service is not None and self.replicas is None:
             with self.service.model.lock:  # (`lose` changes the list under it)
                 return tuple(self.group.members[rank] for rank in self.service.members)
         return self._heard.members if self._heard is not None else None
@@ -328,7 +369,7 @@ class Async(AsyncRules, Strategy):
                 self._look_for_loss()
             except ServiceLost as lost:
                 self._take_over(str(lost))
-        if self.max_staleness is not None and self.ctx.world_size > 1:
+        if self.max_staleness is not None and self._merging > 1:
             self._refresh_if_stale()
 
     def end_epoch(self, epoch: int) -> bool:
@@ -340,13 +381,18 @@ class Async(AsyncRules, Strategy):
     def averaging_events(self) -> int:
         return self.merges
 
-    def evaluation_target(self) -> tuple[Optional[nn.Module], bool]:
-        """Rank 0 evaluates a copy holding the current global model, alone: no one waits for it."""
+    def evaluation_target(self) -> tuple[Optional[nn.Module], object]:
+        """Rank 0 evaluates a copy holding the current global model, alone: no one waits for it. With a sharded
+        model the ranks of replica group 0, which host its shards, evaluate it together (their group steps together
+        anyway): each loads its shards of the global model into its shards of a copy sharded as the model is."""
         if self.global_model is None:
             return None, False
-        snapshot = copy.deepcopy(self.model)
-        load_flat_state(snapshot, self.global_model.snapshot()[0])
-        return snapshot, False
+        if self.replicas is None:
+            snapshot = copy.deepcopy(self.model)
+            load_flat_state(snapshot, self.global_model.snapshot()[0])
+            return snapshot, False
+        load_flat_state(self._global_copy, self.global_model.snapshot()[0])
+        return self._global_copy, self.replicas.inside
 
     def finish(self) -> nn.Module:
         """Last merge, then the one barrier of the run: everyone adopts the final global model.
@@ -356,23 +402,15 @@ class Async(AsyncRules, Strategy):
         if self._diverged:
             self.merge_now()
         if self.ctx.world_size > 1:
-            outcome = self._request(DONE)[1] if self.ctx.rank != 0 else 0  # rank 0 now, after a take-over: 0
-            if self.ctx.rank == 0:
-                if self.service is not None:  # (none when this worker alone was left)
-                    self.service.join()
-                    stop_if_taken_over(self.service, self.ctx)
-                outcome = STOP if self.global_model.stop_requested else FINISH
-                if self.service is not None:
-                    self.service.conclude(outcome)
-                load_flat_state(self.model, self.global_model.snapshot()[0])
-            if outcome == STOP:
+            if self._conclusion() == STOP:
                 raise Preempted(f"rank {self.ctx.rank}: another rank stopped the run before it finished; "
                                 "run the same command again to continue")
-            if self.ctx.rank == 0 and self.service is not None:
+            if self._index == 0 and self.service is not None:
                 self._hear(self.service.generation)
             self._final_group()
-            if self.ctx.world_size > 1:
-                self.comm_bytes += broadcast_module(self.model, group=self.ctx.group)
+            if self.ctx.world_size > 1:  # (sharded: each shard of the global model from group 0's rank holding it)
+                across = self.replicas.across if self.replicas is not None else self.ctx.group
+                self.comm_bytes += broadcast_module(self.model, group=across)
             counts = self.ctx.group.gather_objects("summary", (self.merges, self.refreshes, self.max_staleness_seen))
         else:
             load_flat_state(self.model, self.global_model.snapshot()[0])
@@ -382,6 +420,21 @@ class Async(AsyncRules, Strategy):
         if self.live:  # the ranks of the job lost on the way (also where no epoch was left to share the data out)
             self._final["left"] = [rank for rank in self._first if rank not in self.ctx.group.members]
         return self.model
+
+    def _conclusion(self) -> int:
+        """This worker done: FINISH or STOP, as the host of its service concluded; a host (rank 0 now, after a
+        take-over, too) waits for the others, concludes and takes the global model (sharded: its shards)."""
+        outcome = self._request(DONE)[1] if self._index != 0 else 0  # (0 from a worker that took over meanwhile)
+        if self._index != 0:
+            return outcome
+        if self.service is not None:  # (none when this worker alone was left)
+            self.service.join()
+            stop_if_taken_over(self.service, self.ctx)
+        outcome = STOP if self.global_model.stop_requested else FINISH
+        if self.service is not None:
+            self.service.conclude(outcome)
+        load_flat_state(self.model, self.global_model.snapshot()[0])
+        return outcome
 
     # -- agreement without a barrier ------------------------------------------------------------
     def gather_stats(self, stats):
@@ -397,19 +450,23 @@ class Async(AsyncRules, Strategy):
         return [mine]
 
     def agree_stop(self, requested: Optional[str]) -> Optional[str]:
-        """This rank's own signal, or another rank's as the service last reported it."""
-        if requested and self.global_model is not None:
-            self.global_model.stop_requested = True
+        """This rank's own signal, or another rank's as the service last reported it. With a sharded model the
+        ranks of a replica group stop together (they step together): any of them that heard of a stop from its
+        service stops them all, and in group 0 each service then carries the stop to the others' next merge."""
         others = self.global_model.stop_requested if self.global_model is not None else self._stop_seen
+        if self.replicas is not None and self.replicas.inside is not None:
+            others = self.replicas.inside.any_rank("a stop", bool(requested or others)) and not requested
+        if (requested or others) and self.global_model is not None:
+            self.global_model.stop_requested = True
         return requested or ("a signal to another rank" if others else None)
 
     def stop_together(self) -> None:
         """Rank 0 keeps the store and the service up until every other rank is done, then stops them all."""
         if self.ctx.world_size == 1:
             return
-        if self.ctx.rank != 0:
+        if self._index != 0:
             self._request(DONE, stopping=True)
-        if self.ctx.rank == 0 and self.service is not None:  # (rank 0 now, after a take-over, too)
+        if self._index == 0 and self.service is not None:  # (rank 0 now, after a take-over, too)
             self.service.join()
             self.service.conclude(STOP)
 
@@ -423,7 +480,7 @@ class Async(AsyncRules, Strategy):
         owed = None
         if self.ctx.rank == 0:
             self.shares.read_missing(self.ctx.group.store if len(self._first) > 1 else None, epochs)
-            owed = self.shares.untrained(epochs)
+            owed = self.shares.untrained(epochs, self.replicas.size if self.replicas is not None else 1)
         return [tuple(share) for share in self.ctx.group.gather_objects("untrained shares", owed)[0]]
 
     def workers_history(self, history: list[dict]) -> Optional[dict[int, list[dict]]]:
@@ -470,6 +527,10 @@ class Async(AsyncRules, Strategy):
         super().continue_as_copy()
         self.merges = self.refreshes = 0  # its merges are counted from here on (the copied ones are its source's)
 
+    def refused_with_sharding(self, shard: str) -> Optional[str]:
+        """The settings a sharded async refuses (dptrain.strategies.rules.sharding), given from Python."""
+        return averaging_refused(self.name, shard, {"compression": self.compression})
+
     def summary(self) -> dict:
         return dict(self._final or {})
 
@@ -478,4 +539,4 @@ class Async(AsyncRules, Strategy):
                      "compression": self.compression}
         if self.merge == "delayed-nesterov":
             described.update(server_momentum=self.server_momentum, server_lr=self.server_lr)
-        return described
+        return {**described, **self.sharding()}

@@ -158,15 +158,18 @@ class MergeService:
     With `live` (live membership), it also leaves out lost workers (`lose`) and goes on with the others."""
 
     def __init__(self, model: GlobalModel, group, ctx: DistContext, compression: str = "none", every: int = 1,
-                 live: bool = False, takeover: Optional[str] = None) -> None:
+                 live: bool = False, takeover: Optional[str] = None, ranks: Optional[list[int]] = None) -> None:
         self.model, self.group, self.ctx = model, group, ctx
+        # The run's ranks of the service group's (those whose heartbeats tell whether a silent one is gone): all of
+        # them, or with a sharded model one of each replica group (rank j of each serves shard j)
+        self.ranks = list(ranks) if ranks is not None else list(range(ctx.world_size))
         self.compression, self.every, self.live = compression, every, live
         self.group_generation = ctx.group.generation  # names this service's keys in the store (`members_key`)
         # The store key the other workers set when they judge this rank gone and take over (None: they cannot):
         # once it is there, this rank is out of the run, even if it was only frozen (`taken_over`).
         self.takeover, self.taken_over = takeover, False
-        self.pending = set(range(1, ctx.world_size))
-        self.members = list(range(ctx.world_size))  # the workers merging now (ranks of the service group)
+        self.pending = set(range(1, len(self.ranks)))
+        self.members = list(range(len(self.ranks)))  # the workers merging now (ranks of the service group)
         self.epochs: dict[int, int] = {}  # the epoch each worker last said it is in or starts next
         self.generation = 0  # how many times the members changed
         self.lost: list[tuple[int, str]] = []  # (rank, why), in the order they were lost
@@ -319,7 +322,7 @@ class MergeService:
                 raise Evicted(taken_over(self.ctx.group.members[0]))
             if self.error or self.ctx.heartbeat is None or self.live:
                 continue
-            silent = self.ctx.heartbeat.stalled(sorted(self.pending), self.ctx.timeout)
+            silent = self.ctx.heartbeat.stalled([self.ranks[rank] for rank in sorted(self.pending)], self.ctx.timeout)
             if silent:
                 names = ", ".join(map(str, silent))
                 raise PeerFailure(f"rank 0: rank{'s' if len(silent) > 1 else ''} {names} stopped responding for "

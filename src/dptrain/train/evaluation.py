@@ -34,21 +34,23 @@ class Evaluator:
         return self.evaluate(module, test, collective=collective)
 
     @torch.no_grad()
-    def evaluate(self, model: nn.Module, test: TrainData, collective: bool = True) -> dict:
+    def evaluate(self, model: nn.Module, test: TrainData, collective=True) -> dict:
         """Loss and accuracy of `model` over the whole test split (accuracy None for float targets).
 
         Collectively (the model is the same on every rank): each rank evaluates its slice and
-        three numbers are summed across ranks (metric traffic, not counted in comm_bytes).
+        three numbers are summed across ranks (metric traffic, not counted in comm_bytes); `collective`
+        a Group: across its ranks only (a sharded async run's global model, held by replica group 0).
         Otherwise this rank evaluates all of it alone.
         """
-        rank, world = (self.ctx.rank, self.ctx.world_size) if collective else (0, 1)
+        group = self.ctx.group if collective is True else (collective or None)
+        rank, world = (group.rank, group.world_size) if group is not None else (0, 1)
         was_training = model.training
         model.eval()
         with gathered(model):  # a sharded model whole: the ranks' slices may differ in batches
             totals, classify = self._totals(model, test, rank, world)
         model.train(was_training)
         if world > 1:
-            totals = self.ctx.group.sum_tensor("evaluate", totals)
+            totals = group.sum_tensor("evaluate", totals)
         count = max(totals[2].item(), 1.0)
         return {"test_loss": totals[0].item() / count,
                 "test_accuracy": totals[1].item() / count if classify else None}

@@ -5,6 +5,11 @@ does a worker whose file a resumed checkpoint lacks (dptrain.strategies.async_re
 workers left each train an even part of those rows, from the final model, and average: W' merges of those
 changes from the same global model would give the same model. Each epoch's record then says how many of its
 rows were made up (`rows_made_up`), so that every row of every epoch is counted once.
+
+With a sharded model (async across replica groups) each replica group trains an even part, in steps of its batch
+(S x a rank's) whose rows are split over its ranks as every step's are, and the groups then average shard by shard
+(each rank with the ranks holding its shards). A step of fewer rows than the group has ranks is taken whole by
+each of them: the group's mean gradient is that of those rows all the same.
 """
 
 from __future__ import annotations
@@ -42,15 +47,15 @@ def make_up(trainer, model: nn.Module, shares: list[tuple[int, int, int]]) -> bo
     counts: dict[int, int] = {}
     for epoch, rows in parts:
         counts[epoch + 1] = counts.get(epoch + 1, 0) + len(rows)
-    mine = np.array_split(np.concatenate([rows for _, rows in parts]), ctx.world_size)[ctx.rank]
-    steps = max(1, -(-len(mine) // trainer.step_batch))
-    batches = [batch.tolist() for batch in sharding.batches(mine, steps) if len(batch)]
+    replicas = getattr(trainer.strategy, "replicas", None)
+    batches = _batches(np.concatenate([rows for _, rows in parts]), ctx, replicas, trainer.step_batch)
     model.train()
     for x, y in loader(planner.train, FixedBatches(batches), 0, pin_memory=ctx.device.type == "cuda"):
         trainer.stepper.step(model, x, y)
-    if ctx.world_size > 1:
+    across = ctx.group if replicas is None else replicas.across
+    if across is not None and across.world_size > 1:
         trainer.strategy.comm_bytes += ctx.group.bounded("averaging the rows made up",
-                                                         lambda: average_module(model, group=ctx.group))
+                                                         lambda: average_module(model, group=across))
     recorder.made_up(counts)
     epochs = ", ".join(map(str, sorted(counts)))
     recorder.log(f"dptrain: {sum(counts.values()):,} rows of epoch{'s' if len(counts) > 1 else ''} {epochs} that no "
@@ -58,3 +63,18 @@ def make_up(trainer, model: nn.Module, shares: list[tuple[int, int, int]]) -> bo
                  f"had not written) trained now by the run's {ctx.world_size} "
                  f"worker{'s' if ctx.world_size > 1 else ''}, from the final model, then averaged")
     return True
+
+
+def _batches(rows: np.ndarray, ctx, replicas, batch: int) -> list[list[int]]:
+    """This rank's batches of `rows` (the same on every rank): its even part in steps of its batch; sharded, its
+    replica group's part in steps of the group's batch, each step's rows split over the group's ranks (all of them
+    to each rank where a step has fewer rows than the group has ranks), every rank of a group the same steps."""
+    if replicas is None:
+        mine = np.array_split(rows, ctx.world_size)[ctx.rank]
+        return [each.tolist() for each in sharding.batches(mine, max(1, -(-len(mine) // batch))) if len(each)]
+    part, size = np.array_split(rows, replicas.replicas)[replicas.index], replicas.size
+    if not len(part):
+        return []
+    steps = sharding.batches(part, max(1, -(-len(part) // (batch * size))))
+    return [(np.array_split(step, size)[replicas.place] if len(step) >= size else step).tolist()
+            for step in steps if len(step)]

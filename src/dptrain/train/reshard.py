@@ -14,14 +14,18 @@ train. The rest of its state (epoch, history, schedule, strategy, random state) 
 first rows.
 
 The strategy's own shards are resharded alike: streaming's global model (a state dict of the model's keys),
---outer's anchor (a shard of each parameter, in the model's order) and its outer optimizer's momentum or moments.
-Any other state of shards (none that sharding allows today) is refused in one line.
+--outer's anchor (a shard of each parameter, in the model's order) and its outer optimizer's momentum or moments,
+and async's vectors (its merge base and, on the services' hosts, their shard of the global model and its server
+momentum: each parameter's rows of the rank, then the floating buffers whole). Any other state of shards (async's
+compression residual, which sharding refuses) is refused in one line.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any, Callable, NamedTuple
+
+import math
 
 import torch
 from torch import nn
@@ -32,7 +36,7 @@ from dptrain.train import checkpoint_files
 # The parts of a rank's file that may hold shards of the model beside the model and optimizer themselves.
 OTHER_PARTS = ("strategy", "lr_guard")
 # What of a strategy's state `_strategy` reshards (the rest must hold no shards).
-RESHARDED = ("global_model", "anchor", "outer")
+RESHARDED = ("global_model", "anchor", "outer", "base", "global")
 
 
 class Layout(NamedTuple):
@@ -80,9 +84,11 @@ def load_resharded(run_dir: Path, at: checkpoint_files.At, members: list[int], w
     if held:
         raise UserError(f"{where} was written by replica groups of {written} ranks, and its {held[0]} state holds "
                         f"their shards beyond those resharded (streaming's global model, --outer's anchor and "
-                        f"momentum): continue it with replica groups of {written} ranks")
+                        f"momentum, async's merge vectors): continue it with replica groups of {written} ranks")
     state["strategy"] = _strategy(files, strategy, shapes, [tuple(p.shape) for p in model.parameters()], written,
                                   layout, where)  # (the outer step's anchor is of every parameter, in order)
+    if isinstance(strategy.get("base"), torch.Tensor):  # async's vectors
+        state["strategy"].update(_async(files, strategy, model, written, layout, where))
     state["model"] = {key: (_assemble(files, lambda f, key=key: f["model"][key], shapes[key], written, layout, where,
                                       key) if key in shapes else _own(value)) for key, value in state["model"].items()}
     state["optimizer"] = _optimizer(files, ordered, written, layout, where)
@@ -122,6 +128,51 @@ def _strategy(files: dict, saved: dict, shapes: dict, params: list[tuple], writt
                                            f"the outer {name} {i}") for i in range(len(outer[name]))]
                           for name in ("m", "v")}
     return state
+
+
+def _async(files: dict, saved: dict, model: nn.Module, written: int, layout: Layout, where: str) -> dict:
+    """async's merge base and (on a service's host) its global model and server momentum, each a vector of this
+    rank's rows (dptrain.strategies.merge_service.flat_state), made of the writers' vectors."""
+    params = [tuple(p.shape) for p in model.parameters()]
+    buffers = sum(b.numel() for b in model.buffers() if b.is_floating_point() or b.is_complex())
+
+    def flat(path: tuple, name: str) -> torch.Tensor:
+        def split(k: int) -> list[torch.Tensor]:  # writer k's vector as its rows of each parameter, then the buffers
+            vector, pieces, offset = _at(files[k], path), [], 0
+            for shape in params:
+                first, end = rows(shape[0], written, k) if shape else (0, 1)
+                count = (end - first) * math.prod(shape[1:])
+                pieces.append(vector[offset:offset + count].reshape((end - first, *shape[1:]) if shape else ()))
+                offset += count
+            if offset + buffers != vector.numel():
+                raise UserError(f"{where} does not fit this model: {name} of the rank at place {k} holds "
+                                f"{vector.numel()} values, and this model's rows there are {offset + buffers}")
+            return pieces + [vector[offset:]]
+
+        views = {k: split(k) for k in files}
+        first = views[next(iter(views))]
+        mine = [_assemble(views, lambda view, i=i: view[i], shape, written, layout, where, f"{name}'s parameter {i}")
+                if shape else first[i] for i, shape in enumerate(params)]
+        return torch.cat([piece.reshape(-1) for piece in mine] + [first[-1]])
+
+    state = {"base": flat(("base",), "the merge base")}
+    if isinstance(saved.get("shares"), dict):  # the epochs every writer read merged (each file says its own)
+        records: dict = {}
+        for file in files.values():
+            for epoch, by_rank in file["strategy"].get("shares", {}).get("records", {}).items():
+                records.setdefault(epoch, {}).update(by_rank)
+        state["shares"] = {**saved["shares"], "records": records}
+    if saved.get("global"):
+        state["global"] = {key: (flat(("global", key), f"the global model's {key}")
+                                 if isinstance(value, torch.Tensor) else value) for key, value in saved["global"].items()}
+    return state
+
+
+def _at(file: dict, path: tuple) -> torch.Tensor:
+    value = file["strategy"]
+    for step in path:
+        value = value[step]
+    return value
 
 
 def _optimizer(files: dict, ordered: list[tuple], written: int, layout: Layout, where: str,

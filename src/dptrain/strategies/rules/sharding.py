@@ -14,15 +14,15 @@ from typing import Any, Optional
 
 SHARD_MODES = ("none", "full", "hybrid")
 SHARD_PRECISIONS = ("fp32", "bf16")  # bf16: parameters all-gathered and computed in bf16, gradients reduced in fp32
-SHARDED_STRATEGIES = ("allreduce", "sync", "streaming", "fedavg")  # the others are refused with --shard (not built yet)
-AVERAGING_ACROSS = ("sync", "streaming", "fedavg")  # average across replica groups: --shard hybrid only (full makes one)
+SHARDED_STRATEGIES = ("allreduce", "sync", "streaming", "fedavg", "async")  # the others are refused with --shard
+AVERAGING_ACROSS = ("sync", "streaming", "fedavg", "async")  # across replica groups: --shard hybrid only (full makes one)
 LIVE_SHARDED = ("allreduce", "sync")  # those that go on without a lost replica group (--shard hybrid --min-workers)
 FULL_LIVE_REFUSED = ("--shard full is refused with --min-workers: its one replica group holds the only copy of each "
                      "shard, so a lost rank loses the model (no second copy is kept); give --shard hybrid --shard-size "
                      "S, where --min-workers counts replica groups")
 DEFAULT_UNIT_SHARE = 0.05  # without --shard-unit: each child module holding at least this share of the parameters
-REFUSED_LINE = ("--shard full/hybrid runs with --strategy allreduce, sync, streaming or fedavg (sync, streaming, "
-                "fedavg: hybrid only, --compression none; sync: no --allreduce-epochs); not with --amp fp16 or "
+REFUSED_LINE = ("--shard full/hybrid runs with --strategy allreduce, sync, streaming, fedavg or async (all but "
+                "allreduce: hybrid only, --compression none; sync: no --allreduce-epochs); not with --amp fp16 or "
                 "--nnodes; --min-workers with --shard hybrid and allreduce or sync only, counted in replica groups")
 # sync's and fedavg's settings that sharding takes only at these values (the others are not built for shards yet)
 AVERAGING_PLAIN = {"compression": "none", "allreduce_epochs": 0}
