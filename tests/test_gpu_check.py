@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
 STEPS = ["nccl", "strategy:allreduce", "ranks:allreduce", "ranks:sync", "ranks:async", "ranks:fedavg", "ranks:streaming",
          "ranks:hierarchical", "ranks:auto", "shard:full", "shard:hybrid", "shard:offload", "shard:reshard", "shard:heal",
-         "shard:within", "live:kill", "live:join", "memory:live", "resume:int8", "amp:clip", "torchrun",
+         "shard:within", "shard:async", "live:kill", "live:join", "memory:live", "resume:int8", "amp:clip", "torchrun",
          "amp:bf16", "amp:fp16", "strategy:sync", "strategy:async", "strategy:fedavg",
          "dptrain:resnet", "plain:resnet", "dptrain:nfnet", "plain:nfnet"]
 
