@@ -18,8 +18,8 @@ on 127.0.0.1:
 2. memory per rank: parameters + gradients + optimizer state held (this rank's shards) and peak RSS, of a
    `--memory-epochs` run through dptrain.Trainer (`dptrain run` on this file: --shard none with allreduce =
    DDP, full, hybrid), then one more backward so that the gradients exist; beside them, plain FSDP2's;
-3. test accuracy at equal epochs of `--shard hybrid --strategy sync` against `--shard hybrid --strategy
-   allreduce` (the throughput runs' own, one per seed).
+3. test accuracy at equal epochs of `--shard hybrid --strategy sync` and `--strategy async` against `--shard
+   hybrid --strategy allreduce` (the throughput runs' own, one per seed).
 
 Writes OUT (settings, the machine, every run, the summaries) and OUT with .md (the tables), and prints the tables.
 Every run is a fresh process tree with a time limit (`--run-timeout`); a run that fails or times out is recorded
@@ -72,10 +72,11 @@ class Variant:
 
 VARIANTS = (Variant("dptrain full", 2, "full"), Variant("plain FSDP2 full", 2, "full", plain=True),
             Variant("dptrain hybrid", 4, "hybrid"), Variant("plain FSDP2 hybrid", 4, "hybrid", plain=True),
-            Variant("dptrain hybrid sync", 4, "hybrid", "sync"), Variant("dptrain DDP", 2, "none"))
+            Variant("dptrain hybrid sync", 4, "hybrid", "sync"), Variant("dptrain DDP", 2, "none"),
+            Variant("dptrain hybrid async", 4, "hybrid", "async"))
 PAIRS = (("dptrain full", "plain FSDP2 full"), ("dptrain hybrid", "plain FSDP2 hybrid"))  # against GOAL
 COSTS = (("dptrain full", "dptrain DDP"),)  # what sharding costs in samples/s on as many ranks (no goal)
-ACCURACY = ("dptrain hybrid sync", "dptrain hybrid")  # at equal epochs
+ACCURACY = ("dptrain hybrid sync", "dptrain hybrid async", "dptrain hybrid")  # at equal epochs
 MEMORY = (Variant("dptrain DDP", 2, "none"), Variant("dptrain full", 2, "full"), Variant("dptrain hybrid", 4, "hybrid"))
 
 

@@ -235,8 +235,8 @@ def shard_model(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], in
 
         for module in wrapped:
             checkpoint(module)
-    for module in wrapped + [model]:
-        fully_shard(module, mesh=mesh, reshard_after_forward=True, **(settings or {}))
+    for module in wrapped + [model]:  # the root's parameters kept after forward: its backward needs them first
+        fully_shard(module, mesh=mesh, reshard_after_forward=module is not model, **(settings or {}))
     sharded = dict(model.named_parameters())
     for param_group in optimizer.param_groups if optimizer is not None else []:
         param_group["params"] = [sharded[names[id(parameter)]] for parameter in param_group["params"]]
@@ -272,7 +272,7 @@ def gathered(model: nn.Module) -> Iterator[None]:
     finally:
         for module in sharded:
             module.reshard()
-            module.set_reshard_after_forward(True, recurse=False)
+            module.set_reshard_after_forward(module is not model, recurse=False)  # (as shard_model set it)
 
 
 def full_state(model: nn.Module, wanted: Optional[bool] = None) -> dict:

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from dptrain.data.sampler import loader
-from dptrain.runtime.sharded import state_holder
+from dptrain.runtime.sharded import gathered, state_holder
 from dptrain.train.host_copy import host_copy
 
 PROBE_ROWS = 256  # training rows per worker the check evaluates, twice per average (forward passes only)
@@ -94,8 +94,9 @@ class AverageHealth:
 
     def _measure(self, model: nn.Module) -> torch.Tensor:
         """[loss sum, correct, count, majority count] of `model` on this worker's probe. Forward passes in eval
-        mode under a forked RNG (a DataLoader draws a seed): the check changes nothing the run computes."""
-        with torch.random.fork_rng(devices=[]), torch.no_grad():
+        mode under a forked RNG (a DataLoader draws a seed): the check changes nothing the run computes. A sharded
+        model whole meanwhile (`gathered`: each rank of its group does this check at once), and its shards after."""
+        with torch.random.fork_rng(devices=[]), torch.no_grad(), gathered(model):
             return self._totals(model)
 
     def _totals(self, model: nn.Module) -> torch.Tensor:
