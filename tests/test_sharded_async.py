@@ -88,12 +88,15 @@ def test_over_several_epochs_every_group_ends_on_one_global_model_held_as_shards
 
 
 class _Ordered(Async):
-    """Async whose replica groups (or workers) merge in a fixed order: group 1 first, then group 0 (which checkpoints
-    right after), group 2 two seconds later, after group 0's checkpoint: a resume from it without group 2's files
-    must make up group 2's rows (no record it holds says they were merged)."""
+    """Async whose replica groups (or workers) merge in a fixed order: each waits `delays[its index]` seconds
+    before each merge (group 0, which hosts the services, checkpoints right after its own)."""
+
+    def __init__(self, delays: dict) -> None:
+        super().__init__()
+        self.delays = delays
 
     def merge_now(self) -> int:
-        time.sleep({0: 0.5, 1: 0.0}.get(self._index, 2.0))
+        time.sleep(self.delays[self._index])
         return super().merge_now()
 
 
@@ -119,8 +122,9 @@ def test_rows_no_saved_merge_holds_are_made_up_by_the_groups_as_by_unsharded_wor
     # 3 groups of 2 (48 rows: 16 each), resumed on 2 groups from group 0's checkpoint, which group 2's merge came
     # after: group 2's 16 rows are made up, each group training 8 of them (one step split over its 2 ranks) from the
     # final model, then the groups average shard by shard. As 3 unsharded workers resumed on 2 do with 2 x the batch.
-    run_distributed(_resumed, 6, BATCH, HYBRID, str(tmp_path / "hybrid"), False, _Ordered, 48)
-    run_distributed(_resumed, 3, 2 * BATCH, {}, str(tmp_path / "plain"), False, _Ordered, 48)
+    ordered = partial(_Ordered, {1: 0.0, 0: 0.5, 2: 2.0})  # group 2 merges after group 0's checkpoint
+    run_distributed(_resumed, 6, BATCH, HYBRID, str(tmp_path / "hybrid"), False, ordered, 48)
+    run_distributed(_resumed, 3, 2 * BATCH, {}, str(tmp_path / "plain"), False, ordered, 48)
     _cut(tmp_path / "hybrid")
     _cut(tmp_path / "plain")
     hybrid = run_distributed(_resumed, 4, BATCH, HYBRID, str(tmp_path / "hybrid"), True, Async, 48)
@@ -130,6 +134,21 @@ def test_rows_no_saved_merge_holds_are_made_up_by_the_groups_as_by_unsharded_wor
     assert _relative(hybrid[0][0], plain[0][0]) < RELATIVE
     for rank in range(4):  # every group ends on one model
         assert all(torch.equal(hybrid[rank][0][key], hybrid[0][0][key]) for key in hybrid[0][0])
+
+
+def test_a_merge_after_the_saved_global_model_is_made_up_on_resume_though_its_worker_recorded_it(tmp_path):
+    # Group 1 merges its epoch 2 s after group 0 saved the global model, and records it in its own file: resumed on
+    # the same world, that record does not count (the saved global model lacks the merge), and its 32 rows are made
+    # up, by the groups as by 2 unsharded workers with 2 x the batch.
+    ordered = partial(_Ordered, {0: 0.0, 1: 2.0})
+    run_distributed(_resumed, 4, BATCH, HYBRID, str(tmp_path / "hybrid"), False, ordered)
+    run_distributed(_resumed, 2, 2 * BATCH, {}, str(tmp_path / "plain"), False, ordered)
+    _cut(tmp_path / "hybrid")
+    _cut(tmp_path / "plain")
+    hybrid = run_distributed(_resumed, 4, BATCH, HYBRID, str(tmp_path / "hybrid"), True)
+    plain = run_distributed(_resumed, 2, 2 * BATCH, {}, str(tmp_path / "plain"), True)
+    assert hybrid[0][1][0]["rows_made_up"] == plain[0][1][0]["rows_made_up"] == N // 2
+    assert _relative(hybrid[0][0], plain[0][0]) < RELATIVE
 
 
 @pytest.mark.parametrize("reader,world", [({}, 2), ({"shard": "hybrid", "shard_size": 3}, 6)],

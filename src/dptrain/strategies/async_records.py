@@ -6,8 +6,11 @@ an epoch in the store once its merge has brought that epoch's work into the glob
 others' in its checkpoints (a resumed run records what was trained before it), and at the end the workers
 left read them back. Every epoch is shared by the members of the plan in force then (the run's first workers,
 or the live ones from the epoch they took a loss at). A member's share of an epoch with no record of it never
-reached the global model: its worker was lost before merging it, or the run resumed from a checkpoint that
-worker had not written. The workers left train those rows at the end (`Trainer` makes them up), so every row of
+reached the global model: its worker was lost before merging it, or the run resumed from a checkpoint whose
+global model it had not reached (rank 0 saved it before that merge; a resumed run takes the records of the epochs
+before it from the hosts of the global model only, whose records were read before their global was saved).
+With a sharded model (replica groups of S ranks merging together, each into the service of its place) a record of
+any rank of a group says the group merged. The workers left train those rows at the end (`Trainer` makes them up), so every row of
 every epoch is trained once: docs/how-to/async.md, "Every row once".
 """
 
@@ -28,17 +31,29 @@ class TrainedShares:
 
     def __init__(self) -> None:
         self.plans: list[tuple[int, tuple[int, ...]]] = []  # (first epoch from 0, ranks of the job sharing it)
+        self.units: dict[int, int] = {}  # first epoch of a plan -> the ranks that merge together (a replica group)
         self.records: dict[int, dict[int, dict]] = {}  # epoch (from 1) -> rank of the job -> its numbers
         self._waiting: list[tuple[int, dict]] = []  # this worker's epochs not merged yet: (epoch from 1, numbers)
 
     # -- plans -------------------------------------------------------------------------------------
-    def begin(self, epoch: int, members) -> None:
-        """This attempt trains from `epoch` over `members`: the plans before it are a checkpoint's."""
+    def begin(self, epoch: int, members, unit: int = 1) -> None:
+        """This attempt trains from `epoch` over `members`, in replica groups of `unit` consecutive members: the
+        plans before it are a checkpoint's."""
         self.plans = [plan for plan in self.plans if plan[0] < epoch] + [(epoch, tuple(members))]
+        self.units = {first: size for first, size in self.units.items() if first < epoch} | {epoch: unit}
 
     def change(self, epoch: int, members) -> None:
         """From `epoch` on the data is shared over `members` (a loss taken)."""
         self.plans = [plan for plan in self.plans if plan[0] < epoch] + [(epoch, tuple(members))]
+
+    def unit_at(self, epoch: int) -> int:
+        """The ranks that merged together in `epoch` (from 0): one, or a sharded run's replica group."""
+        return next((self.units.get(first, 1) for first, _ in reversed(self.plans) if first <= epoch), 1)
+
+    def forget_records(self) -> None:
+        """A resumed worker that hosts no global model: its own records of the epochs before the resume may name
+        merges that came after rank 0 saved the global model it resumes; rank 0's records decide those."""
+        self.records = {}
 
     def members_at(self, epoch: int) -> Optional[tuple[int, ...]]:
         """The ranks of the job that shared `epoch` (from 0), or None where no plan is known (an older checkpoint)."""
@@ -82,12 +97,12 @@ class TrainedShares:
             for rank, numbers in by_rank.items():
                 self.records.setdefault(int(epoch), {})[int(rank)] = numbers
 
-    def untrained(self, epochs: int, unit: int = 1) -> list[Share]:
-        """The shares of epochs 0..`epochs`-1 that no record says were trained. `unit`: the ranks that merge together
-        (a sharded run's replica group, consecutive members): a record of any of them says the group merged."""
+    def untrained(self, epochs: int) -> list[Share]:
+        """The shares of epochs 0..`epochs`-1 that no record says were trained (a record of any rank of a replica
+        group says the group merged: `unit_at`)."""
         owed = []
         for epoch in range(epochs):
-            members = self.members_at(epoch)
+            members, unit = self.members_at(epoch), self.unit_at(epoch)
             if members is None:
                 continue
             have = self.records.get(epoch + 1, {})
@@ -101,10 +116,12 @@ class TrainedShares:
         records = {epoch: dict(by_rank) for epoch, by_rank in self.records.items()}
         for epoch, numbers in self._waiting:
             records.setdefault(epoch, {})[numbers["rank"]] = numbers
-        return {"plans": [[first, list(members)] for first, members in self.plans], "records": records}
+        return {"plans": [[first, list(members)] for first, members in self.plans], "records": records,
+                "units": {str(first): unit for first, unit in self.units.items()}}
 
     def load_state_dict(self, state: dict) -> None:
         self.plans = [(int(first), tuple(int(rank) for rank in members)) for first, members in state["plans"]]
+        self.units = {int(first): int(unit) for first, unit in state.get("units", {}).items()}
         self.records, self._waiting = {}, []
         self.add(state["records"])
 

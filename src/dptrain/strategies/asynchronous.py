@@ -356,7 +356,7 @@ class Async(Shardable, AsyncRules, Strategy):
     # -- hooks ---------------------------------------------------------------------------------
     def trains_in_epoch(self, epoch: int) -> bool:
         if not self._began:  # this attempt's first epoch (a resumed run's first after its checkpoint)
-            self.shares.begin(epoch, self.ctx.group.members)
+            self.shares.begin(epoch, self.ctx.group.members, self.live_unit)
             self._began = True
         self._epoch = epoch
         return True
@@ -480,7 +480,7 @@ class Async(Shardable, AsyncRules, Strategy):
         owed = None
         if self.ctx.rank == 0:
             self.shares.read_missing(self.ctx.group.store if len(self._first) > 1 else None, epochs)
-            owed = self.shares.untrained(epochs, self.replicas.size if self.replicas is not None else 1)
+            owed = self.shares.untrained(epochs)
         return [tuple(share) for share in self.ctx.group.gather_objects("untrained shares", owed)[0]]
 
     def workers_history(self, history: list[dict]) -> Optional[dict[int, list[dict]]]:
@@ -514,6 +514,8 @@ class Async(Shardable, AsyncRules, Strategy):
         self.max_staleness_seen, self._diverged = state["max_staleness_seen"], state["diverged"]
         if "shares" in state:  # (a checkpoint of an older dptrain has none: its epochs are not accounted)
             self.shares.load_state_dict(state["shares"])
+            if self.global_model is None:  # rank 0's records decide the epochs before the resume (TrainedShares)
+                self.shares.forget_records()
         if self.compression != "none" and "feedback" in state:
             self.feedback.load_state_dict(state["feedback"])
         if self.global_model is not None and "global" in state:
