@@ -136,21 +136,6 @@ def test_rows_no_saved_merge_holds_are_made_up_by_the_groups_as_by_unsharded_wor
         assert all(torch.equal(hybrid[rank][0][key], hybrid[0][0][key]) for key in hybrid[0][0])
 
 
-def test_a_merge_after_the_saved_global_model_is_made_up_on_resume_though_its_worker_recorded_it(tmp_path):
-    # Group 1 merges its epoch 2 s after group 0 saved the global model, and records it in its own file: resumed on
-    # the same world, that record does not count (the saved global model lacks the merge), and its 32 rows are made
-    # up, by the groups as by 2 unsharded workers with 2 x the batch.
-    ordered = partial(_Ordered, {0: 0.0, 1: 2.0})
-    run_distributed(_resumed, 4, BATCH, HYBRID, str(tmp_path / "hybrid"), False, ordered)
-    run_distributed(_resumed, 2, 2 * BATCH, {}, str(tmp_path / "plain"), False, ordered)
-    _cut(tmp_path / "hybrid")
-    _cut(tmp_path / "plain")
-    hybrid = run_distributed(_resumed, 4, BATCH, HYBRID, str(tmp_path / "hybrid"), True)
-    plain = run_distributed(_resumed, 2, 2 * BATCH, {}, str(tmp_path / "plain"), True)
-    assert hybrid[0][1][0]["rows_made_up"] == plain[0][1][0]["rows_made_up"] == N // 2
-    assert _relative(hybrid[0][0], plain[0][0]) < RELATIVE
-
-
 @pytest.mark.parametrize("reader,world", [({}, 2), ({"shard": "hybrid", "shard_size": 3}, 6)],
                          ids=["unsharded", "groups-of-3"])
 def test_a_checkpoint_continues_on_another_shard_size_from_the_global_model_the_services_saved(tmp_path, reader, world):

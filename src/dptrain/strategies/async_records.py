@@ -6,12 +6,10 @@ an epoch in the store once its merge has brought that epoch's work into the glob
 others' in its checkpoints (a resumed run records what was trained before it), and at the end the workers
 left read them back. Every epoch is shared by the members of the plan in force then (the run's first workers,
 or the live ones from the epoch they took a loss at). A member's share of an epoch with no record of it never
-reached the global model: its worker was lost before merging it, or the run resumed from a checkpoint whose
-global model it had not reached (rank 0 saved it before that merge; a resumed run takes the records of the epochs
-before it from the hosts of the global model only, whose records were read before their global was saved).
-With a sharded model (replica groups of S ranks merging together, each into the service of its place) a record of
-any rank of a group says the group merged. The workers left train those rows at the end (`Trainer` makes them up), so every row of
-every epoch is trained once: docs/how-to/async.md, "Every row once".
+reached the global model: its worker was lost before merging it, or the run resumed from a checkpoint that
+worker had not written. With a sharded model (replica groups of S ranks merging together, each into the service
+of its place) a record of any rank of a group says the group merged. The workers left train those rows at the end
+(`Trainer` makes them up), so every row of every epoch is trained once: docs/how-to/async.md, "Every row once".
 """
 
 from __future__ import annotations
@@ -49,11 +47,6 @@ class TrainedShares:
     def unit_at(self, epoch: int) -> int:
         """The ranks that merged together in `epoch` (from 0): one, or a sharded run's replica group."""
         return next((self.units.get(first, 1) for first, _ in reversed(self.plans) if first <= epoch), 1)
-
-    def forget_records(self) -> None:
-        """A resumed worker that hosts no global model: its own records of the epochs before the resume may name
-        merges that came after rank 0 saved the global model it resumes; rank 0's records decide those."""
-        self.records = {}
 
     def members_at(self, epoch: int) -> Optional[tuple[int, ...]]:
         """The ranks of the job that shared `epoch` (from 0), or None where no plan is known (an older checkpoint)."""

@@ -247,7 +247,8 @@ class Async(Shardable, AsyncRules, Strategy):
             else:
                 lost = ""
             raise PeerFailure(f"rank {self.ctx.group.members[self.ctx.rank]}: no answer from the merge service on "
-                              f"rank {self.group.members[0]} within {self.ctx.timeout:g} s: {first_line(exc)}{lost}") from None
+                              f"rank {self.group.members[0]} within {self.ctx.timeout:g} s: "
+                              f"{first_line(exc)}{lost}") from None
         self.comm_bytes += tensor.numel() * tensor.element_size()
 
     def merge_now(self) -> int:
@@ -514,8 +515,6 @@ class Async(Shardable, AsyncRules, Strategy):
         self.max_staleness_seen, self._diverged = state["max_staleness_seen"], state["diverged"]
         if "shares" in state:  # (a checkpoint of an older dptrain has none: its epochs are not accounted)
             self.shares.load_state_dict(state["shares"])
-            if self.global_model is None:  # rank 0's records decide the epochs before the resume (TrainedShares)
-                self.shares.forget_records()
         if self.compression != "none" and "feedback" in state:
             self.feedback.load_state_dict(state["feedback"])
         if self.global_model is not None and "global" in state:

@@ -105,12 +105,7 @@ def _strategy(files: dict, saved: dict, shapes: dict, params: list[tuple], writt
     --outer's anchor (one per parameter, in the model's order) and its outer optimizer's state (SGD's state dict
     over the anchors, or Adam's moments `m` and `v`, one per parameter)."""
     def of(*path):
-        def part(file: dict) -> torch.Tensor:
-            value = file["strategy"]
-            for step in path:
-                value = value[step]
-            return value
-        return part
+        return lambda file: _at(file, path)
 
     state = dict(saved)
     if saved.get("global_model"):
@@ -156,19 +151,14 @@ def _async(files: dict, saved: dict, model: nn.Module, written: int, layout: Lay
         return torch.cat([piece.reshape(-1) for piece in mine] + [first[-1]])
 
     state = {"base": flat(("base",), "the merge base")}
-    if isinstance(saved.get("shares"), dict):  # the epochs every writer read merged (each file says its own)
-        records: dict = {}
-        for file in files.values():
-            for epoch, by_rank in file["strategy"].get("shares", {}).get("records", {}).items():
-                records.setdefault(epoch, {}).update(by_rank)
-        state["shares"] = {**saved["shares"], "records": records}
     if saved.get("global"):
-        state["global"] = {key: (flat(("global", key), f"the global model's {key}")
-                                 if isinstance(value, torch.Tensor) else value) for key, value in saved["global"].items()}
+        state["global"] = {key: (flat(("global", key), f"the global model's {key}") if isinstance(value, torch.Tensor)
+                                 else value) for key, value in saved["global"].items()}
     return state
 
 
 def _at(file: dict, path: tuple) -> torch.Tensor:
+    """The strategy state's value at `path` in a writer's file."""
     value = file["strategy"]
     for step in path:
         value = value[step]
