@@ -43,14 +43,15 @@ from dptrain.strategies.collectives import broadcast_module
 from dptrain.strategies.compression import COMPRESSIONS, ErrorFeedback, decode
 from dptrain.strategies.merge_service import (
     DELTA_MERGES, DONE, FINISH, HEADER_SIZE, LIVE_HEADER_SIZE, LOST_POLL, MERGE, MERGES, REFRESH,
-    SERVICE_GROUP_TIMEOUT, STOP, TAG_GLOBAL, TAG_PAYLOAD, TAG_REPLY, TAG_REQUEST, VERSION, GlobalModel,
+    STOP, TAG_GLOBAL, TAG_PAYLOAD, TAG_REPLY, TAG_REQUEST, VERSION, GlobalModel,
     MergeService, flat_state, load_flat_state, members_key)  # (members_key: for those who import it from here)
 from dptrain.strategies.rules.asynchronous import AsyncRules
+from dptrain.strategies.async_places import ServicePlaces
 from dptrain.strategies.rules.sharding import averaging_refused
 from dptrain.strategies.sharded import Shardable
 
 
-class Async(Shardable, AsyncRules, Strategy):
+class Async(ServicePlaces, Shardable, AsyncRules, Strategy):
     """Barrier-free merging into a global model at epoch ends (every `every` epochs).
 
     With a sharded model (`shard_as`, --shard hybrid), the global model is sharded as the replicas are: one merge
@@ -90,7 +91,6 @@ class Async(Shardable, AsyncRules, Strategy):
         self.max_staleness_seen = 0
         self.global_model: Optional[GlobalModel] = None
         self.service: Optional[MergeService] = None
-        self._global_copy: Optional[nn.Module] = None  # sharded, in replica group 0: the global model to evaluate
         self.group = None
         self._diverged = False
         self._stop_seen = False  # a reply said that some rank was asked to stop
@@ -126,39 +126,6 @@ class Async(Shardable, AsyncRules, Strategy):
         if self._index == 0:
             self._serve(GlobalModel(self.base, self._merging, self.merge, self.server_momentum, self.server_lr))
         return model
-
-    def _shard_setup_global(self, model: nn.Module, optimizer: torch.optim.Optimizer, ctx: DistContext) -> nn.Module:
-        """Shard the model inside its replica group; in group 0, whose ranks host the global model's shards, also a
-        copy sharded alike that holds the global model to evaluate (`evaluation_target`)."""
-        if self.replica_groups(ctx).index == 0 and ctx.joining is None:
-            self._global_copy = copy.deepcopy(model)
-        model = self._shard_setup(model, optimizer, ctx, average_gradients=False)
-        if self._global_copy is not None:
-            self._global_copy = self.replicas.shard_alike(self._global_copy, self._add_bytes)
-        return model
-
-    @property
-    def _index(self) -> int:
-        """This worker's rank in its service group (0: it hosts the service): its rank, or with a sharded model its
-        replica group's index (rank j of group g merges into the service of place j, on group 0's rank j)."""
-        return self.ctx.rank if self.replicas is None else self.replicas.index
-
-    @property
-    def _merging(self) -> int:
-        """How many workers merge into one service: all of them, or one per replica group."""
-        return self.ctx.world_size if self.replicas is None else self.replicas.replicas
-
-    def _service_group(self, ctx: DistContext):
-        """The ranks that talk to one merge service, on gloo and without a deadline (a worker may train for hours
-        between merges): all of them, or with a sharded model the ranks of one place, one group per place, each
-        made by every rank."""
-        timeout = SERVICE_GROUP_TIMEOUT.total_seconds()
-        if self.replicas is None:
-            return ctx.group.subgroup(range(ctx.world_size), backend="gloo", timeout=timeout, name="the merge service")
-        size = self.replicas.size
-        groups = [ctx.group.subgroup(range(place, ctx.world_size, size), backend="gloo", timeout=timeout,
-                                     name=f"the merge service of shard place {place}") for place in range(size)]
-        return groups[self.replicas.place]
 
     def _serve(self, model: GlobalModel, epochs: Optional[dict[int, int]] = None) -> None:
         """Rank 0: hold the global model and, with other workers, the merge service (`epochs`: where each worker
