@@ -132,6 +132,12 @@ def test_the_units_are_the_named_class_or_the_children_holding_a_share():
     (["--shard", "full", "--shard-offload", "--device", "cpu"],
      "--shard full is refused with --shard-offload on --device cpu"),
     (["--shard-checkpoint"], "--shard-checkpoint applies to --shard full or hybrid, not --shard none"),
+    (["--shard", "hybrid", "--shard-size", "2", "--workers", "2", "--strategy", "sync"],
+     "--shard hybrid makes one replica group of all 2 ranks: sync has nothing to average across groups; it needs 2 "
+     "replica groups or more of at least 2 ranks each (4 ranks or more), or --shard none"),
+    (["--shard", "hybrid", "--shard-size", "6", "--workers", "6", "--strategy", "fedavg"],
+     "--shard hybrid makes one replica group of all 6 ranks: fedavg has nothing to average across groups; give "
+     "--shard hybrid with --shard-size 2 or 3"),
 ])
 def test_what_sharding_refuses_is_one_line_before_anything_runs(tmp_path, args, line):
     out = tmp_path / "run"

@@ -31,7 +31,7 @@ from dptrain.runtime.group import Group
 from dptrain.runtime.sharded import (AcrossReduce, LocalOptimizerShards, LocalShards, fsdp_settings, shard_model,
                                      units_of)
 from dptrain.strategies.collectives import broadcast_module
-from dptrain.strategies.rules.sharding import DEFAULT_UNIT_SHARE, REFUSED_LINE, ShardOptions
+from dptrain.strategies.rules.sharding import DEFAULT_UNIT_SHARE, REFUSED_LINE, ShardOptions, one_group_refused
 from dptrain.strategies.sharded_live import refuse_live, regroup_replicas
 
 
@@ -160,9 +160,7 @@ class Shardable:
             return model
         self.replica_groups(ctx)  # (epoch_plan may have made them already, on every rank)
         if self.replicas.replicas == 1 and not average_gradients:
-            raise UserError(f"--shard {self.shard_options.shard} makes one replica group of all {ctx.world_size} "
-                            f"ranks: {self.name} has nothing to average across groups; give --shard hybrid with a "
-                            f"--shard-size below {ctx.world_size}")
+            raise UserError(one_group_refused(self.shard_options.shard, self.name, ctx.world_size))
         return self.replicas.shard(model, optimizer, ctx, self._add_bytes, average_gradients, live=self.live)
 
     def join_sharded(self, ctx: DistContext) -> None:

@@ -107,6 +107,16 @@ def size_problem(shard: str, size: int, world: int, given: bool) -> Optional[str
     return None
 
 
+def one_group_refused(shard: str, strategy: str, world: int) -> str:
+    """What is said when `shard` makes one replica group of all `world` ranks under `strategy`, which averages or
+    merges across groups: before the ranks start where the world is known (`sharding_refused`), else at setup."""
+    valid = [str(size) for size in range(2, world // 2 + 1) if world % size == 0]
+    fix = (f"give --shard hybrid with --shard-size {' or '.join(valid)}" if valid else
+           "it needs 2 replica groups or more of at least 2 ranks each (4 ranks or more), or --shard none")
+    return f"--shard {shard} makes one replica group of all {world} ranks: {strategy} has nothing to average across " \
+           f"groups; {fix}"
+
+
 def averaging_refused(strategy: str, shard: str, settings: dict) -> Optional[str]:
     """What of sync's or fedavg's `settings` (option name -> value) sharding refuses, as the flag and its value,
     or None: the same words from the command line (`sharding_refused`) and from Python (the strategy's shard_as)."""
@@ -148,8 +158,12 @@ def sharding_refused(config: Any) -> Optional[str]:
         return live_refused(config)
     # The ranks are known before spawning only when --workers is given (srun and torchrun set their own
     # world): then a size that does not fit is said before anything starts; otherwise at setup, on every rank.
-    if "workers" in config.model_fields_set and config.shard_size is not None:
-        return size_problem(shard, config.shard_size, config.workers, True)
+    if "workers" not in config.model_fields_set or config.shard_size is None:
+        return None
+    if (problem := size_problem(shard, config.shard_size, config.workers, True)) is not None:
+        return problem
+    if config.strategy in AVERAGING_ACROSS and config.shard_size == config.workers:  # (the default size, a node's
+        return one_group_refused(shard, config.strategy, config.workers)  # ranks, is known only at setup)
     return None
 
 
