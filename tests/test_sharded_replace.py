@@ -18,8 +18,8 @@ from test_train_cli import dptrain
 
 TRAIN_ROWS = 1437  # digits: 1797 rows, 20 % held out
 BATCH, SEED, EPOCHS = 32, 0, 6
-# rank 0's steps 40x as long: epochs long enough for the new ranks to start before the run ends
-SLOW = ["--slow-worker", "0:40"]
+# rank 0's steps 120x as long: epochs long enough (about 1 s here) for the new ranks to start before the run ends
+SLOW = ["--slow-worker", "0:120"]
 
 
 def _argv(strategy: str, workers: int, min_workers: int, out) -> list[str]:

@@ -3,6 +3,12 @@
 import os
 import sys
 
+if os.environ.get("DPTRAIN_LAUNCHER_PID"):
+    # A worker of `dptrain train --workers N`, in a session of its own: it ends with its launcher.
+    from dptrain.runtime.spawn import die_with_launcher
+
+    die_with_launcher()
+
 if os.environ.get("DPTRAIN_PRESTARTED") == "1":
     # A local worker started before its launcher validated the run: it imports torch now and
     # takes its arguments from the launcher's line (dptrain.runtime.prestart).

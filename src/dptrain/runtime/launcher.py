@@ -85,7 +85,7 @@ def launch_local(workers: int, argv: Sequence[str], timeout: float = 300.0, pres
         if ranks is None:
             listener = store_listener()
             ranks = start_ranks([sys.executable, "-m", "dptrain", *argv], workers, port=listener.getsockname()[1],
-                                listener=listener, serve_store=may_lose > 0)
+                                listener=listener, serve_store=may_lose > 0, sessions=True)
         left = [replacements]
 
         def replace(lost: int) -> Optional[tuple[int, ...]]:

@@ -42,7 +42,8 @@ def prestart(workers: int, serve_store: bool = False) -> Ranks:
     quiet_cpp_logs_of_children()
     listener = store_listener()  # the store listens on it: the port stays taken from now on
     return start_ranks([sys.executable, "-m", "dptrain"], workers, port=listener.getsockname()[1],
-                       extra_env={PRESTARTED: "1"}, held=True, listener=listener, serve_store=serve_store)
+                       extra_env={PRESTARTED: "1"}, held=True, listener=listener, serve_store=serve_store,
+                       sessions=True)
 
 
 def release(ranks: Ranks, argv: list[str], env: dict[str, str]) -> None:

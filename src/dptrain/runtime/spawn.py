@@ -40,6 +40,10 @@ STORE_FD = "DPTRAIN_STORE_FD"
 STORE_SERVED = "DPTRAIN_STORE_SERVED"
 PRESTARTED = "DPTRAIN_PRESTARTED"  # set in a pre-started worker's environment until it is released (prestart)
 JOIN = "DPTRAIN_JOIN"  # a worker joining a running job: its rank of the job, or "new" to take one from the store
+# A `dptrain train` worker in a session of its own (`start_ranks(sessions=True)`): its launcher's pid, whose end
+# ends it (`die_with_launcher`).
+LAUNCHER_PID = "DPTRAIN_LAUNCHER_PID"
+PR_SET_PDEATHSIG = 1  # prctl(2)
 # The prefixes of the default group's keys in the store: what init_process_group's store adds ("default_pg"), then
 # torch's for the group named "0" (the first group a process makes). Joiners and the launcher see the ranks' keys so.
 STORE_PREFIXES = ("default_pg", "0/")
@@ -148,7 +152,8 @@ def start_ranks(command: Sequence[str], world: int, *, port: int, master_addr: s
                 threads: Optional[int] = None, extra_env: Optional[dict[str, str]] = None,
                 prefix: Optional[Callable[[int], list[str]]] = None, log_dir: Optional[Path] = None,
                 held: bool = False, listener: Optional[socket.socket] = None, launcher: str = "local",
-                serve_store: bool = False, first_rank: int = 0, job_world: Optional[int] = None) -> "Ranks":
+                serve_store: bool = False, first_rank: int = 0, job_world: Optional[int] = None,
+                sessions: bool = False) -> "Ranks":
     """Start `command` as ranks 0..world-1 (see spawn_ranks) and return them running; `Ranks.wait` waits.
     With `first_rank` and `job_world` (one machine of several, dptrain.runtime.nodes), they are ranks
     first_rank..first_rank+world-1 of a job of `job_world`, local ranks 0..world-1 here (`Ranks` and its exits
@@ -164,13 +169,22 @@ def start_ranks(command: Sequence[str], world: int, *, port: int, master_addr: s
     `listener` (see `store_listener`) is handed to rank 0, which serves the store on it, and
     closed here: the port is never free between its choice and the store. With `serve_store` it is
     kept instead, for this process to serve the store on (`Ranks.serve_store`) and every rank to join.
+
+    With `sessions` (`dptrain train`'s workers, whose `python -m dptrain` calls `die_with_launcher`) each rank
+    runs in a session of its own, as torchrun starts its workers: under Linux's autogroup scheduling each
+    session is scheduled as one group, so the ranks' threads are not lumped with this process's and each
+    other's (measured: about 0.9 ms less per 15 ms step of two sharded ranks on 2 cores, benchmarks/README
+    section 27). A terminal's Ctrl-C then reaches this process alone, which stops the ranks (`close`); the
+    ranks end with this process (their parent-death signal).
     """
     threads = threads or max(1, (os.cpu_count() or 1) // world)
     from dptrain.runtime import signed
 
     # the run's secret (dptrain.runtime.signed): the ranks, and a joiner started later, inherit it
     base = {**os.environ, signed.SECRET_ENV: signed.ensure_secret(), **(extra_env or {})}
-    ranks = Ranks(world)
+    if sessions:
+        base[LAUNCHER_PID] = str(os.getpid())
+    ranks = Ranks(world, sessions)
     # Children inherit the signal mask (through exec); ours is restored below, delivering a Ctrl-C
     # that came meanwhile. Threads started meanwhile (output pumps, waiters) keep it blocked: Python
     # runs signal handlers on the main thread anyway.
@@ -204,6 +218,23 @@ def start_ranks(command: Sequence[str], world: int, *, port: int, master_addr: s
     return ranks
 
 
+def die_with_launcher() -> None:
+    """In a rank started in a session of its own (`start_ranks(sessions=True)`): be killed when the launcher that
+    started it ends (Linux's parent-death signal), as a rank in the launcher's own process group is when the
+    group is killed; exit at once if the launcher is gone already. Elsewhere (another OS, no prctl) nothing."""
+    launcher = os.environ.pop(LAUNCHER_PID, None)
+    if not launcher or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        return
+    if str(os.getppid()) != launcher:  # it ended before the signal was asked for
+        os._exit(1)
+
+
 def store_listener(host: str = "127.0.0.1") -> socket.socket:
     """A socket listening on a port the OS picks on `host`, for rank 0's store (`start_ranks(listener=...)`).
 
@@ -217,8 +248,8 @@ def store_listener(host: str = "127.0.0.1") -> socket.socket:
 class Ranks:
     """Rank processes that were started: release them (if held), wait for them, close (kill what is left)."""
 
-    def __init__(self, world: int) -> None:
-        self.world = world
+    def __init__(self, world: int, sessions: bool = False) -> None:
+        self.world, self.sessions = world, sessions  # sessions: each rank in a session of its own (start_ranks)
         self.procs: list[subprocess.Popen] = []
         self.pumps: list[threading.Thread] = []
         self.logs: list[IO[bytes]] = []
@@ -254,10 +285,10 @@ class Ranks:
         if log_dir is not None:
             self.logs.append(open(log_dir / f"rank{shown}.log", "wb"))
             proc = subprocess.Popen(argv, env=env, stdout=self.logs[-1], stderr=subprocess.STDOUT, stdin=stdin,
-                                    pass_fds=handed)
+                                    pass_fds=handed, start_new_session=self.sessions)
         else:
             proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=stdin,
-                                    pass_fds=handed)
+                                    pass_fds=handed, start_new_session=self.sessions)
             label = f"[rank{shown}] ".encode()
             for stream, sink in ((proc.stdout, sys.stdout.buffer), (proc.stderr, sys.stderr.buffer)):
                 self.pumps.append(threading.Thread(target=_pump, args=(stream, label, sink, self.interrupted,
