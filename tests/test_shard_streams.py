@@ -132,12 +132,17 @@ def test_dptrain_train_reads_every_sample_exactly_once_an_epoch(tmp_path, ranks,
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["sync", "async", "streaming"])
-def test_the_strategies_that_share_the_data_read_each_sample_once_from_shards(tmp_path, strategy):
+@pytest.mark.parametrize("strategy, ranks, sharded", [
+    ("sync", 2, ()), ("async", 2, ()), ("streaming", 2, ()),
+    # 2 replica groups of 2 ranks, each group's model sharded (FSDP2), merged into one service per place: the rows
+    # are shared out over the groups, and each step's rows of a group over its ranks
+    ("async", 4, ("--shard", "hybrid", "--shard-size", "2", "--batch-size", "4"))])
+def test_the_strategies_that_share_the_data_read_each_sample_once_from_shards(tmp_path, strategy, ranks, sharded):
     data = write_tars(tmp_path / "shards")
-    result = _train(tmp_path, data, 2, 0, "--epochs", 1, "--strategy", strategy)
+    result = _train(tmp_path, data, ranks, 0, "--epochs", 1, "--strategy", strategy, *sharded)
     assert result.returncode == 0, result.stderr + result.stdout
-    record = read_record(tmp_path / "record", 2)
+    record = read_record(tmp_path / "record", ranks)
+    assert all(record)  # every rank read rows
     assert sorted(i for batches in record for batch in batches for i in batch) == list(range(N))
 
 
