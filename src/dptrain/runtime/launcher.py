@@ -16,7 +16,7 @@ import signal
 import sys
 import threading
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from dptrain.errors import Interrupted, Preempted, StoppedStarting, UserError
 from dptrain.runtime.prestart import release
@@ -26,25 +26,41 @@ from dptrain.runtime.spawn import FORWARDED_SIGNALS, Ranks, RanksExit, describe_
 # Exit codes after which a launcher does not restart its ranks: done, bad input (the same again),
 # stopped on request to be requeued, Ctrl-C.
 NOT_RESTARTED = (0, UserError.exit_code, Preempted.exit_code, Interrupted.exit_code)
+_STOPPED: list[str] = []  # the stop signal that stop_while_starting's handler raised as StoppedStarting (its name)
 
 
-def stop_while_starting(pending: Optional[str] = None) -> None:
+def stop_while_starting(pending: Callable[[], Optional[str]] = lambda: None) -> None:
     """In a launcher, until its ranks have their work (`launch_local` then passes stop signals on to them): a stop
     signal raises StoppedStarting, so that whoever started ranks closes (kills) them on the way out and the
-    launcher ends with one line and 75; `pending`, the name of one that came earlier, raises it now. Further
-    signals are noted and dropped: the launcher is stopping already, and must not die before its ranks are gone."""
+    launcher ends with one line and 75; `pending()`, asked once the handlers are in place (no moment between is
+    left uncovered), names one that came earlier, and raises it now. Further signals are noted and dropped: the
+    launcher is stopping already, and must not die before its ranks are gone.
+
+    An exception raised by a signal handler surfaces wherever the main thread happens to be, and library code
+    there may swallow it (measured: one raised inside numpy's Cython module initialisation, during an import,
+    vanished and the run trained on). So the stop is also remembered, and `launch_local` raises it again before
+    it releases the ranks (`raise_if_stopped_while_starting`)."""
     if threading.current_thread() is not threading.main_thread():
         return
+    _STOPPED.clear()
 
     def stop(signum, frame):
         for other in FORWARDED_SIGNALS:
             signal.signal(other, lambda *_: None)
-        raise StoppedStarting(signal.Signals(signum).name)
+        _STOPPED.append(signal.Signals(signum).name)
+        raise StoppedStarting(_STOPPED[0])
 
     for signum in FORWARDED_SIGNALS:
         signal.signal(signum, stop)
-    if pending is not None:
-        stop(signal.Signals[pending], None)
+    name = pending()
+    if name is not None:
+        stop(signal.Signals[name], None)
+
+
+def raise_if_stopped_while_starting() -> None:
+    """StoppedStarting again, for a stop signal that `stop_while_starting` turned into one which never arrived."""
+    if _STOPPED:
+        raise StoppedStarting(_STOPPED[0])
 
 
 def join_record(host: str, port) -> str:
@@ -96,6 +112,7 @@ def launch_local(workers: int, argv: Sequence[str], timeout: float = 300.0, pres
 
         try:
             ranks.pass_on_stop_signals()  # from now on a stop signal is the ranks' to honour (a checkpoint first)
+            raise_if_stopped_while_starting()  # one that came before, its exception swallowed on the way
             ranks.serve_store(timeout)  # when started to join a store served here (prestart, may_lose)
             if prestarted is not None:
                 release(prestarted, list(argv), {})

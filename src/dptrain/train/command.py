@@ -230,7 +230,7 @@ def _train(config: TrainConfig, prestarted: Optional[Ranks] = None) -> tuple[int
             # until then a stop signal stops them and it (one that came already, too).
             if prestarted is None:
                 prestarted = own = prestart(config.workers, serve_store=config.min_workers is not None)
-            stop_while_starting(take_early_stop_signal())
+            stop_while_starting(take_early_stop_signal)
         model, data = _validate(config)
         if config.workers == 1:
             return 0, run_worker(config, env)
