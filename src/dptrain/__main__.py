@@ -5,7 +5,7 @@ import sys
 
 if os.environ.get("DPTRAIN_LAUNCHER_PID"):
     # A worker of `dptrain train --workers N`, in a session of its own: it ends with its launcher.
-    from dptrain.runtime.spawn import die_with_launcher
+    from dptrain.runtime.sessions import die_with_launcher
 
     die_with_launcher()
 

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import IO, Callable, Optional, Sequence
 
 from dptrain.errors import Preempted
+from dptrain.runtime.sessions import LAUNCHER_PID
 from dptrain.runtime.store_keys import EXITED, WORLD, admitted
 
 PREEMPTED = Preempted.exit_code
@@ -40,10 +41,6 @@ STORE_FD = "DPTRAIN_STORE_FD"
 STORE_SERVED = "DPTRAIN_STORE_SERVED"
 PRESTARTED = "DPTRAIN_PRESTARTED"  # set in a pre-started worker's environment until it is released (prestart)
 JOIN = "DPTRAIN_JOIN"  # a worker joining a running job: its rank of the job, or "new" to take one from the store
-# A `dptrain train` worker in a session of its own (`start_ranks(sessions=True)`): its launcher's pid, whose end
-# ends it (`die_with_launcher`).
-LAUNCHER_PID = "DPTRAIN_LAUNCHER_PID"
-PR_SET_PDEATHSIG = 1  # prctl(2)
 # The prefixes of the default group's keys in the store: what init_process_group's store adds ("default_pg"), then
 # torch's for the group named "0" (the first group a process makes). Joiners and the launcher see the ranks' keys so.
 STORE_PREFIXES = ("default_pg", "0/")
@@ -171,11 +168,9 @@ def start_ranks(command: Sequence[str], world: int, *, port: int, master_addr: s
     kept instead, for this process to serve the store on (`Ranks.serve_store`) and every rank to join.
 
     With `sessions` (`dptrain train`'s workers, whose `python -m dptrain` calls `die_with_launcher`) each rank
-    runs in a session of its own, as torchrun starts its workers: under Linux's autogroup scheduling each
-    session is scheduled as one group, so the ranks' threads are not lumped with this process's and each
-    other's (measured: about 0.9 ms less per 15 ms step of two sharded ranks on 2 cores, benchmarks/README
-    section 27). A terminal's Ctrl-C then reaches this process alone, which stops the ranks (`close`); the
-    ranks end with this process (their parent-death signal).
+    runs in a session of its own, as torchrun starts its workers (why: dptrain.runtime.sessions). A terminal's
+    Ctrl-C then reaches this process alone, which stops the ranks (`close`); the ranks end with this process
+    (their parent-death signal).
     """
     threads = threads or max(1, (os.cpu_count() or 1) // world)
     from dptrain.runtime import signed
@@ -216,23 +211,6 @@ def start_ranks(command: Sequence[str], world: int, *, port: int, master_addr: s
         elif listener is not None:
             listener.close()  # rank 0 holds it now (or, if it did not start, nobody needs it)
     return ranks
-
-
-def die_with_launcher() -> None:
-    """In a rank started in a session of its own (`start_ranks(sessions=True)`): be killed when the launcher that
-    started it ends (Linux's parent-death signal), as a rank in the launcher's own process group is when the
-    group is killed; exit at once if the launcher is gone already. Elsewhere (another OS, no prctl) nothing."""
-    launcher = os.environ.pop(LAUNCHER_PID, None)
-    if not launcher or not sys.platform.startswith("linux"):
-        return
-    import ctypes
-
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):
-        return
-    if str(os.getppid()) != launcher:  # it ended before the signal was asked for
-        os._exit(1)
 
 
 def store_listener(host: str = "127.0.0.1") -> socket.socket:
