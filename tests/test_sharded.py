@@ -125,9 +125,13 @@ def test_the_units_are_the_named_class_or_the_children_holding_a_share():
     (["--shard", "hybrid", "--shard-size", "3", "--workers", "4"],
      "--shard-size 3 does not divide the 4 ranks into replica groups; valid sizes: 2, 4"),
     (["--shard", "full", "--strategy", "async"],
-     "--shard full is refused with --strategy async with --shard full (one replica group: nothing to average)"),
+     "--shard full makes one replica group of all the ranks: async has nothing to average across groups; give "
+     "--shard hybrid with a --shard-size that makes 2 replica groups or more, or --shard none"),
+    (["--shard", "full", "--strategy", "async", "--workers", "4"],
+     "--shard full makes one replica group of all 4 ranks: async has nothing to average across groups; give "
+     "--shard hybrid with --shard-size 2"),
     (["--shard", "full", "--min-workers", "1"], "--shard full is refused with --min-workers"),
-    (["--shard", "full", "--strategy", "sync"], "--shard full is refused with --strategy sync with --shard full"),
+    (["--shard", "full", "--strategy", "sync"], "--shard full makes one replica group of all the ranks: sync "),
     (["--shard-size", "2"], "--shard-size applies to --shard hybrid, not --shard none"),
     (["--shard", "full", "--shard-offload", "--device", "cpu"],
      "--shard full is refused with --shard-offload on --device cpu"),
@@ -330,7 +334,8 @@ def test_a_sharded_checkpoint_within_an_epoch_is_not_resumed_where_the_strategy_
 
 
 @pytest.mark.parametrize("strategy,line", [
-    ("fedavg", "--shard full is refused with --strategy fedavg"),
+    # (over 2 ranks fedavg says its one replica group: test_sharded_streaming's test from Python)
+    ("fedavg", "--shard full needs at least 2 ranks to shard over, not 1"),
     ("allreduce", "--shard full needs at least 2 ranks to shard over, not 1"),
 ])
 def test_from_python_a_sharding_that_cannot_be_is_one_line_too(strategy, line):

@@ -142,8 +142,9 @@ def test_a_sharded_outer_or_fedavg_checkpoint_resumes_bit_for_bit_with_its_ancho
 
 
 @pytest.mark.parametrize("args,line", [
-    (["--strategy", "fedavg", "--shard", "full"], "--shard full is refused with --strategy fedavg with --shard full "
-                                                  "(one replica group: nothing to average)"),
+    (["--strategy", "fedavg", "--shard", "full", "--workers", "2"],
+     "--shard full makes one replica group of all 2 ranks: fedavg has nothing to average across groups; it needs 2 "
+     "replica groups or more of at least 2 ranks each (4 ranks or more), or --shard none"),
     (["--strategy", "fedavg", "--shard", "hybrid", "--compression", "int8"],
      "--shard hybrid is refused with --compression int8"),
     (["--strategy", "sync", "--shard", "hybrid", "--allreduce-epochs", "1"],

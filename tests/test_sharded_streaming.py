@@ -129,10 +129,13 @@ def test_a_hybrid_streaming_checkpoint_resumed_on_more_ranks_goes_on_as_the_unsh
     assert len(hybrid[1]) == 2 and all(abs(a - b) <= RELATIVE * abs(b) for a, b in zip(hybrid[1], unsharded[1]))
 
 
-def _one_group(rank, world):
+def _one_group(rank, world, name):
+    from dptrain import registry
+
     x, y = toy_data(N)
     model = _model()
-    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "cross-entropy", Streaming(),
+    strategy = registry.load("strategy", name)()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "cross-entropy", strategy,
                       batch_size=BATCH, verbose=False, progress=False, shard="full")
     try:
         trainer.fit((x, y), epochs=1)
@@ -141,15 +144,18 @@ def _one_group(rank, world):
     return None
 
 
-def test_streaming_over_one_replica_group_is_refused_from_python_too():
-    lines = run_distributed(_one_group, 2)
-    assert lines[0] is not None and lines[0].startswith("--shard full makes one replica group of all 2 ranks: "
-                                                        "streaming has nothing to average across groups")
+@pytest.mark.parametrize("name", ["streaming", "sync", "fedavg", "async"])
+def test_averaging_over_one_replica_group_is_refused_from_python_in_the_command_lines_words(name):
+    lines = run_distributed(_one_group, 2, name)
+    assert lines == [f"--shard full makes one replica group of all 2 ranks: {name} has nothing to average across "
+                     "groups; it needs 2 replica groups or more of at least 2 ranks each (4 ranks or more), or "
+                     "--shard none"] * 2
 
 
 @pytest.mark.parametrize("args,line", [
     (["--shard", "full", "--strategy", "streaming"],
-     "--shard full is refused with --strategy streaming with --shard full (one replica group: nothing to average)"),
+     "--shard full makes one replica group of all the ranks: streaming has nothing to average across groups; give "
+     "--shard hybrid with a --shard-size that makes 2 replica groups or more, or --shard none"),
     (["--shard", "hybrid", "--shard-size", "2", "--strategy", "streaming", "--min-workers", "1"],
      "--shard hybrid with --min-workers (counted in replica groups) is refused with --strategy streaming "
      "(allreduce or sync only)"),

@@ -107,21 +107,23 @@ def size_problem(shard: str, size: int, world: int, given: bool) -> Optional[str
     return None
 
 
-def one_group_refused(shard: str, strategy: str, world: int) -> str:
-    """What is said when `shard` makes one replica group of all `world` ranks under `strategy`, which averages or
-    merges across groups: before the ranks start where the world is known (`sharding_refused`), else at setup."""
-    valid = [str(size) for size in range(2, world // 2 + 1) if world % size == 0]
+def one_group_refused(shard: str, strategy: str, world: Optional[int]) -> str:
+    """What is said when `shard` makes one replica group of all `world` ranks (None: not known yet) under
+    `strategy`, which averages or merges across groups: before the ranks start (`sharding_refused`), else at setup."""
+    valid = [str(size) for size in range(2, world // 2 + 1) if world % size == 0] if world is not None else []
     fix = (f"give --shard hybrid with --shard-size {' or '.join(valid)}" if valid else
+           "give --shard hybrid with a --shard-size that makes 2 replica groups or more, or --shard none"
+           if world is None else
            "it needs 2 replica groups or more of at least 2 ranks each (4 ranks or more), or --shard none")
-    return f"--shard {shard} makes one replica group of all {world} ranks: {strategy} has nothing to average across " \
+    ranks = f"all {world} ranks" if world is not None else "all the ranks"
+    return f"--shard {shard} makes one replica group of {ranks}: {strategy} has nothing to average across " \
            f"groups; {fix}"
 
 
 def averaging_refused(strategy: str, shard: str, settings: dict) -> Optional[str]:
     """What of sync's or fedavg's `settings` (option name -> value) sharding refuses, as the flag and its value,
-    or None: the same words from the command line (`sharding_refused`) and from Python (the strategy's shard_as)."""
-    if shard == "full":
-        return f"--strategy {strategy} with --shard full (one replica group: nothing to average)"
+    or None: the same words from the command line (`sharding_refused`) and from Python (the strategy's shard_as).
+    (--shard full under them is one replica group: `one_group_refused` says it, where the ranks are known.)"""
     for key, plain in AVERAGING_PLAIN.items():
         if settings.get(key, plain) != plain:
             return f"--{key.replace('_', '-')} {settings[key]}"
@@ -135,6 +137,10 @@ def sharding_refused(config: Any) -> Optional[str]:
         shard, config.shard_precision, config.shard_offload, config.shard_checkpoint)
     if problem is not None or shard == "none":
         return problem
+    # The ranks are known before spawning only when --workers is given (srun and torchrun set their own world).
+    world = config.workers if "workers" in config.model_fields_set else None
+    if config.strategy in AVERAGING_ACROSS and shard == "full":
+        return one_group_refused(shard, config.strategy, world)
     refused = []
     if config.strategy not in SHARDED_STRATEGIES:
         refused.append(f"--strategy {config.strategy}")
@@ -142,8 +148,6 @@ def sharding_refused(config: Any) -> Optional[str]:
         why = averaging_refused(config.strategy, shard, {key: getattr(config, key, plain)
                                                          for key, plain in AVERAGING_PLAIN.items()})
         refused += [why] if why is not None else []
-    elif config.strategy in AVERAGING_ACROSS and shard == "full":
-        refused.append(f"--strategy {config.strategy} with --shard full (one replica group: nothing to average)")
     elif getattr(config, "compression", "none") != "none":
         refused.append(f"--compression {config.compression}")
     if config.amp == "fp16":
@@ -156,9 +160,8 @@ def sharding_refused(config: Any) -> Optional[str]:
         return f"--shard {shard} is refused with {refused[0]}: {REFUSED_LINE}"
     if config.min_workers is not None:
         return live_refused(config)
-    # The ranks are known before spawning only when --workers is given (srun and torchrun set their own
-    # world): then a size that does not fit is said before anything starts; otherwise at setup, on every rank.
-    if "workers" not in config.model_fields_set or config.shard_size is None:
+    # With --workers a size that does not fit is said before anything starts; otherwise at setup, on every rank.
+    if world is None or config.shard_size is None:
         return None
     if (problem := size_problem(shard, config.shard_size, config.workers, True)) is not None:
         return problem
