@@ -8,8 +8,10 @@ from the Group's own process group, so a group made over the store works too.
 
 Across replica groups the strategy communicates on another Group (dptrain.strategies.sharded); a
 gradient all-reduce across them (HSDP) is FSDP's all-reduce hook, handed the reduce-scatter's output
-(`shard_model`'s `across`, an AcrossReduce: its group is made again when replica groups are lost, --min-workers). Reductions are sums, divided once after all of them (FSDP's
-`set_force_sum_reduction_for_comms`, a divide factor of all ranks that averaged): gloo has no average op.
+(`shard_model`'s `across`, an AcrossReduce: its group is made again when replica groups are lost, --min-workers).
+Within one replica group FSDP2 averages in the reduce-scatter (ReduceOp.AVG), as a plain FSDP2 script does; with
+HSDP the reductions are sums, divided once after both (FSDP's `set_force_sum_reduction_for_comms`, a divide factor
+of all ranks that averaged), and so on a backend without an average op (gloo before torch 2.8).
 
 What a checkpoint holds of a sharded model or optimizer is this rank's shards as plain tensors
 (`LocalShards`, `LocalOptimizerShards`), so it is written and read as every dptrain checkpoint is
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import re
 from typing import Any, Callable, Iterator, Optional
 
 import torch
@@ -241,15 +244,30 @@ def shard_model(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], in
     for param_group in optimizer.param_groups if optimizer is not None else []:
         param_group["params"] = [sharded[names[id(parameter)]] for parameter in param_group["params"]]
     SeamAllGather, SeamReduceScatter = _seam_collectives()
+    averaged = across is None and _averages(inside)  # FSDP2's own mean in the reduce-scatter, as plain FSDP2's
     for module in _fsdp_modules(model):
         module.set_custom_all_gather(SeamAllGather(inside, count))
         module.set_custom_reduce_scatter(SeamReduceScatter(inside, count))
-        module.set_force_sum_reduction_for_comms(True)
+        if not averaged:
+            module.set_force_sum_reduction_for_comms(True)
         if across is not None:
             module.set_all_reduce_hook(across)
-    divide_gradients(model, inside.world_size * (across.group.world_size if across is not None and
-                                                 across.group is not None else 1))
+    if not averaged:
+        divide_gradients(model, inside.world_size * (across.group.world_size if across is not None and
+                                                     across.group is not None else 1))
     return model
+
+
+def _averages(group: Group) -> bool:
+    """Whether `group`'s backend averages in a reduce-scatter (ReduceOp.AVG), which FSDP2 then uses with no division
+    of its own, as a plain FSDP2 script does: NCCL's does, gloo's from torch 2.8 on (pytorch PR #149781, a sum then a
+    division, as dptrain's own). Across replica groups (HSDP) the mean is over ranks of two groups, a factor FSDP2
+    would hand gloo as PREMUL_SUM, which gloo lacks: there dptrain sums and divides once, after both."""
+    backend = str(dist.get_backend(group.handle if group.handle is not None else dist.group.WORLD)).lower()
+    if backend == "nccl":
+        return True
+    version = tuple(int(part) for part in re.findall(r"\d+", torch.__version__)[:2])
+    return backend == "gloo" and version >= (2, 8)
 
 
 def divide_gradients(model: nn.Module, ranks: int) -> None:
