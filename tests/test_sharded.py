@@ -74,6 +74,31 @@ def test_full_shard_allreduce_equals_unsharded_allreduce_on_the_same_rows():
     assert ranks[0][2] == ranks[1][2] == _parameters() * 4 + steps * (2 * padded // 2 + padded)
 
 
+def _reduce_scatter_ops(rank, world, strategy, sharded):
+    """The reduce ops FSDP handed the seam's reduce-scatters in one epoch (their names)."""
+    from dptrain.runtime.group import Group
+
+    ops, reduce_scatter_into = set(), Group.reduce_scatter_into
+
+    def recorded(self, output, tensor, op=torch.distributed.ReduceOp.SUM, async_op=False):
+        ops.add(str(op).rsplit(".", 1)[-1])
+        return reduce_scatter_into(self, output, tensor, op, async_op=async_op)
+
+    Group.reduce_scatter_into = recorded
+    _train(rank, world, strategy, BATCH, 1, sharded)
+    return sorted(ops)
+
+
+def test_a_replica_group_averages_in_its_reduce_scatter_as_plain_fsdp2_and_hsdp_sums_then_divides_once():
+    # Within one group FSDP2 takes gloo's average (no division of dptrain's after it), as a plain FSDP2 script
+    # does; HSDP's mean spans the groups too (FSDP would hand gloo PREMUL_SUM, which it lacks): sums, then one
+    # division. The weights are the same either way (the exactness tests here).
+    assert run_distributed(_reduce_scatter_ops, 2, AllReduce(), {"shard": "full"}) == [["AVG"]] * 2
+    hybrid = {"shard": "hybrid", "shard_size": 2}
+    assert run_distributed(_reduce_scatter_ops, 4, Sync(), hybrid) == [["AVG"]] * 4
+    assert run_distributed(_reduce_scatter_ops, 4, AllReduce(), hybrid) == [["SUM"]] * 4
+
+
 def test_hybrid_allreduce_and_sync_equal_the_unsharded_runs_of_as_many_replicas():
     hybrid = {"shard": "hybrid", "shard_size": 2}
     allreduce = run_distributed(_train, 2, AllReduce(), 2 * BATCH, 2, {})[0][0]

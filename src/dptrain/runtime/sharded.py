@@ -244,7 +244,10 @@ def shard_model(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], in
     for param_group in optimizer.param_groups if optimizer is not None else []:
         param_group["params"] = [sharded[names[id(parameter)]] for parameter in param_group["params"]]
     SeamAllGather, SeamReduceScatter = _seam_collectives()
-    averaged = across is None and _averages(inside)  # FSDP2's own mean in the reduce-scatter, as plain FSDP2's
+    # FSDP2's own mean in the reduce-scatter, as plain FSDP2's, where nothing is added across replica groups (and
+    # nothing will be: live membership may bring a second group back)
+    alone = across is None or (across.group is None and not across.hold_failures)
+    averaged = alone and _averages(inside)
     for module in _fsdp_modules(model):
         module.set_custom_all_gather(SeamAllGather(inside, count))
         module.set_custom_reduce_scatter(SeamReduceScatter(inside, count))
@@ -263,11 +266,11 @@ def _averages(group: Group) -> bool:
     of its own, as a plain FSDP2 script does: NCCL's does, gloo's from torch 2.8 on (pytorch PR #149781, a sum then a
     division, as dptrain's own). Across replica groups (HSDP) the mean is over ranks of two groups, a factor FSDP2
     would hand gloo as PREMUL_SUM, which gloo lacks: there dptrain sums and divides once, after both."""
-    backend = str(dist.get_backend(group.handle if group.handle is not None else dist.group.WORLD)).lower()
+    backend = str(group.backend).lower()
     if backend == "nccl":
         return True
     version = tuple(int(part) for part in re.findall(r"\d+", torch.__version__)[:2])
-    return backend == "gloo" and version >= (2, 8)
+    return backend == "gloo" and group.device.type == "cpu" and version >= (2, 8)  # (gloo's CUDA path: untried)
 
 
 def divide_gradients(model: nn.Module, ranks: int) -> None:
