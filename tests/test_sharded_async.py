@@ -113,6 +113,19 @@ def _resumed(rank, world, batch, sharded, out, resume, make=Async, n=N):
     return full_state(model, wanted=True), trainer.history
 
 
+def _resumed_plain(rank, world, batch, sharded, out, resume, make=Async, n=N):
+    """`_resumed` with plain SGD (no momentum): what a worker trains from the final model then depends on that model
+    alone, not on the optimizer state its checkpoint held."""
+    from dptrain.runtime.sharded import full_state
+
+    x, y = toy_data(n)
+    model = _model()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "cross-entropy", make(), batch_size=batch,
+                      seed=0, verbose=False, progress=False, out=out, resume=resume, checkpoint_every=1, **sharded)
+    trainer.fit((x, y), epochs=1)
+    return full_state(model, wanted=True), trainer.history
+
+
 def _cut(run):
     for name in ("model.pt", "summary.json"):
         (run / name).unlink()
@@ -136,10 +149,35 @@ def test_rows_no_saved_merge_holds_are_made_up_by_the_groups_as_by_unsharded_wor
         assert all(torch.equal(hybrid[rank][0][key], hybrid[0][0][key]) for key in hybrid[0][0])
 
 
+@pytest.mark.parametrize("world,sharded", [(2, {}), (4, HYBRID)], ids=["unsharded", "groups-of-2"])
+def test_a_merge_that_came_after_the_hosts_checkpoint_is_made_up_on_resume_as_a_missing_file_is(tmp_path, world,
+                                                                                                  sharded):
+    # The last worker (or replica group) merges 1 s after the first, which hosts the global model and checkpoints
+    # right after its own merge: the global model in the checkpoint lacks the late merge, though the late worker's
+    # own file, written after it, says it merged. Resumed, its rows are made up at the end, exactly as if its file
+    # were missing (lost before saving); they used to count as in the model, and that work was lost.
+    size, n = sharded.get("shard_size", 1), 32
+    for name in ("own", "missing"):
+        run_distributed(_resumed_plain, world, BATCH, sharded, str(tmp_path / name), False,
+                        partial(_Ordered, {0: 0.0, 1: 1.0}), n)
+        _cut(tmp_path / name)
+    for rank in range(size, world):  # the late worker's (group's) files
+        for suffix in ("", ".sha256"):
+            (tmp_path / "missing" / "checkpoints" / "epoch-000001" / f"rank-{rank:05d}.pt{suffix}").unlink()
+    own, missing = (run_distributed(_resumed_plain, world, BATCH, sharded, str(tmp_path / name), True, Async, n)
+                    for name in ("own", "missing"))
+    assert own[0][1][0]["rows_made_up"] == missing[0][1][0]["rows_made_up"] == n // 2
+    assert sum(worker["samples"] for worker in own[0][1][0]["workers"]) == n // 2  # with those: every row once
+    for rank in range(world):
+        assert all(torch.equal(own[rank][0][key], missing[rank][0][key]) for key in missing[0][0])
+
+
 @pytest.mark.parametrize("reader,world", [({}, 2), ({"shard": "hybrid", "shard_size": 3}, 6)],
                          ids=["unsharded", "groups-of-3"])
 def test_a_checkpoint_continues_on_another_shard_size_from_the_global_model_the_services_saved(tmp_path, reader, world):
-    run_distributed(_resumed, 4, BATCH, HYBRID, str(tmp_path), False)
+    # group 1 merges first, group 0 (the services' hosts) half a second later, then checkpoints: both merges are in
+    # the saved global model, and its host's records say so (a merge after it would be made up: the test above)
+    run_distributed(_resumed, 4, BATCH, HYBRID, str(tmp_path), False, partial(_Ordered, {0: 0.5, 1: 0.0}))
     files = [torch.load(tmp_path / "checkpoints" / "epoch-000001" / f"rank-{rank:05d}.pt", weights_only=True)
              for rank in (0, 1)]  # group 0's ranks: the hosts of the global model's 2 shards
     vectors = [f["strategy"]["global"]["state"] for f in files]
@@ -153,7 +191,7 @@ def test_a_checkpoint_continues_on_another_shard_size_from_the_global_model_the_
         saved[key] = torch.cat(pieces)
     _cut(tmp_path)
     resumed = run_distributed(_resumed, world, BATCH, reader, str(tmp_path), True)  # nothing left to train
-    assert "rows_made_up" not in resumed[0][1][0]  # (both merges were in the saved global model: see above)
+    assert "rows_made_up" not in resumed[0][1][0]  # (both merges were in the saved global model)
     for rank in range(world):  # every rank ends on the global model the services saved, bit for bit
         assert all(torch.equal(resumed[rank][0][key], saved[key]) for key in saved)
 

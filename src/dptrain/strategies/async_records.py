@@ -32,6 +32,11 @@ class TrainedShares:
         self.units: dict[int, int] = {}  # first epoch of a plan -> the ranks that merge together (a replica group)
         self.records: dict[int, dict[int, dict]] = {}  # epoch (from 1) -> rank of the job -> its numbers
         self._waiting: list[tuple[int, dict]] = []  # this worker's epochs not merged yet: (epoch from 1, numbers)
+        # After a resume: the (epoch, rank) records a checkpoint says were merged. A worker's own file says so of each
+        # epoch it merged before it saved (`unsure`: that merge may have come after the service's host saved the
+        # global model the run continues); the host's file (`settled`) of those its saved global model holds.
+        self.unsure: set[tuple[int, int]] = set()
+        self.settled: Optional[set[tuple[int, int]]] = None
 
     # -- plans -------------------------------------------------------------------------------------
     def begin(self, epoch: int, members, unit: int = 1) -> None:
@@ -90,6 +95,17 @@ class TrainedShares:
             for rank, numbers in by_rank.items():
                 self.records.setdefault(int(epoch), {})[int(rank)] = numbers
 
+    def drop_unsettled(self, unsure) -> None:
+        """Rank 0, at the end: forget the records of `unsure` (the workers' (epoch, rank) pairs their checkpoints said
+        were merged) that the global model this run continued does not hold (not in `settled`): a merge that came
+        after the host saved it never reached the model the run went on from, so those shares are made up at the end
+        (the worker's own model held that work, but its next delta was taken from a base that held it too)."""
+        if self.settled is None:  # (not resumed, or from an older checkpoint: every record stands)
+            return
+        for epoch, rank in unsure:
+            if (epoch, rank) not in self.settled:
+                self.records.get(epoch, {}).pop(rank, None)
+
     def untrained(self, epochs: int) -> list[Share]:
         """The shares of epochs 0..`epochs`-1 that no record says were trained (a record of any rank of a replica
         group says the group merged: `unit_at`)."""
@@ -105,18 +121,29 @@ class TrainedShares:
 
     # -- checkpoints --------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """Plans and records (this worker's waiting epochs count: its file carries their work in its model)."""
+        """Plans and records (this worker's waiting epochs count: its file carries their work in its model, to be
+        merged after a resume; `waiting` names them, apart from those merged already)."""
         records = {epoch: dict(by_rank) for epoch, by_rank in self.records.items()}
         for epoch, numbers in self._waiting:
             records.setdefault(epoch, {})[numbers["rank"]] = numbers
         return {"plans": [[first, list(members)] for first, members in self.plans], "records": records,
-                "units": {str(first): unit for first, unit in self.units.items()}}
+                "units": {str(first): unit for first, unit in self.units.items()},
+                "waiting": [[epoch, numbers["rank"]] for epoch, numbers in self._waiting]}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict, host: bool = False) -> None:
+        """A checkpoint's plans and records; `host`: the file of the global model's host, whose records are those
+        that model holds (`settled`), where a worker's own are `unsure` (see `drop_unsettled`)."""
         self.plans = [(int(first), tuple(int(rank) for rank in members)) for first, members in state["plans"]]
         self.units = {int(first): int(unit) for first, unit in state.get("units", {}).items()}
         self.records, self._waiting = {}, []
         self.add(state["records"])
+        if "waiting" not in state:  # (an older checkpoint: its records stand as they are)
+            return
+        pairs = {(epoch, rank) for epoch, by_rank in self.records.items() for rank in by_rank}
+        if host:
+            self.settled = pairs
+        else:
+            self.unsure = pairs - {(int(epoch), int(rank)) for epoch, rank in state["waiting"]}
 
 
 def record_key(rank: int, epoch: int) -> str:

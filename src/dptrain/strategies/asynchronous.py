@@ -443,11 +443,15 @@ class Async(ServicePlaces, Shardable, AsyncRules, Strategy):
         merge brought into the global model, the same on every worker left. Rank 0 puts together the records:
         the workers' own (gathered), its checkpoint's, and those of lost workers from the store."""
         self.shares.all_merged()
-        for records in self.ctx.group.gather_objects("metrics", self.shares.state_dict()["records"]):
+        unsure = []
+        for records, doubted in self.ctx.group.gather_objects("metrics", (self.shares.state_dict()["records"],
+                                                                          sorted(self.shares.unsure))):
             self.shares.add(records)
+            unsure += [tuple(pair) for pair in doubted]
         owed = None
         if self.ctx.rank == 0:
             self.shares.read_missing(self.ctx.group.store if len(self._first) > 1 else None, epochs)
+            self.shares.drop_unsettled(unsure)
             owed = self.shares.untrained(epochs)
         return [tuple(share) for share in self.ctx.group.gather_objects("untrained shares", owed)[0]]
 
@@ -465,7 +469,9 @@ class Async(ServicePlaces, Shardable, AsyncRules, Strategy):
         state = super().state_dict()
         state.update(base=self.base, base_version=self.base_version, merges=self.merges, refreshes=self.refreshes,
                      max_staleness_seen=self.max_staleness_seen, diverged=self._diverged)
-        if self.ctx is not None and self.ctx.rank == 0 and self.ctx.world_size > 1:  # the others' merged epochs
+        if self.ctx is not None and self.ctx.rank == 0 and self.ctx.world_size > 1:
+            # the others' merged epochs, read before the global model is copied below: each it holds is in that
+            # model (what a resumed run takes as merged: TrainedShares.drop_unsettled)
             self.shares.read_missing(self.ctx.group.store, self._epoch)
         state["shares"] = self.shares.state_dict()
         if self.compression != "none":
@@ -481,7 +487,7 @@ class Async(ServicePlaces, Shardable, AsyncRules, Strategy):
         self.merges, self.refreshes = state["merges"], state["refreshes"]
         self.max_staleness_seen, self._diverged = state["max_staleness_seen"], state["diverged"]
         if "shares" in state:  # (a checkpoint of an older dptrain has none: its epochs are not accounted)
-            self.shares.load_state_dict(state["shares"])
+            self.shares.load_state_dict(state["shares"], host="global" in state)
         if self.compression != "none" and "feedback" in state:
             self.feedback.load_state_dict(state["feedback"])
         if self.global_model is not None and "global" in state:
