@@ -152,14 +152,14 @@ def test_rows_no_saved_merge_holds_are_made_up_by_the_groups_as_by_unsharded_wor
 @pytest.mark.parametrize("world,sharded", [(2, {}), (4, HYBRID)], ids=["unsharded", "groups-of-2"])
 def test_a_merge_that_came_after_the_hosts_checkpoint_is_made_up_on_resume_as_a_missing_file_is(tmp_path, world,
                                                                                                   sharded):
-    # The last worker (or replica group) merges 1 s after the first, which hosts the global model and checkpoints
+    # The last worker (or replica group) merges 2 s after the first, which hosts the global model and checkpoints
     # right after its own merge: the global model in the checkpoint lacks the late merge, though the late worker's
     # own file, written after it, says it merged. Resumed, its rows are made up at the end, exactly as if its file
     # were missing (lost before saving); they used to count as in the model, and that work was lost.
     size, n = sharded.get("shard_size", 1), 32
     for name in ("own", "missing"):
         run_distributed(_resumed_plain, world, BATCH, sharded, str(tmp_path / name), False,
-                        partial(_Ordered, {0: 0.0, 1: 1.0}), n)
+                        partial(_Ordered, {0: 0.0, 1: 2.0}), n)
         _cut(tmp_path / name)
     for rank in range(size, world):  # the late worker's (group's) files
         for suffix in ("", ".sha256"):
@@ -175,9 +175,9 @@ def test_a_merge_that_came_after_the_hosts_checkpoint_is_made_up_on_resume_as_a_
 @pytest.mark.parametrize("reader,world", [({}, 2), ({"shard": "hybrid", "shard_size": 3}, 6)],
                          ids=["unsharded", "groups-of-3"])
 def test_a_checkpoint_continues_on_another_shard_size_from_the_global_model_the_services_saved(tmp_path, reader, world):
-    # group 1 merges first, group 0 (the services' hosts) half a second later, then checkpoints: both merges are in
+    # group 1 merges first, group 0 (the services' hosts) a second later, then checkpoints: both merges are in
     # the saved global model, and its host's records say so (a merge after it would be made up: the test above)
-    run_distributed(_resumed, 4, BATCH, HYBRID, str(tmp_path), False, partial(_Ordered, {0: 0.5, 1: 0.0}))
+    run_distributed(_resumed, 4, BATCH, HYBRID, str(tmp_path), False, partial(_Ordered, {0: 1.0, 1: 0.0}))
     files = [torch.load(tmp_path / "checkpoints" / "epoch-000001" / f"rank-{rank:05d}.pt", weights_only=True)
              for rank in (0, 1)]  # group 0's ranks: the hosts of the global model's 2 shards
     vectors = [f["strategy"]["global"]["state"] for f in files]
