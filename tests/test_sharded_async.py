@@ -100,28 +100,17 @@ class _Ordered(Async):
         return super().merge_now()
 
 
-def _resumed(rank, world, batch, sharded, out, resume, make=Async, n=N):
-    """One epoch with a checkpoint (or, resumed after it, none to train); the final full state and the records."""
+def _resumed(rank, world, batch, sharded, out, resume, make=Async, n=N, momentum=0.9):
+    """One epoch with a checkpoint (or, resumed after it, none to train); the final full state and the records.
+    (`momentum` 0: what a worker trains from the final model then depends on that model alone, not on the optimizer
+    state its checkpoint held.)"""
     from dptrain.runtime.sharded import full_state
 
     x, y = toy_data(n)
     model = _model()
-    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), "cross-entropy", make(),
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum), "cross-entropy", make(),
                       batch_size=batch, seed=0, verbose=False, progress=False, out=out, resume=resume,
                       checkpoint_every=1, **sharded)
-    trainer.fit((x, y), epochs=1)
-    return full_state(model, wanted=True), trainer.history
-
-
-def _resumed_plain(rank, world, batch, sharded, out, resume, make=Async, n=N):
-    """`_resumed` with plain SGD (no momentum): what a worker trains from the final model then depends on that model
-    alone, not on the optimizer state its checkpoint held."""
-    from dptrain.runtime.sharded import full_state
-
-    x, y = toy_data(n)
-    model = _model()
-    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "cross-entropy", make(), batch_size=batch,
-                      seed=0, verbose=False, progress=False, out=out, resume=resume, checkpoint_every=1, **sharded)
     trainer.fit((x, y), epochs=1)
     return full_state(model, wanted=True), trainer.history
 
@@ -158,13 +147,14 @@ def test_a_merge_that_came_after_the_hosts_checkpoint_is_made_up_on_resume_as_a_
     # were missing (lost before saving); they used to count as in the model, and that work was lost.
     size, n = sharded.get("shard_size", 1), 32
     for name in ("own", "missing"):
-        run_distributed(_resumed_plain, world, BATCH, sharded, str(tmp_path / name), False,
+        run_distributed(partial(_resumed, momentum=0.0), world, BATCH, sharded, str(tmp_path / name), False,
                         partial(_Ordered, {0: 0.0, 1: 2.0}), n)
         _cut(tmp_path / name)
     for rank in range(size, world):  # the late worker's (group's) files
         for suffix in ("", ".sha256"):
             (tmp_path / "missing" / "checkpoints" / "epoch-000001" / f"rank-{rank:05d}.pt{suffix}").unlink()
-    own, missing = (run_distributed(_resumed_plain, world, BATCH, sharded, str(tmp_path / name), True, Async, n)
+    plain = partial(_resumed, momentum=0.0)
+    own, missing = (run_distributed(plain, world, BATCH, sharded, str(tmp_path / name), True, Async, n)
                     for name in ("own", "missing"))
     assert own[0][1][0]["rows_made_up"] == missing[0][1][0]["rows_made_up"] == n // 2
     assert sum(worker["samples"] for worker in own[0][1][0]["workers"]) == n // 2  # with those: every row once

@@ -110,14 +110,14 @@ def size_problem(shard: str, size: int, world: int, given: bool) -> Optional[str
 def one_group_refused(shard: str, strategy: str, world: Optional[int]) -> str:
     """What is said when `shard` makes one replica group of all `world` ranks (None: not known yet) under
     `strategy`, which averages or merges across groups: before the ranks start (`sharding_refused`), else at setup."""
-    valid = [str(size) for size in range(2, world // 2 + 1) if world % size == 0] if world is not None else []
-    fix = (f"give --shard hybrid with --shard-size {' or '.join(valid)}" if valid else
-           "give --shard hybrid with a --shard-size that makes 2 replica groups or more, or --shard none"
-           if world is None else
-           "it needs 2 replica groups or more of at least 2 ranks each (4 ranks or more), or --shard none")
-    ranks = f"all {world} ranks" if world is not None else "all the ranks"
-    return f"--shard {shard} makes one replica group of {ranks}: {strategy} has nothing to average across " \
-           f"groups; {fix}"
+    said = f"--shard {shard} makes one replica group of all {'the' if world is None else world} ranks: {strategy} " \
+           "has nothing to average across groups; "
+    if world is None:
+        return said + "give --shard hybrid with a --shard-size that makes 2 replica groups or more, or --shard none"
+    valid = [str(size) for size in range(2, world // 2 + 1) if world % size == 0]
+    if valid:
+        return said + f"give --shard hybrid with --shard-size {' or '.join(valid)}"
+    return said + "it needs 2 replica groups or more of at least 2 ranks each (4 ranks or more), or --shard none"
 
 
 def averaging_refused(strategy: str, shard: str, settings: dict) -> Optional[str]:
